@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch lies in /opt/wheels on the build machines.
+WHEELS := $(wildcard /opt/wheels)
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+
+.PHONY: install test demo bench bench-quick lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(FIND_LINKS) "torch==2.13.0"
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/obliviate demo
+
+bench: $(STAMP)
+	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+bench-quick: $(STAMP)
+	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,115 @@
+"""The contract every learner offers the worker.
+
+Learners take arrays and record ids and know nothing of the ledger. They follow
+scikit-learn's conventions: hyperparameters in the constructor, fitted state in
+attributes ending in ``_``, ``random_state`` for every source of randomness.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+Guarantee = Literal["exact", "approximate"]
+
+
+class UnknownRecordError(KeyError):
+    """A delete named a record id the model was never trained on, or already forgot."""
+
+    def __init__(self, record_ids: list[str], reason: str = "unknown record id") -> None:
+        self.record_ids = record_ids
+        self.reason = reason
+        shown = ", ".join(map(str, record_ids[:5])) + (" ..." if len(record_ids) > 5 else "")
+        super().__init__(f"{reason}: {shown}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class DuplicateRecordError(ValueError):
+    """An add named a record id the model already holds (or named one twice)."""
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """What one delete/add did: the worker copies it into the ledger's `applied` event."""
+
+    op: Literal["delete", "add"]
+    record_ids: list[str]
+    guarantee: Guarantee
+    seconds: float
+    retrained: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "n_records": len(self.record_ids),
+            "guarantee": self.guarantee,
+            "seconds": self.seconds,
+            "retrained": self.retrained,
+            "metrics": self.metrics,
+        }
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of retraining from scratch on the live records and comparing hashes."""
+
+    exact: bool
+    served_hash: str
+    retrained_hash: str
+    seconds: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Learner(abc.ABC):
+    """A model that can forget (and learn) individual records by id."""
+
+    guarantee: Guarantee
+
+    @abc.abstractmethod
+    def fit(self, ids: np.ndarray, X: np.ndarray, y: np.ndarray) -> Learner: ...
+
+    @abc.abstractmethod
+    def delete(self, ids: np.ndarray) -> UpdateReport: ...
+
+    @abc.abstractmethod
+    def add(self, ids: np.ndarray, X: np.ndarray, y: np.ndarray) -> UpdateReport: ...
+
+    @abc.abstractmethod
+    def scores(self, X: np.ndarray) -> np.ndarray:
+        """Per-class scores (probabilities or logits), shape (n, n_classes)."""
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.classes_[np.argmax(self.scores(X), axis=1)]
+
+    @abc.abstractmethod
+    def verify(self) -> VerifyReport: ...
+
+    @abc.abstractmethod
+    def save(self, path: str | Path) -> None: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, path: str | Path) -> Learner: ...
+
+    @abc.abstractmethod
+    def content_hash(self) -> str:
+        """SHA-256 over everything that determines predictions, bit for bit."""
+
+
+def hash_arrays(*arrays: np.ndarray) -> str:
+    """Content hash of arrays: dtype, shape and bytes all count."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str(a.dtype).encode())
+        h.update(repr(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
