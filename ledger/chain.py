@@ -1,0 +1,62 @@
+"""How an event is hashed into the chain, and how a record is fingerprinted.
+
+An event's hash covers its position, content and predecessor, so editing,
+inserting, deleting or reordering any row breaks the chain from there on. The
+Merkle leaf of an event is built from that hash, so an auditor holding one
+event, its inclusion proof and a published root can check it alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from ledger import merkle
+
+GENESIS_HASH = "0" * 64
+
+
+def canonical_json(obj: Any) -> str:
+    """One spelling per value: sorted keys, no spaces, UTF-8, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def iso(ts: datetime) -> str:
+    """Fixed-width UTC timestamp, so text order is time order."""
+    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def event_entry(seq: int, request_id: str | None, kind: str, payload: str,
+                model_version: str | None, created_at: str, prev_hash: str) -> bytes:
+    """The exact bytes an event's hash is taken over."""
+    return canonical_json({
+        "seq": seq, "request_id": request_id, "kind": kind, "payload": payload,
+        "model_version": model_version, "created_at": created_at, "prev_hash": prev_hash,
+    }).encode()
+
+
+def event_hash(seq: int, request_id: str | None, kind: str, payload: str,
+               model_version: str | None, created_at: str, prev_hash: str) -> str:
+    entry = event_entry(seq, request_id, kind, payload, model_version, created_at, prev_hash)
+    return hashlib.sha256(entry).hexdigest()
+
+
+def event_leaf(event_hash_hex: str) -> bytes:
+    """RFC 6962 leaf hash of an event (over its chain hash)."""
+    return merkle.leaf_hash(bytes.fromhex(event_hash_hex))
+
+
+def record_fingerprint(key: bytes, record_id: str, subject_id: str | None,
+                       features: list[float], label: int) -> str:
+    """HMAC of a record's content: proves what was deleted without keeping it."""
+    msg = canonical_json({"record_id": record_id, "subject_id": subject_id,
+                          "features": features, "label": label}).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()

@@ -1,0 +1,183 @@
+"""The ledger's commands: `obliviate ledger ...`, `submit`, `produce`, `consume`.
+
+Each command is a function of parsed arguments returning an exit code, so the
+`obliviate` entry point (in `service.cli`) only has to assemble them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ledger import datasets
+from ledger.config import Settings
+from ledger.consumer import RequestConsumer, ensure_topics
+from ledger.producer import produce, request_stream
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings.from_env(database_url=getattr(args, "db", None),
+                             kafka_bootstrap=getattr(args, "bootstrap", None),
+                             requests_topic=getattr(args, "topic", None))
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    led = sub.add_parser("ledger", help="inspect and prove the ledger")
+    lsub = led.add_subparsers(dest="ledger_command", required=True)
+
+    p = lsub.add_parser("init", help="seed the record store with a training table")
+    p.add_argument("--dataset", default="breast_cancer",
+                   help=f"one of {', '.join([*datasets.BUNDLED, 'synthetic'])}")
+    p.add_argument("--csv", help="load this CSV file instead of a bundled data set")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--subject-column")
+    p.add_argument("--id-column")
+    p.add_argument("--records-per-subject", type=int, default=3)
+    p.set_defaults(func=cmd_init)
+
+    p = lsub.add_parser("verify", help="recompute the hash chain, checkpoints and fingerprints")
+    p.set_defaults(func=cmd_verify)
+
+    p = lsub.add_parser("show", help="a request's history with inclusion proofs")
+    p.add_argument("request_id")
+    p.set_defaults(func=cmd_show)
+
+    p = lsub.add_parser("export", help="events as JSON lines for auditors")
+    p.add_argument("--since", help="a sequence number or an ISO 8601 time")
+    p.set_defaults(func=cmd_export)
+
+    p = lsub.add_parser("checkpoint", help="publish a Merkle tree head over all events")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("submit", help="record one request (JSON argument, file or '-')")
+    p.add_argument("request", help="a JSON object, a path to one, or - for standard input")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("produce", help="send demo or test requests to the requests topic")
+    p.add_argument("--count", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--invalid-fraction", type=float, default=0.03)
+    p.add_argument("--file", help="send the JSON lines of this file instead")
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("consume", help="run the Kafka consumer that fills the ledger")
+    p.add_argument("--group", default=None)
+    p.add_argument("--batch-size", type=int, default=500)
+    p.add_argument("--idle-timeout", type=float, default=None,
+                   help="exit after this many seconds without messages")
+    p.set_defaults(func=cmd_consume)
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", help="ledger database URL (env OBLIVIATE_DATABASE_URL)")
+    p.add_argument("--bootstrap", help="Kafka bootstrap address (env OBLIVIATE_KAFKA_BOOTSTRAP)")
+    p.add_argument("--topic", help="requests topic (env OBLIVIATE_REQUESTS_TOPIC)")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    if args.csv:
+        ds = datasets.load_csv(args.csv, args.label_column, args.subject_column, args.id_column)
+    else:
+        ds = datasets.load(args.dataset, records_per_subject=args.records_per_subject)
+    ledger = settings_from(args).open_ledger()
+    seq = ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+    print(f"loaded {len(ds.record_ids)} records of {ds.name!r} "
+          f"({ds.X.shape[1]} features, {len(set(ds.y.tolist()))} classes) as event {seq}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    result = settings_from(args).open_ledger().verify()
+    if result.ok:
+        print(f"ledger OK: {result.events} events, {result.checkpoints} checkpoints, "
+              f"{result.records} records verified")
+        return 0
+    first = result.problems[0]
+    print(f"ledger FAILED verification: {len(result.problems)} problem(s); first: {first}",
+          file=sys.stderr)
+    for p in result.problems[1:20]:
+        print(f"  {p}", file=sys.stderr)
+    return 1
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    try:
+        history = settings_from(args).open_ledger().history(args.request_id)
+    except KeyError as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    print(json.dumps(history, indent=2, default=str))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    since: str | int | None = args.since
+    if since is not None and since.isdigit():
+        since = int(since)
+    for event in settings_from(args).open_ledger().export(since):
+        sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    cp = settings_from(args).open_ledger().checkpoint()
+    if cp is None:
+        print("the ledger has no events yet")
+        return 0
+    print(f"tree_size={cp.tree_size} root={cp.root_hash} created_at={cp.created_at}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    text = _read_arg(args.request)
+    result = settings_from(args).open_ledger().receive(text.encode(), source="cli")
+    print(json.dumps(result.as_dict()))
+    return 0 if result.status in ("accepted", "duplicate") else 2
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    s = settings_from(args)
+    ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+    if args.file:
+        messages: Any = (line.encode() for line in Path(args.file).read_text().splitlines()
+                         if line.strip())
+    else:
+        ledger = s.open_ledger()
+        schema = ledger.schema()
+        if schema is None:
+            print("the ledger holds no records: run `obliviate ledger init` first",
+                  file=sys.stderr)
+            return 1
+        live = ledger.live_records()
+        messages = request_stream(list(live.record_ids), list(live.subject_ids),
+                                  schema.n_features, schema.classes, args.count,
+                                  random_state=args.seed, invalid_fraction=args.invalid_fraction)
+    n = produce(s.kafka_bootstrap, s.requests_topic, messages)
+    print(f"sent {n} messages to {s.requests_topic} at {s.kafka_bootstrap}")
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    s = settings_from(args)
+    ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+    consumer = RequestConsumer(s.open_ledger(), s.kafka_bootstrap, s.requests_topic,
+                               s.dead_letter_topic, group_id=args.group or s.consumer_group,
+                               batch_size=args.batch_size)
+    consumer.install_signal_handlers()
+    stats = consumer.run(idle_timeout_s=args.idle_timeout,
+                         on_batch=lambda r: logging.info("batch of %d recorded", len(r)))
+    print(json.dumps({"batches": stats.batches, **stats.counts}))
+    return 0
+
+
+def _read_arg(value: str) -> str:
+    if value == "-":
+        return sys.stdin.read()
+    if not value.lstrip().startswith("{") and Path(value).is_file():
+        return Path(value).read_text()
+    return value

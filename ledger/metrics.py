@@ -1,0 +1,24 @@
+"""Prometheus metrics the ledger side updates (the service exports them).
+
+Names follow Prometheus conventions: `_total` counters, base units, and no
+per-user or per-request labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+REQUESTS = Counter(
+    "obliviate_requests",
+    "Incoming deletion/addition requests by outcome of intake.",
+    ["op", "status"],
+)
+LEDGER_EVENTS = Counter(
+    "obliviate_ledger_events",
+    "Events appended to the hash-chained ledger.",
+    ["kind"],
+)
+DEAD_LETTERS = Counter(
+    "obliviate_dead_letters",
+    "Messages sent to the dead-letter topic.",
+)

@@ -1,0 +1,197 @@
+"""Structural validation of a request message, shared by Kafka, HTTP and the CLI.
+
+Checks that need the database (duplicates, unknown subjects or records) happen
+in `ledger.store` inside the transaction that records the request; everything
+that can be decided from the message alone is decided here, with a reason a
+producer can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ledger.models import DatasetSchema
+
+MAX_MESSAGE_BYTES = 1_048_576
+MAX_RECORDS_PER_REQUEST = 10_000
+MAX_ID_LENGTH = 128
+OPS = ("delete", "add")
+_FIELDS = {"request_id", "op", "subject_id", "record_ids", "payload", "requested_at"}
+
+
+class InvalidRequest(ValueError):
+    """The message cannot be accepted; `reason` says why in words a producer can act on."""
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class NewRecord:
+    record_id: str
+    features: list[float]
+    label: int
+
+
+@dataclass(frozen=True)
+class RequestMessage:
+    """A structurally valid request, not yet checked against the ledger."""
+
+    request_id: str
+    op: str
+    subject_id: str | None
+    record_ids: tuple[str, ...] | None
+    records: tuple[NewRecord, ...]
+    requested_at: str | None
+
+
+def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | None,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> RequestMessage:
+    """Parse and validate one request; raise `InvalidRequest` with the reason."""
+    if isinstance(raw, dict):
+        doc: Any = raw
+    else:
+        if isinstance(raw, str):
+            raw = raw.encode()
+        if len(raw) > max_bytes:
+            raise InvalidRequest(f"message of {len(raw)} bytes exceeds the limit of {max_bytes}")
+        try:
+            doc = json.loads(raw)
+        except UnicodeDecodeError:
+            raise InvalidRequest("message is not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"malformed JSON: {exc.msg} at position {exc.pos}") from None
+        except RecursionError:
+            raise InvalidRequest("malformed JSON: nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"message must be a JSON object, got {_kind(doc)}")
+    if "request_id" not in doc:
+        raise InvalidRequest("missing field 'request_id'")
+    request_id = _identifier(doc["request_id"], "request_id")
+    try:
+        return _parse_fields(doc, request_id, schema)
+    except InvalidRequest as exc:
+        exc.request_id = request_id
+        raise
+
+
+def _parse_fields(doc: dict[str, Any], request_id: str,
+                  schema: DatasetSchema | None) -> RequestMessage:
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(map(repr, unknown))}")
+    if "op" not in doc:
+        raise InvalidRequest("missing field 'op'")
+    op = doc["op"]
+    if op not in OPS:
+        raise InvalidRequest(f"unknown op {op!r}: expected 'delete' or 'add'")
+    subject_id = doc.get("subject_id")
+    if subject_id is not None:
+        subject_id = _identifier(subject_id, "subject_id")
+    requested_at = doc.get("requested_at")
+    if requested_at is not None:
+        requested_at = _timestamp(requested_at)
+    if op == "delete":
+        if "payload" in doc:
+            raise InvalidRequest("a 'delete' takes no 'payload'")
+        record_ids = doc.get("record_ids")
+        if record_ids is None and subject_id is None:
+            raise InvalidRequest("a 'delete' needs 'subject_id' or 'record_ids'")
+        ids = None if record_ids is None else _id_list(record_ids, "record_ids")
+        return RequestMessage(request_id, op, subject_id, ids, (), requested_at)
+    if "record_ids" in doc:
+        raise InvalidRequest("an 'add' names its records inside 'payload', not in 'record_ids'")
+    if subject_id is None:
+        raise InvalidRequest("an 'add' needs the 'subject_id' that owns the data")
+    if schema is None:
+        raise InvalidRequest("no feature schema is set: load a data set before adding records")
+    records = _records(doc.get("payload"), schema)
+    return RequestMessage(request_id, op, subject_id, tuple(r.record_id for r in records),
+                          records, requested_at)
+
+
+def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
+    if payload is None:
+        raise InvalidRequest("missing field 'payload' for an 'add'")
+    if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
+        raise InvalidRequest("'payload' must be an object with a list 'records'")
+    items = payload["records"]
+    if not items:
+        raise InvalidRequest("'payload.records' is empty")
+    if len(items) > MAX_RECORDS_PER_REQUEST:
+        raise InvalidRequest(f"'payload.records' has {len(items)} records; the limit is "
+                             f"{MAX_RECORDS_PER_REQUEST}")
+    out = []
+    for i, item in enumerate(items):
+        where = f"payload.records[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{where} must be an object")
+        extra = sorted(set(item) - {"record_id", "features", "label"})
+        if extra:
+            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(map(repr, extra))}")
+        for name in ("record_id", "features", "label"):
+            if name not in item:
+                raise InvalidRequest(f"{where} is missing '{name}'")
+        rid = _identifier(item["record_id"], f"{where}.record_id")
+        feats = item["features"]
+        if not isinstance(feats, list) or len(feats) != schema.n_features:
+            got = len(feats) if isinstance(feats, list) else _kind(feats)
+            raise InvalidRequest(f"{where}.features must be a list of {schema.n_features} "
+                                 f"numbers (schema {schema.name!r}), got {got}")
+        values = []
+        for j, v in enumerate(feats):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise InvalidRequest(f"{where}.features[{j}] must be a finite number, got {v!r}")
+            values.append(float(v))
+        label = item["label"]
+        if isinstance(label, bool) or not isinstance(label, int) or label not in schema.classes:
+            raise InvalidRequest(f"{where}.label {label!r} is not one of the schema's classes "
+                                 f"{schema.classes}")
+        out.append(NewRecord(rid, values, label))
+    ids = [r.record_id for r in out]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest("'payload.records' names a record_id twice")
+    return tuple(out)
+
+
+def _identifier(value: Any, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise InvalidRequest(f"'{name}' must be a string, got {_kind(value)}")
+    text = str(value)
+    if not text or len(text) > MAX_ID_LENGTH or not text.isprintable() or text != text.strip():
+        raise InvalidRequest(f"'{name}' must be 1-{MAX_ID_LENGTH} printable characters without "
+                             "surrounding spaces")
+    return text
+
+
+def _id_list(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(f"'{name}' must be a non-empty list")
+    if len(value) > MAX_RECORDS_PER_REQUEST:
+        raise InvalidRequest(f"'{name}' has {len(value)} entries; the limit is "
+                             f"{MAX_RECORDS_PER_REQUEST}")
+    ids = tuple(_identifier(v, f"{name}[{i}]") for i, v in enumerate(value))
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest(f"'{name}' names a record twice")
+    return ids
+
+
+def _timestamp(value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"'requested_at' must be an ISO 8601 string, got {_kind(value)}")
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequest(f"'requested_at' {value[:40]!r} is not an ISO 8601 time") from None
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
