@@ -64,7 +64,9 @@ class TrainingRecord(SQLModel, table=True):
 
     record_id: str = Field(max_length=128, primary_key=True)
     subject_id: str | None = Field(default=None, max_length=128, index=True)
-    features: list[float] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    # none_as_null: a purge must leave SQL NULL, not the JSON text 'null'
+    features: list[float] | None = Field(default=None,
+                                         sa_column=Column(JSON(none_as_null=True), nullable=True))
     label: int | None = None
     record_hash: str = Field(max_length=64)
     state: str = Field(max_length=16, index=True)

@@ -62,9 +62,11 @@ def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | Non
         if len(raw) > max_bytes:
             raise InvalidRequest(f"message of {len(raw)} bytes exceeds the limit of {max_bytes}")
         try:
-            doc = json.loads(raw)
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise InvalidRequest("message is not UTF-8 text") from None
+        try:
+            doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"malformed JSON: {exc.msg} at position {exc.pos}") from None
         except RecursionError:

@@ -1,0 +1,88 @@
+"""Shared fixtures: ledgers on SQLite and on the real PostgreSQL, and a real tansu broker."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, text
+
+from ledger.local_broker import LocalBroker
+from ledger.store import Ledger
+
+POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
+                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+HMAC_KEY = bytes(range(32))
+
+
+def _postgres_reason() -> str | None:
+    """None when a PostgreSQL server answers, else why not (printed with the skip)."""
+    try:
+        engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure to connect means "no server"
+        return f"no PostgreSQL server answers at {POSTGRES_URL}: {exc.__class__.__name__}"
+
+
+_PG_REASON = _postgres_reason()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh, empty ledger database on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.db'}"
+        return
+    if _PG_REASON:
+        pytest.skip(_PG_REASON)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    with admin.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+
+
+@pytest.fixture
+def ledger(db_url: str) -> Iterator[Ledger]:
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=10)
+    yield led
+    led.close()
+
+
+def seed(ledger: Ledger, n: int = 30, n_features: int = 4, per_subject: int = 3) -> None:
+    """n records r000..; subjects s00.. own `per_subject` records each; labels 0/1/2."""
+    rng = np.random.default_rng(0)
+    ledger.load_records([f"r{i:03d}" for i in range(n)],
+                        [f"s{i // per_subject:02d}" for i in range(n)],
+                        rng.random((n, n_features)), np.arange(n) % 3, name="toy")
+
+
+@pytest.fixture
+def seeded(ledger: Ledger) -> Ledger:
+    seed(ledger)
+    return ledger
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[LocalBroker]:
+    """One real Kafka-protocol broker for the session; tests use their own topics."""
+    with LocalBroker() as b:
+        yield b
+
+
+@pytest.fixture
+def topics(broker: LocalBroker) -> tuple[str, str]:
+    from ledger.consumer import ensure_topics
+
+    name = f"requests-{uuid.uuid4().hex[:8]}"
+    ensure_topics(broker.bootstrap, [name, name + ".dead"])
+    return name, name + ".dead"

@@ -1,0 +1,198 @@
+"""Kafka intake against a real tansu broker: exactly-once effect, dead letters, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka import KafkaConsumer
+from kafka.admin import KafkaAdminClient
+from sqlalchemy import text
+
+from ledger.consumer import RequestConsumer
+from ledger.local_broker import LocalBroker
+from ledger.producer import produce, request_stream
+from ledger.store import Ledger
+from tests.conftest import HMAC_KEY, seed
+
+N_RECORDS = 3000
+
+
+def make_ledger(tmp_path) -> Ledger:
+    led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}", HMAC_KEY, checkpoint_every=50)
+    seed(led, n=N_RECORDS)
+    return led
+
+
+def stream(n: int, seed_: int = 1) -> list:
+    ids = [f"r{i:03d}" for i in range(N_RECORDS)]
+    subjects = [f"s{i // 3:02d}" for i in range(N_RECORDS)]
+    messages = list(request_stream(ids, subjects, 4, [0, 1, 2], n, random_state=seed_))
+    assert len(messages) == n
+    return messages
+
+
+def expected_counts(messages: list) -> Counter:
+    """Oracle: first sight of a dict is accepted, a repeat is a duplicate, bytes are rejected."""
+    seen: set[str] = set()
+    out: Counter = Counter()
+    for m in messages:
+        if isinstance(m, bytes):
+            out["rejected"] += 1
+        elif m["request_id"] in seen:
+            out["duplicate"] += 1
+        else:
+            seen.add(m["request_id"])
+            out["accepted"] += 1
+    return out
+
+
+def consume_until(consumer: RequestConsumer, n: int, timeout_s: float = 60) -> None:
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while consumer.stats.messages < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    consumer.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "consumer did not stop"
+
+
+def dead_letters(broker: LocalBroker, topic: str, n: int) -> list:
+    c = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                      consumer_timeout_ms=3000, enable_auto_commit=False)
+    out = []
+    for rec in c:
+        out.append(rec)
+        if len(out) >= n:
+            break
+    c.close()
+    return out
+
+
+def event_counts(ledger: Ledger) -> Counter:
+    return Counter(e["kind"] for e in ledger.export())
+
+
+def test_stream_is_recorded_once_and_rejects_are_dead_lettered(broker, topics, tmp_path) -> None:
+    topic, dead = topics
+    ledger = make_ledger(tmp_path)
+    messages = stream(200)
+    expected = expected_counts(messages)
+    produce(broker.bootstrap, topic, messages)
+    consumer = RequestConsumer(ledger, broker.bootstrap, topic, dead, group_id=topic,
+                               batch_size=64)
+    consume_until(consumer, len(messages))
+    assert consumer.stats.counts == dict(expected)
+    kinds = event_counts(ledger)
+    assert kinds["received"] == expected["accepted"]
+    assert kinds["rejected"] == expected["rejected"]
+    letters = dead_letters(broker, dead, expected["rejected"])
+    assert len(letters) == expected["rejected"]
+    for rec in letters:
+        headers = dict(rec.headers)
+        assert headers["reason"] and headers["source"].startswith(topic.encode())
+    assert ledger.verify().ok
+
+
+def _malformed() -> st.SearchStrategy[bytes]:
+    """Messages that are invalid by construction, of every kind the validator knows."""
+    junk = st.binary(max_size=64).map(lambda b: b"\x00" + b)
+    no_id = st.dictionaries(st.sampled_from(["op", "record_ids", "subject_id"]),
+                            st.text(max_size=5), max_size=3).map(json.dumps)
+    bad_op = st.text(max_size=8).filter(lambda s: s not in ("add", "delete")).map(
+        lambda op: json.dumps({"request_id": "x", "op": op, "record_ids": ["r001"]}))
+    unknown = st.text(min_size=1, max_size=8).filter(lambda s: not s.startswith("r")).map(
+        lambda r: json.dumps({"request_id": f"u-{r}", "op": "delete", "record_ids": [r]}))
+    bad_add = st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=8).filter(
+        lambda f: len(f) != 4).map(lambda f: json.dumps({
+            "request_id": "a", "op": "add", "subject_id": "s",
+            "payload": {"records": [{"record_id": "n", "features": f, "label": 0}]}}))
+    texts = st.one_of(no_id, bad_op, unknown, bad_add).map(str.encode)
+    return st.one_of(junk, texts)
+
+
+def test_thousands_of_fuzzed_messages_are_dead_lettered(broker, topics, tmp_path) -> None:
+    collected: list[bytes] = []
+
+    @settings(max_examples=2000, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_malformed())
+    def collect(m: bytes) -> None:
+        collected.append(m)
+
+    collect()
+    topic, dead = topics
+    ledger = make_ledger(tmp_path)
+    valid = {"request_id": "after-the-storm", "op": "delete", "record_ids": ["r001"]}
+    produce(broker.bootstrap, topic, [*collected, valid])
+    consumer = RequestConsumer(ledger, broker.bootstrap, topic, dead, group_id=topic)
+    consume_until(consumer, len(collected) + 1, timeout_s=120)
+    assert consumer.stats.counts == {"rejected": len(collected), "accepted": 1}
+    assert event_counts(ledger)["rejected"] == len(collected)
+    assert len(dead_letters(broker, dead, len(collected))) == len(collected)
+    assert ledger.history("after-the-storm")["request"]["status"] == "received"
+
+
+def _consumer_process(db: str, broker: LocalBroker, topic: str) -> subprocess.Popen:
+    env = {**os.environ, "OBLIVIATE_DATABASE_URL": db, "OBLIVIATE_HMAC_KEY_HEX": HMAC_KEY.hex(),
+           "OBLIVIATE_KAFKA_BOOTSTRAP": broker.bootstrap, "OBLIVIATE_REQUESTS_TOPIC": topic,
+           "OBLIVIATE_DEAD_LETTER_TOPIC": topic + ".dead"}
+    return subprocess.Popen([sys.executable, "-m", "service.cli", "consume", "--group", topic,
+                             "--batch-size", "25"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _received(ledger: Ledger) -> int:
+    with ledger.engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM events WHERE kind IN "
+                                 "('received', 'rejected')")).scalar()
+
+
+def test_sigkill_mid_stream_then_restart_loses_and_repeats_nothing(broker, topics,
+                                                                   tmp_path) -> None:
+    topic, _ = topics
+    ledger = make_ledger(tmp_path)
+    messages = stream(2500, seed_=3)
+    expected = expected_counts(messages)
+    total = expected["accepted"] + expected["rejected"]
+    produce(broker.bootstrap, topic, messages)
+
+    first = _consumer_process(ledger.url, broker, topic)
+    deadline = time.monotonic() + 60
+    while _received(ledger) < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    at_kill = _received(ledger)
+    assert 0 < at_kill < total, "the kill should land mid-stream"
+
+    second = _consumer_process(ledger.url, broker, topic)
+    deadline = time.monotonic() + 90
+    while _received(ledger) < total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second.send_signal(signal.SIGTERM)
+    out, _ = second.communicate(timeout=30)
+    assert second.returncode == 0, out  # graceful stop
+
+    per_request = Counter(e["request_id"] for e in ledger.export() if e["kind"] == "received")
+    accepted_ids = {m["request_id"] for m in messages if isinstance(m, dict)}
+    assert set(per_request) == accepted_ids, "a request was lost"
+    assert max(per_request.values()) == 1, "a request was recorded twice"
+    assert event_counts(ledger)["rejected"] == expected["rejected"]
+    with ledger.engine.connect() as conn:
+        next_offset = conn.execute(text("SELECT next_offset FROM source_offsets")).scalar()
+    assert next_offset == len(messages)
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    committed = admin.list_group_offsets(topic)
+    admin.close()
+    assert [o.offset for o in committed[topic].values()] == [len(messages)]
+    assert ledger.verify().ok

@@ -1,0 +1,317 @@
+"""The ledger on SQLite and PostgreSQL: lifecycle, idempotency, purging, tamper evidence."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from sqlalchemy import text
+
+from ledger import merkle
+from ledger.chain import event_leaf
+from ledger.store import IncomingMessage, Ledger
+from tests.conftest import HMAC_KEY, seed
+
+
+def delete(rid: str, *records: str, subject: str | None = None) -> dict:
+    msg: dict = {"request_id": rid, "op": "delete"}
+    if records:
+        msg["record_ids"] = list(records)
+    if subject:
+        msg["subject_id"] = subject
+    return msg
+
+
+def add(rid: str, record_id: str, subject: str = "s99", features=None, label: int = 1) -> dict:
+    return {"request_id": rid, "op": "add", "subject_id": subject,
+            "payload": {"records": [{"record_id": record_id,
+                                     "features": features or [0.1, 0.2, 0.3, 0.4],
+                                     "label": label}]}}
+
+
+def apply_all(ledger: Ledger, version: str = "v2") -> list[str]:
+    ids = [r.request_id for r in ledger.claim(100, worker="w1")]
+    ledger.mark_applied(ids, version, {"guarantee": "exact"})
+    ledger.mark_verified(ids, version)
+    return ids
+
+
+def tamper(ledger: Ledger, sql: str, **params) -> None:
+    with ledger.engine.begin() as conn:
+        conn.execute(text(sql), params)
+
+
+def test_receive_records_request_and_event(seeded: Ledger) -> None:
+    res = seeded.receive(delete("a", "r001"))
+    assert res.status == "accepted" and res.record_ids == ("r001",) and res.http_status == 202
+    history = seeded.history("a")
+    assert history["request"]["status"] == "received"
+    [event] = history["events"]
+    assert event["kind"] == "received"
+    assert event["payload"]["record_ids"] == ["r001"]
+    assert event["payload"]["source"] == {"kind": "http"}
+
+
+def test_duplicate_request_id_is_ignored_and_counted(seeded: Ledger) -> None:
+    assert seeded.receive(delete("a", "r001")).status == "accepted"
+    again = seeded.receive(delete("a", "r002"))
+    assert again.status == "duplicate" and again.http_status == 200
+    seeded.receive(delete("a", "r001"))
+    history = seeded.history("a")
+    assert history["request"]["duplicate_count"] == 2
+    assert history["request"]["record_ids"] == ["r001"]  # the first one wins
+    assert [e["kind"] for e in history["events"]] == ["received"]
+
+
+def test_duplicates_within_one_batch(seeded: Ledger) -> None:
+    results = seeded.receive_batch([IncomingMessage(delete("a", "r001")),
+                                    IncomingMessage(delete("a", "r001"))])
+    assert [r.status for r in results] == ["accepted", "duplicate"]
+
+
+def test_subject_request_expands_at_receive_time(seeded: Ledger) -> None:
+    res = seeded.receive(delete("s", subject="s01"))
+    assert res.status == "accepted" and res.record_ids == ("r003", "r004", "r005")
+    payload = seeded.history("s")["events"][0]["payload"]
+    assert payload["expanded_from_subject"] is True
+    assert payload["record_ids"] == ["r003", "r004", "r005"]
+
+
+@pytest.mark.parametrize(("message", "reason"), [
+    (delete("x", "nope"), "unknown record(s): 'nope'"),
+    (delete("x", subject="nobody"), "unknown subject 'nobody'"),
+    (delete("x", "r001", subject="s05"), "not owned by subject 's05'"),
+    (add("x", "r001"), "record(s) already exist: 'r001'"),
+    (add("x", "n1", features=[0.1, 0.2]), "must be a list of 4 numbers"),
+    (add("x", "n1", label=7), "label 7 is not one of the schema's classes [0, 1, 2]"),
+])
+def test_rejections_say_why_and_are_logged(seeded: Ledger, message: dict, reason: str) -> None:
+    res = seeded.receive(message)
+    assert res.status == "rejected" and res.http_status == 422
+    assert reason in res.reason
+    events = seeded.history("x")["events"]
+    assert [e["kind"] for e in events] == ["rejected"]
+    assert reason in events[0]["payload"]["reason"]
+    assert "message_sha256" in events[0]["payload"]
+    # a rejection does not reserve the request_id: a corrected resend is accepted
+    assert seeded.receive(delete("x", "r009")).status == "accepted"
+
+
+def test_lifecycle_purges_deleted_records_and_keeps_their_fingerprint(seeded: Ledger) -> None:
+    seeded.receive(delete("d", "r001"))
+    seeded.receive(add("n", "new1"))
+    before = {r: h for r, h in _hashes(seeded).items() if r == "r001"}
+    assert apply_all(seeded, "v2") == ["d", "n"]
+    rec = _record(seeded, "r001")
+    assert rec.state == "purged" and rec.features is None and rec.label is None
+    assert rec.record_hash == before["r001"] and rec.purged_by == "d"
+    assert _record(seeded, "new1").state == "live"
+    kinds = [e["kind"] for e in seeded.history("d")["events"]]
+    assert kinds == ["received", "claimed", "applied", "verified"]
+    applied = seeded.history("d")["events"][2]
+    assert applied["model_version"] == "v2"
+    assert applied["payload"]["purged_record_hashes"] == before
+    assert applied["payload"]["guarantee"] == "exact"
+    live = seeded.live_records()
+    assert "r001" not in set(live.record_ids) and "new1" in set(live.record_ids)
+    assert live.X.shape == (30, 4)
+    # the purged record can be neither deleted again nor re-added under its id
+    assert "already deleted" in seeded.receive(delete("d2", "r001")).reason
+    assert "already exist" in seeded.receive(add("n2", "r001")).reason
+    assert seeded.verify().ok
+
+
+def test_subject_with_everything_deleted_says_so(seeded: Ledger) -> None:
+    seeded.receive(delete("s", subject="s02"))
+    apply_all(seeded)
+    res = seeded.receive(delete("s-again", subject="s02"))
+    assert res.status == "rejected" and "no records left" in res.reason
+
+
+def test_invalid_transitions_are_refused(seeded: Ledger) -> None:
+    seeded.receive(delete("d", "r001"))
+    with pytest.raises(ValueError, match="only a 'claimed' request"):
+        seeded.mark_applied(["d"], "v2")
+    with pytest.raises(KeyError):
+        seeded.mark_verified(["nope"], "v2")
+    [claimed] = seeded.claim(10)
+    assert claimed.request_id == "d" and seeded.claim(10) == []
+    seeded.mark_failed("d", "learner crashed")
+    assert seeded.history("d")["request"]["status"] == "failed"
+    assert seeded.verify().ok
+
+
+def test_verify_names_an_edited_event(seeded: Ledger) -> None:
+    for i in range(5):
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    assert seeded.verify().ok
+    tamper(seeded, "UPDATE events SET payload = :p WHERE seq = 3",
+           p=json.dumps({"op": "delete", "record_ids": ["r999"]}))
+    result = seeded.verify()
+    assert not result.ok and result.first_bad_seq == 3
+    assert "event 3" in str(result.problems[0]) and "edited" in str(result.problems[0])
+
+
+def test_verify_names_a_removed_event_and_a_forged_checkpoint(seeded: Ledger) -> None:
+    for i in range(12):  # checkpoint_every=10 -> a checkpoint is written
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    cp = seeded.checkpoint()
+    assert cp is not None and cp.tree_size == 13
+    tamper(seeded, "DELETE FROM events WHERE seq = 7")
+    result = seeded.verify()
+    assert result.first_bad_seq == 7
+    assert any("event 7" in str(p) and "missing" in str(p) for p in result.problems)
+
+
+def test_verify_names_a_forged_checkpoint_root(seeded: Ledger) -> None:
+    for i in range(3):
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    cp = seeded.checkpoint()
+    tamper(seeded, "UPDATE checkpoints SET root_hash = :r WHERE tree_size = :n",
+           r="ab" * 32, n=cp.tree_size)
+    problems = [str(p) for p in seeded.verify().problems]
+    assert problems == [f"checkpoint {cp.tree_size}: Merkle root does not match the events "
+                        "it covers"]
+
+
+def test_verify_catches_rewritten_tail_through_the_checkpoint(seeded: Ledger) -> None:
+    """Re-hashing an edited last event keeps the chain whole; the checkpoint still sees it."""
+    seeded.receive(delete("q", "r001"))
+    cp = seeded.checkpoint()
+    with seeded.engine.connect() as conn:
+        e = conn.execute(text("SELECT * FROM events WHERE seq = :n"), {"n": cp.tree_size}).one()
+    from ledger.chain import event_hash
+    forged_payload = e.payload.replace("r001", "r002")
+    forged = event_hash(e.seq, e.request_id, e.kind, forged_payload, e.model_version,
+                        e.created_at, e.prev_hash)
+    tamper(seeded, "UPDATE events SET payload = :p, hash = :h WHERE seq = :n",
+           p=forged_payload, h=forged, n=e.seq)
+    assert [p.where for p in seeded.verify().problems] == [f"checkpoint {cp.tree_size}"]
+
+
+def test_verify_names_edited_records_and_unpurged_data(seeded: Ledger) -> None:
+    tamper(seeded, "UPDATE training_records SET label = 2 WHERE record_id = 'r004'")
+    seeded.receive(delete("d", "r001"))
+    apply_all(seeded)
+    tamper(seeded, "UPDATE training_records SET label = 1 WHERE record_id = 'r001'")
+    problems = {p.where: p.message for p in seeded.verify().problems}
+    assert "fingerprint" in problems["record r004"]
+    assert "still holds raw" in problems["record r001"]
+
+
+def test_verify_names_a_request_whose_status_was_edited(seeded: Ledger) -> None:
+    seeded.receive(delete("d", "r001"))
+    tamper(seeded, "UPDATE requests SET status = 'verified' WHERE request_id = 'd'")
+    [problem] = seeded.verify().problems
+    assert problem.where == "request d" and "'received'" in problem.message
+
+
+def test_inclusion_proofs_verify_and_fail_when_tampered(seeded: Ledger) -> None:
+    for i in range(9):
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    history = seeded.history("q4")
+    head = history["tree_head"]
+    root = bytes.fromhex(head["root_hash"])
+    [ev] = history["events"]
+    proof = [bytes.fromhex(h) for h in ev["inclusion_proof"]]
+    leaf = event_leaf(ev["hash"])
+    assert merkle.verify_inclusion(leaf, ev["seq"] - 1, head["tree_size"], proof, root)
+    bad = bytearray(proof[0])
+    bad[0] ^= 1
+    assert not merkle.verify_inclusion(leaf, ev["seq"] - 1, head["tree_size"],
+                                       [bytes(bad), *proof[1:]], root)
+    other = event_leaf(seeded.history("q5")["events"][0]["hash"])
+    assert not merkle.verify_inclusion(other, ev["seq"] - 1, head["tree_size"], proof, root)
+    assert not merkle.verify_inclusion(leaf, ev["seq"], head["tree_size"], proof, root)
+
+
+def test_incremental_checkpoints_match_a_full_recomputation(seeded: Ledger) -> None:
+    for i in range(27):
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    seeded.checkpoint()
+    with seeded.engine.connect() as conn:
+        hashes = [r[0] for r in conn.execute(text("SELECT hash FROM events ORDER BY seq"))]
+        cps = conn.execute(text("SELECT tree_size, root_hash FROM checkpoints")).all()
+    assert len(cps) >= 3
+    for size, root in cps:
+        assert merkle.root([event_leaf(h) for h in hashes[:size]]).hex() == root
+
+
+def test_export_since_sequence_and_time(seeded: Ledger) -> None:
+    for i in range(4):
+        seeded.receive(delete(f"q{i}", f"r{i:03d}"))
+    events = list(seeded.export())
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
+    assert [e["seq"] for e in seeded.export(since=3)] == [4, 5]
+    assert len(list(seeded.export(since=events[1]["created_at"]))) >= 4
+    assert list(seeded.export(since="2999-01-01T00:00:00+00:00")) == []
+
+
+def test_redelivered_kafka_offsets_have_no_second_effect(seeded: Ledger) -> None:
+    batch = [IncomingMessage(json.dumps(delete(f"k{i}", f"r{i:03d}")).encode(), "kafka",
+                             "t", 0, i) for i in range(3)]
+    batch.append(IncomingMessage(b"garbage", "kafka", "t", 0, 3))
+    first = seeded.receive_batch(batch)
+    assert [r.status for r in first] == ["accepted"] * 3 + ["rejected"]
+    again = seeded.receive_batch(batch)
+    assert [r.status for r in again] == ["redelivered"] * 4
+    assert len(list(seeded.export())) == 1 + 4
+
+
+def test_failing_dead_letter_hook_records_nothing(seeded: Ledger) -> None:
+    def broken(_pairs) -> None:
+        raise ConnectionError("dead-letter topic unavailable")
+
+    msgs = [IncomingMessage(b"garbage", "kafka", "t", 0, 0),
+            IncomingMessage(json.dumps(delete("ok", "r001")).encode(), "kafka", "t", 0, 1)]
+    with pytest.raises(ConnectionError):
+        seeded.receive_batch(msgs, before_commit=broken)
+    assert len(list(seeded.export())) == 1  # only the initial load
+    assert [r.status for r in seeded.receive_batch(msgs)] == ["rejected", "accepted"]
+
+
+def test_concurrent_writers_keep_one_chain(db_url: str) -> None:
+    ledgers = [Ledger(db_url, HMAC_KEY, checkpoint_every=7) for _ in range(3)]
+    seed(ledgers[0], n=60)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(20):
+                ledgers[k].receive(delete(f"w{k}-{i}", f"r{k * 20 + i:03d}"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    result = ledgers[0].verify()
+    assert result.ok and result.events == 61
+    for led in ledgers:
+        led.close()
+
+
+def test_load_records_refuses_bad_input(ledger: Ledger) -> None:
+    seed(ledger)
+    with pytest.raises(ValueError, match="already exist"):
+        seed(ledger)
+    import numpy as np
+    with pytest.raises(ValueError, match="NaN"):
+        ledger.load_records(["z"], ["s"], np.array([[np.nan, 0, 0, 0]]), np.array([0]))
+    with pytest.raises(ValueError, match="schema"):
+        ledger.load_records(["z"], ["s"], np.zeros((1, 3)), np.array([0]))
+
+
+def _record(ledger: Ledger, record_id: str):
+    with ledger.engine.connect() as conn:
+        return conn.execute(text("SELECT * FROM training_records WHERE record_id = :r"),
+                            {"r": record_id}).one()
+
+
+def _hashes(ledger: Ledger) -> dict[str, str]:
+    with ledger.engine.connect() as conn:
+        return dict(conn.execute(text("SELECT record_id, record_hash FROM training_records")).all())
