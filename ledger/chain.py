@@ -19,10 +19,14 @@ from ledger import merkle
 GENESIS_HASH = "0" * 64
 
 
+# Built once: json.dumps with options would build a new encoder per call (hot path).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+
+
 def canonical_json(obj: Any) -> str:
     """One spelling per value: sorted keys, no spaces, UTF-8, no NaN."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
+    return _CANONICAL.encode(obj)
 
 
 def utc_now() -> datetime:

@@ -81,6 +81,7 @@ class RequestConsumer:
         self.retry_backoff_s = retry_backoff_s
         self.stats = ConsumerStats()
         self._stop = threading.Event()
+        self._recorded: dict[TopicPartition, OffsetAndMetadata] = {}
 
     def stop(self) -> None:
         """Ask the loop to finish the batch in hand, commit it and return."""
@@ -117,6 +118,11 @@ class RequestConsumer:
                     if on_batch is not None:
                         on_batch(results)
         finally:
+            try:  # commit exactly what the ledger recorded, never the mere read position
+                if self._recorded:
+                    consumer.commit(dict(self._recorded))
+            except KafkaError as exc:
+                log.warning("final offset commit failed (%s); the ledger holds the batches", exc)
             consumer.close(autocommit=False)
             producer.close(timeout=5)
         return self.stats
@@ -142,15 +148,21 @@ class RequestConsumer:
             self._rewind(consumer, polled)
             time.sleep(self.retry_backoff_s)
             return None
-        offsets = {tp: OffsetAndMetadata(recs[-1].offset + 1, "", -1)
-                   for tp, recs in polled.items()}
-        try:
-            consumer.commit(offsets)
-        except KafkaError as exc:  # recorded already; a redelivery is recognised by offset
-            log.warning("offset commit failed (%s); the ledger holds the batch", exc)
+        # The ledger already holds the batch and its offsets, so the Kafka commit need
+        # not block the next poll: if it is lost, the redelivery is recognised by offset.
+        recorded = {tp: OffsetAndMetadata(recs[-1].offset + 1, "", -1)
+                    for tp, recs in polled.items()}
+        self._recorded.update(recorded)
+        consumer.commit_async(recorded, callback=_log_commit_failure)
         return results
 
     @staticmethod
     def _rewind(consumer: KafkaConsumer, polled: dict[TopicPartition, list[Any]]) -> None:
         for tp, recs in polled.items():
             consumer.seek(tp, recs[0].offset)
+
+
+def _log_commit_failure(offsets: dict[TopicPartition, OffsetAndMetadata],
+                        response: object) -> None:
+    if isinstance(response, Exception):
+        log.warning("offset commit failed (%s); the ledger holds the batch", response)

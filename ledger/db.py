@@ -7,10 +7,24 @@ several consumers, workers and service processes can share one ledger.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import (
+    ARRAY,
+    JSON,
+    ColumnElement,
+    Connection,
+    Engine,
+    Table,
+    any_,
+    bindparam,
+    create_engine,
+    event,
+    text,
+)
 from sqlmodel import SQLModel
 
 # Arbitrary constant naming the ledger's append lock among PostgreSQL advisory locks.
@@ -65,3 +79,40 @@ def writing(engine: Engine) -> Iterator[Connection]:
         if engine.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _APPEND_LOCK_KEY})
         yield conn
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def insert_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Bulk insert for the intake hot path: COPY on PostgreSQL, executemany on SQLite.
+
+    Values still pass through each column type's bind processor, so JSON and
+    timestamps are stored exactly as the ORM would store them.
+    """
+    if not rows:
+        return
+    names = list(rows[0])
+    cols = [table.c[name] for name in names]
+    procs = [_json_text if isinstance(c.type, JSON) else c.type.bind_processor(conn.dialect)
+             for c in cols]
+    params = [tuple([v if p is None else p(v)
+                     for p, v in zip(procs, map(r.__getitem__, names), strict=True)])
+              for r in rows]
+    if conn.dialect.driver == "psycopg":  # COPY is several times faster than executemany
+        cur = conn.connection.driver_connection.cursor()
+        with cur.copy(f"COPY {table.name} ({', '.join(names)}) FROM STDIN") as copy:
+            for row in params:
+                copy.write_row(row)
+        return
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    conn.exec_driver_sql(f"INSERT INTO {table.name} ({', '.join(names)}) "
+                         f"VALUES ({', '.join([mark] * len(names))})", params)
+
+
+def among(conn: Connection, column: ColumnElement[Any], values: list[Any]) -> ColumnElement[bool]:
+    """`column IN (values)`; on PostgreSQL one array parameter instead of one per value."""
+    if conn.dialect.name == "postgresql":
+        return column == any_(bindparam(None, values, type_=ARRAY(column.type)))
+    return column.in_(values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -29,7 +30,7 @@ from ledger.chain import (
     record_fingerprint,
     utc_now,
 )
-from ledger.db import create_tables, make_engine, writing
+from ledger.db import among, create_tables, insert_rows, make_engine, writing
 from ledger.models import (
     Checkpoint,
     DatasetSchema,
@@ -245,8 +246,8 @@ class Ledger:
                         if r.status == "rejected"]
             if rejected and before_commit is not None:
                 before_commit(rejected)
-        for r in results:
-            metrics.REQUESTS.labels(op=r.op or "unknown", status=r.status).inc()
+        for (op, status), n in Counter((r.op or "unknown", r.status) for r in results).items():
+            metrics.REQUESTS.labels(op=op, status=status).inc(n)
         return results
 
     # ------------------------------------------------------------------ lifecycle
@@ -515,9 +516,9 @@ class _Appender:
 
     def flush(self, conn: Connection) -> None:
         if self.rows:
-            conn.execute(insert(EVENTS), self.rows)
-            for r in self.rows:
-                metrics.LEDGER_EVENTS.labels(kind=r["kind"]).inc()
+            insert_rows(conn, EVENTS, self.rows)
+            for kind, n in Counter(r["kind"] for r in self.rows).items():
+                metrics.LEDGER_EVENTS.labels(kind=kind).inc(n)
             self.rows = []
 
 
@@ -539,20 +540,20 @@ class _BatchIntake:
         self.seen: set[str] = set()
         for i in range(0, len(ids), _CHUNK):
             self.seen.update(conn.execute(select(REQUESTS.c.request_id).where(
-                REQUESTS.c.request_id.in_(ids[i:i + _CHUNK]))).scalars())
+                among(conn, REQUESTS.c.request_id, ids[i:i + _CHUNK]))).scalars())
         # record id -> (subject, state) for every record the batch names or expands to
         self.records: dict[str, tuple[str | None, str]] = {}
         rec_ids = list({r for p in valid for r in (p.record_ids or ())})
         subjects = list({p.subject_id for p in valid if p.op == "delete" and p.subject_id})
         cols = (RECORDS.c.record_id, RECORDS.c.subject_id, RECORDS.c.state)
         for i in range(0, len(rec_ids), _CHUNK):
-            for r in conn.execute(select(*cols).where(RECORDS.c.record_id.in_(
-                    rec_ids[i:i + _CHUNK]))):
+            for r in conn.execute(select(*cols).where(
+                    among(conn, RECORDS.c.record_id, rec_ids[i:i + _CHUNK]))):
                 self.records[r.record_id] = (r.subject_id, r.state)
         self.by_subject: dict[str, list[str]] = {}
         for i in range(0, len(subjects), _CHUNK):
-            for r in conn.execute(select(*cols).where(RECORDS.c.subject_id.in_(
-                    subjects[i:i + _CHUNK]))):
+            for r in conn.execute(select(*cols).where(
+                    among(conn, RECORDS.c.subject_id, subjects[i:i + _CHUNK]))):
                 self.records[r.record_id] = (r.subject_id, r.state)
                 self.by_subject.setdefault(r.subject_id, []).append(r.record_id)
         self._load_offsets(conn)
@@ -650,14 +651,12 @@ class _BatchIntake:
         return IntakeResult("rejected", request_id, reason, (), seq, op)
 
     def write(self, conn: Connection) -> None:
-        if self.record_rows:
-            conn.execute(insert(RECORDS), self.record_rows)
-        if self.request_rows:
-            conn.execute(insert(REQUESTS), self.request_rows)
+        insert_rows(conn, RECORDS, self.record_rows)
+        insert_rows(conn, REQUESTS, self.request_rows)
         self.appender.flush(conn)
-        for rid in self.duplicates:
+        for rid, n in Counter(self.duplicates).items():
             conn.execute(update(REQUESTS).where(REQUESTS.c.request_id == rid)
-                         .values(duplicate_count=REQUESTS.c.duplicate_count + 1))
+                         .values(duplicate_count=REQUESTS.c.duplicate_count + n))
         for (topic, partition), nxt in self.next_offset.items():
             if (topic, partition) in self.offsets:
                 conn.execute(update(OFFSETS).where(OFFSETS.c.topic == topic,

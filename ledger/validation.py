@@ -162,14 +162,22 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
     return tuple(out)
 
 
-def _identifier(value: Any, name: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise InvalidRequest(f"'{name}' must be a string, got {_kind(value)}")
-    text = str(value)
+def _identifier(value: Any, name: str, index: int | None = None) -> str:
+    # Hot path: one call per id in every message, so the error text is built only on error.
+    if type(value) is str:
+        text = value
+    elif type(value) is int:
+        text = str(value)
+    else:
+        raise InvalidRequest(f"'{_at(name, index)}' must be a string, got {_kind(value)}")
     if not text or len(text) > MAX_ID_LENGTH or not text.isprintable() or text != text.strip():
-        raise InvalidRequest(f"'{name}' must be 1-{MAX_ID_LENGTH} printable characters without "
-                             "surrounding spaces")
+        raise InvalidRequest(f"'{_at(name, index)}' must be 1-{MAX_ID_LENGTH} printable "
+                             "characters without surrounding spaces")
     return text
+
+
+def _at(name: str, index: int | None) -> str:
+    return name if index is None else f"{name}[{index}]"
 
 
 def _id_list(value: Any, name: str) -> tuple[str, ...]:
@@ -178,7 +186,7 @@ def _id_list(value: Any, name: str) -> tuple[str, ...]:
     if len(value) > MAX_RECORDS_PER_REQUEST:
         raise InvalidRequest(f"'{name}' has {len(value)} entries; the limit is "
                              f"{MAX_RECORDS_PER_REQUEST}")
-    ids = tuple(_identifier(v, f"{name}[{i}]") for i, v in enumerate(value))
+    ids = tuple([_identifier(v, name, i) for i, v in enumerate(value)])
     if len(set(ids)) != len(ids):
         raise InvalidRequest(f"'{name}' names a record twice")
     return ids

@@ -1,0 +1,88 @@
+"""The `obliviate` command line as an operator or auditor uses it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import text
+
+from ledger import merkle
+from ledger.chain import event_leaf
+from service.cli import main
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch) -> str:
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    monkeypatch.setenv("OBLIVIATE_DATABASE_URL", url)
+    monkeypatch.setenv("OBLIVIATE_HMAC_KEY_FILE", str(tmp_path / "hmac.key"))
+    return url
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_init_submit_show_export_verify(env: str, capsys) -> None:
+    code, out, _ = run(capsys, "ledger", "init", "--dataset", "wine")
+    assert code == 0 and "loaded 178 records of 'wine'" in out
+    code, out, _ = run(capsys, "submit", '{"request_id": "q1", "op": "delete", '
+                                         '"subject_id": "s001"}')
+    assert code == 0 and json.loads(out)["status"] == "accepted"
+    code, out, _ = run(capsys, "submit", '{"request_id": "q2", "op": "delete", '
+                                         '"record_ids": ["zzz"]}')
+    assert code == 2 and "unknown record" in json.loads(out)["reason"]
+
+    code, out, _ = run(capsys, "ledger", "show", "q1")
+    history = json.loads(out)
+    head = history["tree_head"]
+    [ev] = history["events"]
+    assert ev["payload"]["record_ids"] == ["r003", "r004", "r005"]
+    assert merkle.verify_inclusion(event_leaf(ev["hash"]), ev["seq"] - 1, head["tree_size"],
+                                   [bytes.fromhex(p) for p in ev["inclusion_proof"]],
+                                   bytes.fromhex(head["root_hash"]))
+
+    code, out, _ = run(capsys, "ledger", "export", "--since", "1")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [e["kind"] for e in lines] == ["received", "rejected"]
+
+    code, out, _ = run(capsys, "ledger", "verify")
+    assert code == 0 and "ledger OK: 3 events" in out
+
+
+def test_verify_exits_1_and_names_the_first_bad_event(env: str, capsys) -> None:
+    run(capsys, "ledger", "init", "--dataset", "iris")
+    for i in range(3):
+        run(capsys, "submit", json.dumps({"request_id": f"q{i}", "op": "delete",
+                                          "record_ids": [f"r{i:03d}"]}))
+    from sqlalchemy import create_engine
+    engine = create_engine(env)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE events SET created_at = '2020-01-01T00:00:00.000000Z' "
+                          "WHERE seq = 2"))
+    code, _, err = run(capsys, "ledger", "verify")
+    assert code == 1
+    assert "first: event 2: content does not match its hash" in err
+
+
+def test_show_unknown_request_and_bad_input(env: str, capsys) -> None:
+    run(capsys, "ledger", "init", "--dataset", "iris")
+    code, _, err = run(capsys, "ledger", "show", "nope")
+    assert code == 1 and "no request or event with request_id 'nope'" in err
+    code, _, err = run(capsys, "ledger", "init", "--dataset", "nope")
+    assert code == 2 and "unknown data set 'nope'" in err
+
+
+def test_init_from_csv(env: str, tmp_path, capsys) -> None:
+    csv = tmp_path / "people.csv"
+    csv.write_text("id,person,age,income,label\na1,p1,30,1000,0\na2,p1,40,2000,1\n"
+                   "a3,p2,50,1500,1\n")
+    code, out, _ = run(capsys, "ledger", "init", "--csv", str(csv), "--id-column", "id",
+                       "--subject-column", "person")
+    assert code == 0 and "loaded 3 records of 'people' (2 features, 2 classes)" in out
+    code, out, _ = run(capsys, "submit", '{"request_id": "x", "op": "delete", '
+                                         '"subject_id": "p1"}')
+    assert json.loads(out)["record_ids"] == ["a1", "a2"]
