@@ -1,0 +1,842 @@
+"""SISA: a sharded, sliced ensemble of small torch networks that forgets exactly.
+
+Guarantee: EXACT, and checkable bit for bit (DESIGN.md, "Guarantees").
+
+The training set
+----------------
+The model is a deterministic function ``T(seed, hyperparameters, D)`` of the
+set ``D`` of live records, each a tuple ``(id, x, y, origin)`` with
+``origin`` = ``"fit"`` (present at :meth:`SISAEnsemble.fit`) or ``"add"``
+(arrived later through :meth:`SISAEnsemble.add`). Neither row positions nor
+arrival order enter ``T``:
+
+* shard of a record: ``prf(seed, "shard", id) mod S`` -- stable under any
+  additions and deletions;
+* slice of a record within its shard (``add_slice="last"``, the default):
+  ``prf(seed, "slice", id) mod R`` for ``origin="fit"``, and ``R - 1`` (the
+  shard's last slice) for ``origin="add"``. With ``add_slice="keyed"`` every
+  record uses the keyed slice, origin is irrelevant and ``T`` depends on the
+  set ``{(id, x, y)}`` alone (an addition then retrains from its keyed slice,
+  which costs more);
+* shard ``s`` starts from weights drawn from ``prf(seed, "init", s)`` alone;
+  stage ``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
+  ``epochs_per_slice`` epochs, starting from the checkpoint after stage
+  ``r - 1``, with a fresh Adam optimiser; a checkpoint (state dict) is kept
+  after every stage; the served model of shard ``s`` is its last checkpoint;
+* within a stage, epoch ``e``: a record's mini-batch is a keyed hash of
+  ``(seed, s, r, e, id)`` mod ``B``, ``B = max(1, ceil(n / batch_size))``
+  with ``n`` the stage's record count; records within a batch in key order;
+  empty batches are skipped (see :mod:`jobs.learners.nets`);
+* float32, deterministic kernels, a fixed CPU thread count (``cpu_threads``).
+
+What "retrain from scratch" means
+---------------------------------
+Computing ``T`` on the live set: every shard re-initialised from the seed and
+every stage retrained, using each live record's recorded origin (hence its
+slice: the keyed slice, or the last slice for records that arrived by
+``add``). :meth:`SISAEnsemble.verify` does exactly that and compares every
+checkpoint and the served weights bit for bit. When no record was ever added
+(or ``add_slice="keyed"``) this is the same as ``SISAEnsemble(**params).fit``
+on the live records.
+
+Why updates equal the retrain
+-----------------------------
+Stage ``r`` of shard ``s`` depends only on the checkpoint after stage ``r-1``
+and on the records of shard ``s`` in slices ``0..r``. Deleting a record of
+slice ``r`` therefore leaves shard ``s``'s checkpoints ``0..r-1`` and all
+other shards untouched, and retraining stages ``r..R-1`` from checkpoint
+``r-1`` is the same computation, on the same inputs, as the from-scratch
+retrain. An addition lands in slice ``R-1`` (``"last"``), so only stage
+``R-1`` of its shard changes: the update retrains that stage from checkpoint
+``R-2``; the from-scratch retrain puts the record in the same slice because
+its origin is part of the set. The price of the "add to the last slice" rule
+is that ``T`` depends on origin: re-``fit`` ting the live records as if all
+were present from the start would assign the added ones keyed slices and give
+different (equally valid) weights.
+
+Empty shards
+------------
+A shard without live records keeps its seed-only initial weights (all its
+checkpoints equal the initialisation) and is EXCLUDED from the vote/mean; it
+still appears in :meth:`SISAEnsemble.shard_logits` and in the content hash,
+and :attr:`SISAEnsemble.active_shards_` says which shards vote. With no active
+shard at all, :meth:`scores` is all zeros (vote) or uniform (mean) and
+:meth:`predict` returns ``classes_[0]``. Note for the guard: deleting the last
+record of a shard removes that shard's vote (``v - e_a``) instead of moving it.
+
+Limits of the bit-for-bit claim
+-------------------------------
+Bits are reproducible on the same device type, torch build and CPU thread
+count (``cpu_threads``, fixed during training and inference on CPU). A model
+saved on one device type and updated on another is still a correct model of
+the live set, but its checkpoints then mix platforms and ``verify`` would
+report a mismatch; :meth:`SISAEnsemble.load` warns when that can happen.
+The saved bundle contains the live records' features and labels (updates
+need them); deleted records are removed from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator
+from sklearn.exceptions import NotFittedError
+
+from jobs.learners.base import (
+    DuplicateRecordError,
+    Learner,
+    UnknownRecordError,
+    UpdateReport,
+    VerifyReport,
+)
+from jobs.learners.keyed import prf_u64, prf_u64_many
+from jobs.learners.nets import (
+    build_net,
+    deterministic,
+    hash_state,
+    init_net,
+    resolve_device,
+    state_to_cpu,
+    states_equal,
+    torch_threads,
+    train_stage,
+)
+
+FORMAT = "obliviate.sisa/1"
+_META = "meta.json"
+_STATE = "state.pt"
+
+State = dict[str, torch.Tensor]
+
+
+def _as_ids(ids: Any, what: str = "ids") -> np.ndarray:
+    """Record ids as a 1-D object array of ``str`` (ints and strings are both accepted)."""
+    arr = np.asarray(ids, dtype=object)
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must be a 1-D sequence of record ids, got a scalar")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    out = np.empty(len(arr), dtype=object)
+    for k, v in enumerate(arr):
+        if v is None:
+            raise ValueError(f"{what}[{k}] is None; record ids must be strings or integers")
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, float | np.floating):
+            raise ValueError(f"{what}[{k}] = {v!r} is a float; record ids must be strings or ints")
+        out[k] = str(v)
+    return out
+
+
+def _duplicates(ids: np.ndarray) -> list[str]:
+    seen: set[str] = set()
+    dup: list[str] = []
+    for i in ids:
+        if i in seen:
+            dup.append(i)
+        seen.add(i)
+    return dup
+
+
+class SISAEnsemble(Learner, BaseEstimator):
+    """Sharded, isolated, sliced, aggregated ensemble of small networks (Bourtoule et al.).
+
+    Parameters
+    ----------
+    n_shards : int
+        Number of shards ``S``; a record's shard is ``prf(seed, "shard", id) mod S``.
+    n_slices : int
+        Number of slices ``R`` per shard (incremental training with checkpoints).
+    model : {"mlp", "cnn"}
+        ``"mlp"`` for tables in [0, 1]^d; ``"cnn"`` for square one-channel
+        images given as flat rows (e.g. scikit-learn's 8x8 digits, d = 64).
+    hidden : tuple of int
+        Hidden widths of the MLP, or of the CNN's fully connected head.
+    epochs_per_slice : int
+        Epochs of each stage (stage r trains on slices 0..r).
+    batch_size : int
+        Target mini-batch size; batches per epoch ``B = ceil(n / batch_size)``.
+    lr : float
+        Adam learning rate (a fresh optimiser per stage).
+    aggregation : {"vote", "mean"}
+        Majority vote of shard labels (ties -> lowest class index) or mean of
+        shard softmax outputs.
+    add_slice : {"last", "keyed"}
+        Where :meth:`add` puts a record: the shard's last slice (cheap: one
+        stage to retrain) or its keyed slice (training depends on the set of
+        (id, x, y) alone). See the module docstring.
+    classes : sequence or None
+        All labels the model may ever see; ``None``: the labels present at fit.
+        Adding a record with a label outside ``classes_`` raises ``ValueError``.
+    cpu_threads : int or None
+        Intra-op CPU threads used while training and predicting on CPU
+        (``None``: leave torch's setting). Part of what makes bits reproducible.
+    device : str
+        ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ...
+    random_state : int or None
+        The seed of every keyed choice; ``None`` draws one at fit (kept in ``seed_``).
+    """
+
+    guarantee = "exact"
+
+    def __init__(
+        self,
+        n_shards: int = 5,
+        n_slices: int = 1,
+        model: str = "mlp",
+        hidden: Sequence[int] = (64,),
+        epochs_per_slice: int = 20,
+        batch_size: int = 32,
+        lr: float = 1e-2,
+        aggregation: str = "vote",
+        add_slice: str = "last",
+        classes: Sequence[Any] | None = None,
+        cpu_threads: int | None = 1,
+        device: str = "auto",
+        random_state: int | None = 0,
+    ) -> None:
+        self.n_shards = n_shards
+        self.n_slices = n_slices
+        self.model = model
+        self.hidden = hidden
+        self.epochs_per_slice = epochs_per_slice
+        self.batch_size = batch_size
+        self.lr = lr
+        self.aggregation = aggregation
+        self.add_slice = add_slice
+        self.classes = classes
+        self.cpu_threads = cpu_threads
+        self.device = device
+        self.random_state = random_state
+
+    # ------------------------------------------------------------------ config
+
+    def _validated_config(self) -> dict[str, Any]:
+        def pos_int(name: str, v: Any) -> int:
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            return int(v)
+
+        if self.model not in ("mlp", "cnn"):
+            raise ValueError(f"model must be 'mlp' or 'cnn', got {self.model!r}")
+        if self.aggregation not in ("vote", "mean"):
+            raise ValueError(f"aggregation must be 'vote' or 'mean', got {self.aggregation!r}")
+        if self.add_slice not in ("last", "keyed"):
+            raise ValueError(f"add_slice must be 'last' or 'keyed', got {self.add_slice!r}")
+        hidden = tuple(pos_int("hidden[*]", h) for h in self.hidden)
+        lr = float(self.lr)
+        if not np.isfinite(lr) or lr <= 0:
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        threads = None if self.cpu_threads is None else pos_int("cpu_threads", self.cpu_threads)
+        return {
+            "n_shards": pos_int("n_shards", self.n_shards),
+            "n_slices": pos_int("n_slices", self.n_slices),
+            "model": self.model,
+            "hidden": list(hidden),
+            "epochs_per_slice": pos_int("epochs_per_slice", self.epochs_per_slice),
+            "batch_size": pos_int("batch_size", self.batch_size),
+            "lr": lr,
+            "aggregation": self.aggregation,
+            "add_slice": self.add_slice,
+            "cpu_threads": threads,
+        }
+
+    @property
+    def _S(self) -> int:
+        return self.config_["n_shards"]
+
+    @property
+    def _R(self) -> int:
+        return self.config_["n_slices"]
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "checkpoints_"):
+            raise NotFittedError("this SISAEnsemble is not fitted yet; call fit() first")
+
+    def _threads(self):
+        n = self.config_["cpu_threads"] if self.device_.type == "cpu" else None
+        return torch_threads(n)
+
+    # ------------------------------------------------------------------ input checks
+
+    def _check_X(self, X: Any, n: int | None, d: int | None) -> np.ndarray:
+        try:
+            arr = np.asarray(X, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"X must be a numeric 2-D array: {exc}") from None
+        if arr.ndim != 2:
+            raise ValueError(f"X must be 2-D (n_samples, n_features), got shape {arr.shape}")
+        if n is not None and arr.shape[0] != n:
+            raise ValueError(f"X has {arr.shape[0]} rows but {n} record ids were given")
+        if d is not None and arr.shape[1] != d:
+            raise ValueError(f"X has {arr.shape[1]} features, the model expects {d}")
+        out = arr.astype(np.float32)
+        if not np.isfinite(out).all():
+            bad = int((~np.isfinite(out)).any(axis=1).sum())
+            raise ValueError(
+                f"X contains NaN or infinite values (or values beyond float32) in {bad} row(s)"
+            )
+        return np.ascontiguousarray(out)
+
+    def _encode_y(self, y: Any, n: int) -> np.ndarray:
+        arr = np.asarray(y)
+        if arr.ndim != 1 or arr.shape[0] != n:
+            raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
+        try:
+            known = np.isin(arr, self.classes_)
+        except TypeError:
+            known = np.array([any(v == c for c in self.classes_) for v in arr.tolist()])
+        if not known.all():
+            unknown = sorted({repr(v) for v in arr[~known].tolist()})
+            raise ValueError(
+                f"unknown label(s) {', '.join(unknown[:5])}; the model's classes are "
+                f"{self.classes_.tolist()} (declare all labels with classes=... at construction)"
+            )
+        lookup = {c: k for k, c in enumerate(self.classes_.tolist())}
+        return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
+
+    # ------------------------------------------------------------------ keyed assignment
+
+    def _keyed_shards(self, ids: np.ndarray) -> np.ndarray:
+        return (prf_u64_many(self.seed_, "shard", ids) % np.uint64(self._S)).astype(np.int64)
+
+    def _keyed_slices(self, ids: np.ndarray) -> np.ndarray:
+        return (prf_u64_many(self.seed_, "slice", ids) % np.uint64(self._R)).astype(np.int64)
+
+    def _batch_keys(self, ids: np.ndarray) -> np.ndarray:
+        return prf_u64_many(self.seed_, "batch", ids)
+
+    def _slices_for(self, ids: np.ndarray, added: np.ndarray) -> np.ndarray:
+        keyed = self._keyed_slices(ids)
+        if self.config_["add_slice"] == "last":
+            return np.where(added, self._R - 1, keyed).astype(np.int64)
+        return keyed
+
+    def _init_seed(self, s: int) -> int:
+        return prf_u64(self.seed_, "init", s)
+
+    # ------------------------------------------------------------------ training
+
+    def _new_net(self) -> torch.nn.Module:
+        return build_net(
+            self.config_["model"],
+            self.n_features_in_,
+            len(self.classes_),
+            self.config_["hidden"],
+        )
+
+    def _train_shard(
+        self, s: int, data: dict[str, np.ndarray], from_slice: int, start: State | None
+    ) -> list[State]:
+        """Checkpoints of stages ``from_slice .. R-1`` of shard ``s`` on ``data``.
+
+        ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
+        ``from_slice == 0``: the shard starts from its seed-only initialisation).
+        ``data`` holds the live records' arrays sorted by id. This one function
+        serves fit, delete, add and verify: the same kernels and shapes.
+        """
+        cfg = self.config_
+        net = self._new_net()
+        if from_slice == 0:
+            init_net(net, self._init_seed(s))
+        else:
+            assert start is not None
+            net.load_state_dict(start)
+        net.to(self.device_)
+        rows = np.flatnonzero(data["shard"] == s)
+        Xs = torch.from_numpy(data["X"][rows]).to(self.device_)
+        ys = torch.from_numpy(data["y"][rows]).to(self.device_)
+        keys = data["keys"][rows]
+        slices = data["slice"][rows]
+        out: list[State] = []
+        with self._threads():
+            for r in range(from_slice, self._R):
+                sel = np.flatnonzero(slices <= r)
+                if len(sel):
+                    idx = torch.from_numpy(sel).to(self.device_)
+                    train_stage(
+                        net,
+                        Xs.index_select(0, idx),
+                        ys.index_select(0, idx),
+                        keys[sel],
+                        seed=self.seed_,
+                        stage_key=(s, r),
+                        epochs=cfg["epochs_per_slice"],
+                        batch_size=cfg["batch_size"],
+                        lr=cfg["lr"],
+                    )
+                out.append(state_to_cpu(net))
+        return out
+
+    def _serving_net(self, state: State) -> torch.nn.Module:
+        net = self._new_net()
+        net.load_state_dict(state)
+        net.to(self.device_)
+        net.eval()
+        for p in net.parameters():
+            p.requires_grad_(False)
+        return net
+
+    def _data(self) -> dict[str, np.ndarray]:
+        return {
+            "ids": self.record_ids_,
+            "X": self.X_,
+            "y": self.y_,
+            "shard": self.shard_of_,
+            "slice": self.slice_of_,
+            "added": self.added_,
+            "keys": self._keys,
+        }
+
+    def _make_data(
+        self, ids: np.ndarray, X: np.ndarray, y: np.ndarray, added: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """Arrays of a record set, sorted by id, with keyed shard/slice/batch keys."""
+        order = np.argsort(ids, kind="stable")
+        ids, X, y, added = ids[order], X[order], y[order], added[order]
+        return {
+            "ids": ids,
+            "X": np.ascontiguousarray(X, dtype=np.float32),
+            "y": np.ascontiguousarray(y, dtype=np.int64),
+            "shard": self._keyed_shards(ids),
+            "slice": self._slices_for(ids, added),
+            "added": added.astype(bool),
+            "keys": self._batch_keys(ids),
+        }
+
+    def _commit(
+        self,
+        data: dict[str, np.ndarray],
+        checkpoints: list[list[State]],
+        changed: list[int] | None = None,
+    ) -> None:
+        self.record_ids_ = data["ids"]
+        self.X_ = data["X"]
+        self.y_ = data["y"]
+        self.shard_of_ = data["shard"]
+        self.slice_of_ = data["slice"]
+        self.added_ = data["added"]
+        self._keys = data["keys"]
+        self._row = {rid: k for k, rid in enumerate(self.record_ids_.tolist())}
+        self.checkpoints_ = checkpoints
+        if changed is None or not hasattr(self, "_nets"):
+            self._nets = [self._serving_net(c[-1]) for c in checkpoints]
+        else:
+            for s in changed:
+                self._nets[s] = self._serving_net(checkpoints[s][-1])
+
+    # ------------------------------------------------------------------ fit / update
+
+    def fit(self, ids: Any, X: Any, y: Any) -> SISAEnsemble:
+        """Train every shard from its seed on the records ``(ids, X, y)`` (all ``origin="fit"``)."""
+        cfg = self._validated_config()
+        rs = self.random_state
+        if rs is None:
+            seed = secrets.randbits(63)
+        elif isinstance(rs, bool) or not isinstance(rs, int | np.integer):
+            raise ValueError(f"random_state must be an int or None, got {type(rs).__name__}")
+        else:
+            seed = int(rs)
+        rids = _as_ids(ids)
+        if len(rids) == 0:
+            raise ValueError("fit needs at least one record")
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        Xa = self._check_X(X, len(rids), None)
+        if cfg["model"] == "cnn":
+            build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # raises if not a square image
+        yarr = np.asarray(y)
+        if yarr.ndim != 1 or yarr.shape[0] != len(rids):
+            raise ValueError(f"y must be 1-D with {len(rids)} labels, got shape {yarr.shape}")
+        if self.classes is None:
+            if yarr.dtype.kind == "f" and not np.isfinite(yarr).all():
+                raise ValueError("y contains NaN or infinite labels")
+            classes = np.unique(yarr)
+        else:
+            classes = np.asarray(list(self.classes))
+            if len(np.unique(classes)) != len(classes):
+                raise ValueError("classes contains duplicates")
+            classes = np.sort(classes) if classes.dtype != object else classes
+        if len(classes) < 1:
+            raise ValueError("no classes")
+
+        # fitted state (set before helpers that read it)
+        self.config_ = cfg
+        self.seed_ = seed
+        self.classes_ = classes
+        self.n_features_in_ = int(Xa.shape[1])
+        self.device_ = resolve_device(self.device)
+        self.platform_ = self._platform()
+        yi = self._encode_y(yarr, len(rids))
+        data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
+        ckpts = [self._train_shard(s, data, 0, None) for s in range(self._S)]
+        self._commit(data, ckpts)
+        return self
+
+    def _platform(self) -> dict[str, Any]:
+        return {
+            "device_type": self.device_.type,
+            "torch": torch.__version__,
+            "cpu_threads": self.config_["cpu_threads"],
+        }
+
+    def _retrain(
+        self, data: dict[str, np.ndarray], from_slice: dict[int, int]
+    ) -> tuple[list[list[State]], float]:
+        t0 = time.perf_counter()
+        ckpts = list(self.checkpoints_)
+        for s, r in sorted(from_slice.items()):
+            start = self.checkpoints_[s][r - 1] if r > 0 else None
+            ckpts[s] = list(self.checkpoints_[s][:r]) + self._train_shard(s, data, r, start)
+        return ckpts, time.perf_counter() - t0
+
+    def _report(
+        self,
+        op: str,
+        ids: np.ndarray,
+        t0: float,
+        from_slice: dict[int, int],
+        data: dict[str, np.ndarray],
+        train_s: float,
+    ) -> UpdateReport:
+        shards = sorted(from_slice)
+        retrained_records = int(np.isin(data["shard"], shards).sum()) if shards else 0
+        return UpdateReport(
+            op=op,  # type: ignore[arg-type]
+            record_ids=[str(i) for i in ids],
+            guarantee="exact",
+            seconds=time.perf_counter() - t0,
+            retrained={
+                "shards": shards,
+                "from_slice": {int(s): int(r) for s, r in sorted(from_slice.items())},
+                "n_slices": self._R,
+            },
+            metrics={
+                "train_seconds": train_s,
+                "records_in_retrained_shards": float(retrained_records),
+                "n_records": float(len(data["ids"])),
+            },
+        )
+
+    def delete(self, ids: Any) -> UpdateReport:
+        """Forget records by id; retrains each affected shard from its earliest affected slice.
+
+        Raises :class:`UnknownRecordError` (model unchanged) when an id is not
+        live (never seen, or already deleted), :class:`DuplicateRecordError`
+        when an id is named twice.
+        """
+        self._check_fitted()
+        t0 = time.perf_counter()
+        rids = _as_ids(ids)
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        unknown = [i for i in rids.tolist() if i not in self._row]
+        if unknown:
+            raise UnknownRecordError(unknown, "unknown or already deleted record id")
+        rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
+        from_slice: dict[int, int] = {}
+        for s, r in zip(self.shard_of_[rows].tolist(), self.slice_of_[rows].tolist(), strict=True):
+            from_slice[s] = min(r, from_slice.get(s, r))
+        keep = np.ones(len(self.record_ids_), dtype=bool)
+        keep[rows] = False
+        old = self._data()
+        data = {k: v[keep] for k, v in old.items()}
+        ckpts, train_s = self._retrain(data, from_slice)
+        self._commit(data, ckpts, changed=sorted(from_slice))
+        return self._report("delete", rids, t0, from_slice, data, train_s)
+
+    def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
+        """Learn new records; each goes to its keyed shard's last slice (``add_slice="last"``).
+
+        Raises :class:`DuplicateRecordError` for an id already live (or named
+        twice) and ``ValueError`` for a wrong shape, NaN/inf or an unknown label;
+        the model is unchanged on any error.
+        """
+        self._check_fitted()
+        t0 = time.perf_counter()
+        rids = _as_ids(ids)
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        live = [i for i in rids.tolist() if i in self._row]
+        if live:
+            raise DuplicateRecordError(f"record id(s) already in the model: {live[:5]}")
+        Xa = self._check_X(X, len(rids), self.n_features_in_)
+        yi = self._encode_y(y, len(rids))
+        if len(rids) == 0:
+            return self._report("add", rids, t0, {}, self._data(), 0.0)
+        old = self._data()
+        data = self._make_data(
+            np.concatenate([old["ids"], rids]),
+            np.concatenate([old["X"], Xa]),
+            np.concatenate([old["y"], yi]),
+            np.concatenate([old["added"], np.ones(len(rids), dtype=bool)]),
+        )
+        new_rows = np.isin(data["ids"], rids)
+        from_slice: dict[int, int] = {}
+        for s, r in zip(
+            data["shard"][new_rows].tolist(), data["slice"][new_rows].tolist(), strict=True
+        ):
+            from_slice[s] = min(r, from_slice.get(s, r))
+        ckpts, train_s = self._retrain(data, from_slice)
+        self._commit(data, ckpts, changed=sorted(from_slice))
+        return self._report("add", rids, t0, from_slice, data, train_s)
+
+    # ------------------------------------------------------------------ prediction
+
+    @property
+    def shard_sizes_(self) -> np.ndarray:
+        """Live records per shard, shape (S,)."""
+        self._check_fitted()
+        return np.bincount(self.shard_of_, minlength=self._S)
+
+    @property
+    def active_shards_(self) -> np.ndarray:
+        """Boolean mask (S,): shards with at least one live record (the ones that vote)."""
+        return self.shard_sizes_ > 0
+
+    @property
+    def n_classes_(self) -> int:
+        return len(self.classes_)
+
+    def shard_logits(self, X: Any) -> np.ndarray:
+        """Logits of every shard model (empty shards included), shape (S, n, C), float32.
+
+        ``X`` is used as given (no clipping; the service clips to [0, 1]^d).
+        """
+        self._check_fitted()
+        Xa = self._check_X(X, None, self.n_features_in_)
+        xt = torch.from_numpy(Xa).to(self.device_)
+        with self._threads(), deterministic(), torch.inference_mode():
+            out = [net(xt).float().cpu().numpy() for net in self._nets]
+        return np.stack(out) if out else np.zeros((0, len(Xa), self.n_classes_), np.float32)
+
+    def predict(self, X: Any) -> np.ndarray:
+        """Labels: argmax of :meth:`scores`, ties to the lowest class index."""
+        self._check_fitted()
+        return super().predict(X)
+
+    def shard_predictions(self, X: Any) -> np.ndarray:
+        """Class index voted by each shard, shape (S, n); -1 for empty (non-voting) shards."""
+        pred = self.shard_logits(X).argmax(axis=2)
+        pred[~self.active_shards_] = -1
+        return pred
+
+    def scores(self, X: Any) -> np.ndarray:
+        """Vote counts per class (``"vote"``) or mean softmax of the active shards (``"mean"``)."""
+        logits = self.shard_logits(X)
+        active = self.active_shards_
+        n, C = logits.shape[1], self.n_classes_
+        if self.config_["aggregation"] == "vote":
+            votes = np.zeros((n, C), dtype=np.float64)
+            for s in np.flatnonzero(active):
+                votes[np.arange(n), logits[s].argmax(axis=1)] += 1.0
+            return votes
+        if not active.any():
+            return np.full((n, C), 1.0 / C)
+        z = logits[active].astype(np.float64)
+        z -= z.max(axis=2, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=2, keepdims=True)
+        return p.mean(axis=0)
+
+    # ------------------------------------------------------------------ hashes
+
+    def _header(self) -> bytes:
+        head = {
+            "format": FORMAT,
+            "classes": [str(c) for c in self.classes_.tolist()],
+            "n_features": self.n_features_in_,
+            "model": self.config_["model"],
+            "hidden": self.config_["hidden"],
+            "aggregation": self.config_["aggregation"],
+            "n_shards": self._S,
+        }
+        return json.dumps(head, sort_keys=True).encode()
+
+    def _hash_of(self, finals: list[State], active: np.ndarray) -> str:
+        h = hashlib.sha256(self._header())
+        for s, st in enumerate(finals):
+            h.update(f"|shard {s} active={bool(active[s])}|".encode())
+            h.update(hash_state(st).encode())
+        return h.hexdigest()
+
+    def content_hash(self) -> str:
+        """SHA-256 over the served shard weights (bit for bit), active mask, classes, config."""
+        self._check_fitted()
+        return self._hash_of([state_to_cpu(n) for n in self._nets], self.active_shards_)
+
+    def shard_hash(self, s: int) -> str:
+        """Hash of shard ``s``'s served weights."""
+        self._check_fitted()
+        return hash_state(state_to_cpu(self._nets[s]))
+
+    def checkpoint_hash(self, s: int, r: int) -> str:
+        """Hash of shard ``s``'s checkpoint after stage ``r``."""
+        self._check_fitted()
+        return hash_state(self.checkpoints_[s][r])
+
+    # ------------------------------------------------------------------ verification
+
+    def _assignment_errors(self) -> int:
+        """Live records whose stored shard/slice differ from the keyed rule (should be 0)."""
+        shard = self._keyed_shards(self.record_ids_)
+        sl = self._slices_for(self.record_ids_, self.added_)
+        return int((shard != self.shard_of_).sum() + (sl != self.slice_of_).sum())
+
+    def _verify_shards(self, shards: list[int]) -> tuple[list[State], dict[str, Any]]:
+        data = self._data()
+        fresh_finals: list[State] = []
+        mismatched: list[list[int]] = []
+        served_mismatch: list[int] = []
+        for s in shards:
+            fresh = self._train_shard(s, data, 0, None)
+            fresh_finals.append(fresh[-1])
+            for r in range(self._R):
+                if not states_equal(fresh[r], self.checkpoints_[s][r]):
+                    mismatched.append([s, r])
+            if not states_equal(state_to_cpu(self._nets[s]), self.checkpoints_[s][-1]):
+                served_mismatch.append(s)
+        detail = {
+            "definition": "every shard re-initialised from the seed and all slices retrained "
+            "on the live records with their recorded origin-based slices",
+            "shards_checked": list(shards),
+            "checkpoints_checked": len(shards) * self._R,
+            "mismatched_checkpoints": mismatched,
+            "served_differs_from_checkpoint": served_mismatch,
+            "assignment_errors": self._assignment_errors(),
+            "n_records": len(self.record_ids_),
+            "platform": self._platform(),
+        }
+        return fresh_finals, detail
+
+    def verify(self) -> VerifyReport:
+        """Retrain every shard from scratch on the live records and compare bit for bit."""
+        self._check_fitted()
+        t0 = time.perf_counter()
+        finals, detail = self._verify_shards(list(range(self._S)))
+        served = self.content_hash()
+        retrained = self._hash_of(finals, self.active_shards_)
+        exact = (
+            served == retrained
+            and not detail["mismatched_checkpoints"]
+            and not detail["served_differs_from_checkpoint"]
+            and detail["assignment_errors"] == 0
+        )
+        return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
+
+    def verify_shard(self, s: int) -> VerifyReport:
+        """Retrain only shard ``s`` from scratch and compare its checkpoints and weights."""
+        self._check_fitted()
+        if not 0 <= int(s) < self._S:
+            raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
+        t0 = time.perf_counter()
+        finals, detail = self._verify_shards([int(s)])
+        served = self.shard_hash(int(s))
+        retrained = hash_state(finals[0])
+        exact = (
+            served == retrained
+            and not detail["mismatched_checkpoints"]
+            and not detail["served_differs_from_checkpoint"]
+            and detail["assignment_errors"] == 0
+        )
+        return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
+
+    def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, slice) of live records; :class:`UnknownRecordError` for ids not live."""
+        self._check_fitted()
+        rids = _as_ids(ids)
+        unknown = [i for i in rids.tolist() if i not in self._row]
+        if unknown:
+            raise UnknownRecordError(unknown, "unknown or already deleted record id")
+        rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
+        return self.shard_of_[rows].copy(), self.slice_of_[rows].copy()
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path/meta.json`` (JSON) and ``path/state.pt`` (tensors only)."""
+        self._check_fitted()
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        params = self.get_params(deep=False)
+        params["hidden"] = list(params["hidden"])
+        if params["classes"] is not None:
+            params["classes"] = np.asarray(list(params["classes"])).tolist()
+        meta = {
+            "format": FORMAT,
+            "params": params,
+            "config": self.config_,
+            "seed": str(self.seed_),
+            "classes": self.classes_.tolist(),
+            "classes_dtype": self.classes_.dtype.str,
+            "n_features": self.n_features_in_,
+            "record_ids": self.record_ids_.tolist(),
+            "platform": self.platform_,
+            "content_hash": self.content_hash(),
+        }
+        state = {
+            "X": torch.from_numpy(self.X_),
+            "y": torch.from_numpy(self.y_),
+            "added": torch.from_numpy(self.added_),
+            "checkpoints": self.checkpoints_,
+        }
+        tmp_state = p / (_STATE + ".tmp")
+        tmp_meta = p / (_META + ".tmp")
+        torch.save(state, tmp_state)
+        tmp_meta.write_text(json.dumps(meta, indent=1))
+        tmp_state.replace(p / _STATE)
+        tmp_meta.replace(p / _META)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SISAEnsemble:
+        """Read a bundle written by :meth:`save`; checks the content hash."""
+        p = Path(path)
+        meta = json.loads((p / _META).read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{p} is not a SISA bundle ({meta.get('format')!r})")
+        state = torch.load(p / _STATE, map_location="cpu", weights_only=True)
+        params = dict(meta["params"])
+        params["hidden"] = tuple(params["hidden"])
+        if params["classes"] is not None:
+            params["classes"] = tuple(params["classes"])
+        self = cls(**params)
+        self.config_ = meta["config"]
+        self.seed_ = int(meta["seed"])
+        self.classes_ = np.asarray(meta["classes"], dtype=np.dtype(meta["classes_dtype"]))
+        self.n_features_in_ = int(meta["n_features"])
+        self.device_ = resolve_device(self.device)
+        self.platform_ = meta["platform"]
+        now = self._platform()
+        if now != self.platform_:
+            warnings.warn(
+                f"SISA bundle trained on {self.platform_}, loaded on {now}: further updates "
+                "would mix platforms and verify() may report a bit-level mismatch",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        ids = np.empty(len(meta["record_ids"]), dtype=object)
+        ids[:] = meta["record_ids"]
+        added = state["added"].numpy().astype(bool)
+        data = self._make_data(ids, state["X"].numpy(), state["y"].numpy(), added)
+        ckpts = [
+            [{k: v.contiguous() for k, v in st.items()} for st in shard]
+            for shard in state["checkpoints"]
+        ]
+        if len(ckpts) != self._S or any(len(c) != self._R for c in ckpts):
+            raise ValueError(f"{p}: checkpoint layout does not match n_shards x n_slices")
+        self._commit(data, ckpts)
+        if self.content_hash() != meta["content_hash"]:
+            raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
+        return self

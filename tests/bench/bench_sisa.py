@@ -1,0 +1,181 @@
+"""SISA benchmark: accuracy, training time, deletion time, retrain speedup, exactness.
+
+    python tests/bench/bench_sisa.py [--quick]
+
+Data sets: scikit-learn's 8x8 digits (pixels / 16 -> [0, 1], small CNN) and a
+synthetic table (make_classification, min-max scaled to [0, 1] on the training
+split, MLP). Grid: shards S in {1, 5, 10, 20} x slices R in {1, 4}.
+
+Equal training budget across R: a record of slice 0 is seen for
+``E_total`` epochs when R = 1; with R slices each stage runs
+``epochs_per_slice = round(2 E / (R + 1))`` epochs, so the total work
+(stage r trains on (r+1)/R of the shard) is about the same as R = 1 (the
+SISA paper's convention).
+
+Per setting: accuracy on a held-out split, full training time, the mean time
+of single-record deletions of random live records (each applied, one after
+the other), ``retrain_speedup = train_s / delete_mean_s``, the ratio
+``delete_mean_s / (train_s / S)`` (target <= 1.25), slicing gain (R=1 vs R=4
+deletion time at the same S), accuracy cost vs S = 1, and exactness: the
+model after all deletions is retrained from scratch (``verify()``) and
+compared bit for bit. The last line of each setting is
+
+    RESULT data=... shards=... slices=... acc=... train_s=... delete_mean_s=...
+    retrain_speedup=... exact=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits, make_classification
+from sklearn.model_selection import train_test_split
+
+from jobs.learners.sisa import SISAEnsemble
+
+
+def digits(quick: bool):
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    if quick:
+        X, y = X[:900], y[:900]
+    Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
+    cfg = {"model": "cnn", "hidden": (64,), "batch_size": 32, "lr": 0.01}
+    return Xtr, Xte, ytr, yte, cfg, (10 if quick else 30)
+
+
+def table(quick: bool):
+    n = 2000 if quick else 10000
+    X, y = make_classification(
+        n_samples=n,
+        n_features=20,
+        n_informative=10,
+        n_redundant=4,
+        n_classes=4,
+        n_clusters_per_class=2,
+        class_sep=1.0,
+        flip_y=0.01,
+        random_state=0,
+    )
+    Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
+    lo, hi = Xtr.min(axis=0), Xtr.max(axis=0)
+    Xtr = (Xtr - lo) / (hi - lo)
+    Xte = np.clip((Xte - lo) / (hi - lo), 0.0, 1.0)  # served inputs are clipped
+    cfg = {"model": "mlp", "hidden": (64,), "batch_size": 32, "lr": 0.005}
+    return Xtr, Xte, ytr, yte, cfg, (8 if quick else 30)
+
+
+def run_setting(name, data, S, R, n_del, seed=0):
+    Xtr, Xte, ytr, yte, cfg, E = data
+    epochs = max(1, round(2 * E / (R + 1)))
+    ids = np.array([f"{name}-{i}" for i in range(len(Xtr))], dtype=object)
+    m = SISAEnsemble(
+        n_shards=S,
+        n_slices=R,
+        epochs_per_slice=epochs,
+        aggregation="vote",
+        random_state=seed,
+        **cfg,
+    )
+    t0 = time.perf_counter()
+    m.fit(ids, Xtr, ytr)
+    train_s = time.perf_counter() - t0
+    acc = float((m.predict(Xte) == yte).mean())
+    rng = np.random.default_rng(1000 + S * 10 + R)
+    times, from_slices = [], []
+    for _ in range(n_del):
+        victim = rng.choice(m.record_ids_)
+        t = time.perf_counter()
+        rep = m.delete([victim])
+        times.append(time.perf_counter() - t)
+        from_slices.extend(rep.retrained["from_slice"].values())
+    ver = m.verify()
+    delete_mean = float(np.mean(times))
+    return {
+        "data": name,
+        "S": S,
+        "R": R,
+        "epochs_per_slice": epochs,
+        "acc": acc,
+        "train_s": train_s,
+        "delete_mean_s": delete_mean,
+        "speedup": train_s / delete_mean,
+        "ratio": delete_mean / (train_s / S),
+        "exact": ver.exact,
+        "verify_s": ver.seconds,
+        "from_slices": from_slices,
+        "acc_after": float((m.predict(Xte) == yte).mean()),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    shards = [1, 5] if args.quick else [1, 5, 10, 20]
+    slices = [1, 4]
+    n_del = 2 if args.quick else 8
+    print(
+        f"torch {torch.__version__}, device cpu, 1 thread; shards={shards} slices={slices} "
+        f"deletions/setting={n_del}",
+        flush=True,
+    )
+    # warm up torch's lazy initialisation so the first timing is not penalised
+    w = digits(True)
+    SISAEnsemble(n_shards=1, model="cnn", epochs_per_slice=1).fit(
+        np.arange(64), w[0][:64], w[2][:64]
+    )
+    all_exact = True
+    t_all = time.perf_counter()
+    for name, loader in (("digits", digits), ("table", table)):
+        data = loader(args.quick)
+        print(
+            f"\n== {name}: train={len(data[0])} test={len(data[1])} "
+            f"model={data[4]['model']} E_total={data[5]}",
+            flush=True,
+        )
+        res: dict[tuple[int, int], dict] = {}
+        for R in slices:
+            for S in shards:
+                r = run_setting(name, data, S, R, n_del)
+                res[S, R] = r
+                all_exact &= r["exact"]
+                print(f"-- data={name} S={S} R={R} epochs_per_slice={r['epochs_per_slice']}")
+                print(f"   delete_mean_s/(train_s/S) = {r['ratio']:.3f} (target <= 1.25)")
+                if R > 1 and (S, 1) in res:
+                    base = res[S, 1]
+                    print(
+                        f"   slicing: delete_mean R=1 {base['delete_mean_s']:.3f}s -> "
+                        f"R={R} {r['delete_mean_s']:.3f}s "
+                        f"(gain x{base['delete_mean_s'] / r['delete_mean_s']:.2f}; "
+                        f"train_s {base['train_s']:.2f} -> {r['train_s']:.2f}; "
+                        f"acc {base['acc']:.4f} -> {r['acc']:.4f}); "
+                        f"retrained from slices {sorted(r['from_slices'])}"
+                    )
+                if (1, R) in res and S != 1:
+                    print(
+                        f"   accuracy cost vs S=1 (R={R}): "
+                        f"{res[1, R]['acc'] - r['acc']:+.4f} "
+                        f"({res[1, R]['acc']:.4f} -> {r['acc']:.4f})"
+                    )
+                print(
+                    f"   verify (full retrain from scratch): {r['verify_s']:.2f}s; "
+                    f"acc after deletions {r['acc_after']:.4f}"
+                )
+                print(
+                    f"RESULT data={name} shards={S} slices={R} acc={r['acc']:.4f} "
+                    f"train_s={r['train_s']:.3f} delete_mean_s={r['delete_mean_s']:.4f} "
+                    f"retrain_speedup={r['speedup']:.2f} exact={str(r['exact']).lower()}",
+                    flush=True,
+                )
+    print(f"\ntotal {time.perf_counter() - t_all:.1f}s; all exact: {all_exact}")
+    return 0 if all_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

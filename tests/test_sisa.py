@@ -1,0 +1,491 @@
+"""SISA ensemble: exact unlearning, checked bit for bit against a retrain from scratch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+
+from jobs.learners.base import DuplicateRecordError, UnknownRecordError
+from jobs.learners.keyed import prf_u64
+from jobs.learners.nets import build_net, epoch_batches, hash_state, init_net, state_to_cpu
+from jobs.learners.sisa import SISAEnsemble
+
+TINY = {"hidden": (8,), "epochs_per_slice": 2, "batch_size": 8, "lr": 0.05}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def _pool(n: int = 200, d: int = 5, n_classes: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    X = rng.random((n, d))
+    y = (X[:, 0] * n_classes).astype(int).clip(0, n_classes - 1)
+    ids = np.array([f"p{i}" for i in range(n)], dtype=object)
+    return ids, X, y
+
+
+def _model(**kw) -> SISAEnsemble:
+    params = {**TINY, "device": "cpu", **kw}
+    return SISAEnsemble(**params)
+
+
+def _live(m: SISAEnsemble):
+    return m.record_ids_, m.X_, m.classes_[m.y_]
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_fit_predict_shapes_and_learns():
+    ids, X, y = _pool(300)
+    m = _model(n_shards=3, n_slices=2, epochs_per_slice=6).fit(ids[:240], X[:240], y[:240])
+    assert m.fit(ids[:240], X[:240], y[:240]) is m
+    assert m.guarantee == "exact"
+    sc = m.scores(X[240:])
+    assert sc.shape == (60, 3)
+    np.testing.assert_array_equal(sc.sum(axis=1), np.full(60, m.active_shards_.sum()))
+    assert m.shard_logits(X[240:]).shape == (3, 60, 3)
+    assert m.shard_predictions(X[240:]).shape == (3, 60)
+    acc = (m.predict(X[240:]) == y[240:]).mean()
+    assert acc > 0.6
+    assert m.shard_sizes_.sum() == 240
+
+
+def test_same_seed_same_bits_and_row_order_irrelevant():
+    ids, X, y = _pool(80)
+    a = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    perm = np.random.default_rng(1).permutation(80)
+    b = _model(n_shards=2, n_slices=2).fit(ids[perm], X[perm], y[perm])
+    assert a.content_hash() == b.content_hash()
+    c = _model(n_shards=2, n_slices=2, random_state=1).fit(ids, X, y)
+    assert c.content_hash() != a.content_hash()
+
+
+def test_bits_independent_of_process_thread_setting():
+    ids, X, y = _pool(80)
+    a = _model(n_shards=1).fit(ids, X, y)
+    torch.set_num_threads(2)
+    try:
+        b = _model(n_shards=1).fit(ids, X, y)
+        assert torch.get_num_threads() == 2  # restored after training
+    finally:
+        torch.set_num_threads(1)
+    assert a.content_hash() == b.content_hash()
+
+
+def test_sklearn_conventions():
+    m = _model(n_shards=4)
+    assert m.get_params()["n_shards"] == 4
+    c = clone(m)
+    assert c.get_params() == m.get_params()
+    assert not hasattr(c, "checkpoints_")
+    with pytest.raises(NotFittedError):
+        m.predict(np.zeros((1, 5)))
+    with pytest.raises(ValueError, match="model"):
+        _model(model="rf").fit(["a"], [[0.0]], [0])
+    with pytest.raises(ValueError, match="aggregation"):
+        _model(aggregation="max").fit(["a"], [[0.0]], [0])
+    with pytest.raises(ValueError, match="n_shards"):
+        _model(n_shards=0).fit(["a"], [[0.0]], [0])
+
+
+def test_keyed_batches_are_a_function_of_the_set():
+    keys = np.array([prf_u64(0, "batch", f"r{i}") for i in range(50)], dtype=np.uint64)
+    full = epoch_batches(keys, 123, 4)
+    assert sorted(np.concatenate(full).tolist()) == list(range(50))
+    # dropping row 7: every other row keeps its batch and its order within the batch
+    mask = np.arange(50) != 7
+    part = epoch_batches(keys[mask], 123, 4)
+    kept = np.flatnonzero(mask)
+    mapped = [kept[b].tolist() for b in part]
+    expected = [[i for i in b.tolist() if i != 7] for b in full]
+    assert mapped == [b for b in expected if b]
+
+
+# --------------------------------------------------------------------------- property
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_update_sequences_stay_exact(data):
+    ids, X, y = _pool(60, n_classes=3, seed=2)
+    S = data.draw(st.integers(1, 4), label="S")
+    R = data.draw(st.integers(1, 3), label="R")
+    add_slice = data.draw(st.sampled_from(["last", "keyed"]), label="add_slice")
+    agg = data.draw(st.sampled_from(["vote", "mean"]), label="aggregation")
+    n0 = data.draw(st.integers(1, 30), label="n0")
+    m = _model(
+        n_shards=S,
+        n_slices=R,
+        add_slice=add_slice,
+        aggregation=agg,
+        classes=(0, 1, 2),
+        random_state=data.draw(st.integers(0, 3), label="seed"),
+    )
+    m.fit(ids[:n0], X[:n0], y[:n0])
+    live = set(range(n0))
+    for _ in range(data.draw(st.integers(1, 5), label="n_ops")):
+        op = data.draw(st.sampled_from(["add", "delete", "bad_delete", "bad_add"]), label="op")
+        before = m.content_hash()
+        if op == "add":
+            free = sorted(set(range(60)) - live)
+            if not free:
+                continue
+            pick = data.draw(
+                st.lists(st.sampled_from(free), min_size=1, max_size=4, unique=True), label="add"
+            )
+            rep = m.add(ids[pick], X[pick], y[pick])
+            live |= set(pick)
+            shards, slices = m.locate(ids[pick])
+            if add_slice == "last":
+                assert (slices == R - 1).all()
+                assert set(rep.retrained["from_slice"].values()) <= {R - 1}
+            assert sorted(rep.retrained["shards"]) == sorted(set(shards.tolist()))
+        elif op == "delete":
+            if not live:
+                continue
+            pick = data.draw(
+                st.lists(st.sampled_from(sorted(live)), min_size=1, max_size=4, unique=True),
+                label="delete",
+            )
+            shards, slices = m.locate(ids[pick])
+            rep = m.delete(ids[pick])
+            live -= set(pick)
+            expect = {}
+            for s, r in zip(shards.tolist(), slices.tolist(), strict=True):
+                expect[s] = min(r, expect.get(s, r))
+            assert rep.retrained["from_slice"] == expect
+        elif op == "bad_delete":
+            gone = sorted(set(range(60)) - live)
+            with pytest.raises(UnknownRecordError):
+                m.delete(ids[[*sorted(live)[:1], *gone[:1]]] if gone else ["nope"])
+            assert m.content_hash() == before
+        else:
+            if not live:
+                continue
+            k = sorted(live)[0]
+            with pytest.raises(DuplicateRecordError):
+                m.add(ids[[k]], X[[k]], y[[k]])
+            assert m.content_hash() == before
+    assert set(m.record_ids_.tolist()) == {ids[i] for i in live}
+    rep = m.verify()
+    assert rep.exact, rep.detail
+    assert rep.served_hash == rep.retrained_hash
+    if add_slice == "keyed" and live:
+        # with keyed slices the model IS a plain fit on the live set
+        lid, lX, ly = _live(m)
+        fresh = clone(m).fit(lid, lX, ly)
+        assert fresh.content_hash() == m.content_hash()
+
+
+def test_delete_equals_fresh_fit_on_live_set():
+    ids, X, y = _pool(90)
+    m = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(ids, X, y)
+    m.delete(ids[[3, 10, 44, 45, 80]])
+    keep = np.setdiff1d(np.arange(90), [3, 10, 44, 45, 80])
+    fresh = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(ids[keep], X[keep], y[keep])
+    assert fresh.content_hash() == m.content_hash()
+    for s in range(3):
+        for r in range(3):
+            assert fresh.checkpoint_hash(s, r) == m.checkpoint_hash(s, r)
+
+
+# --------------------------------------------------------------------------- locality
+
+
+def test_deletion_retrains_only_affected_shard():
+    ids, X, y = _pool(100)
+    m = _model(n_shards=5).fit(ids, X, y)
+    before = [m.shard_hash(s) for s in range(5)]
+    (s,), _ = m.locate([ids[17]])
+    rep = m.delete([ids[17]])
+    assert rep.retrained["shards"] == [int(s)]
+    assert rep.guarantee == "exact" and rep.op == "delete" and rep.record_ids == [ids[17]]
+    after = [m.shard_hash(k) for k in range(5)]
+    for k in range(5):
+        assert (after[k] == before[k]) == (k != s)
+    assert m.verify_shard(int(s)).exact
+    assert m.verify().exact
+
+
+def test_deleting_from_slice_r_keeps_earlier_checkpoints():
+    ids, X, y = _pool(120)
+    R = 4
+    m = _model(n_shards=2, n_slices=R).fit(ids, X, y)
+    shards, slices = m.locate(ids)
+    for r in (3, 1, 0, 2):
+        cand = [i for i in range(120) if slices[i] == r and ids[i] in m._row]
+        i = cand[0]
+        s = int(shards[i])
+        old = [m.checkpoint_hash(s, k) for k in range(R)]
+        other = [m.checkpoint_hash(1 - s, k) for k in range(R)]
+        rep = m.delete([ids[i]])
+        assert rep.retrained["from_slice"] == {s: r}
+        new = [m.checkpoint_hash(s, k) for k in range(R)]
+        assert new[:r] == old[:r]
+        assert all(new[k] != old[k] for k in range(r, R))
+        assert [m.checkpoint_hash(1 - s, k) for k in range(R)] == other
+    assert m.verify().exact
+
+
+def test_add_goes_to_last_slice_and_retrains_only_it():
+    ids, X, y = _pool(120)
+    R = 3
+    m = _model(n_shards=2, n_slices=R).fit(ids[:100], X[:100], y[:100])
+    old = {s: [m.checkpoint_hash(s, k) for k in range(R)] for s in range(2)}
+    rep = m.add(ids[100:103], X[100:103], y[100:103])
+    _, slices = m.locate(ids[100:103])
+    assert (slices == R - 1).all()
+    assert set(rep.retrained["from_slice"].values()) == {R - 1}
+    for s in range(2):
+        new = [m.checkpoint_hash(s, k) for k in range(R)]
+        assert new[: R - 1] == old[s][: R - 1]
+    # a record that was fitted, deleted and re-added lives in the last slice now
+    (s0,), (r0,) = m.locate([ids[0]])
+    m.delete([ids[0]])
+    m.add([ids[0]], X[[0]], y[[0]])
+    assert m.locate([ids[0]])[1][0] == R - 1
+    assert m.verify().exact
+
+
+def test_add_keyed_slice_option():
+    ids, X, y = _pool(120)
+    m = _model(n_shards=2, n_slices=3, add_slice="keyed", classes=(0, 1, 2))
+    m.fit(ids[:100], X[:100], y[:100])
+    rep = m.add(ids[100:110], X[100:110], y[100:110])
+    _, slices = m.locate(ids[100:110])
+    assert min(rep.retrained["from_slice"].values()) == min(slices)
+    full = clone(m).fit(ids[:110], X[:110], y[:110])
+    assert full.content_hash() == m.content_hash()
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+def test_multiclass_and_removing_last_record_of_a_class():
+    ids, X, y = _pool(100, n_classes=4, seed=3)
+    y = y.copy()
+    y[7] = 9  # class 9 has exactly one record
+    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    assert m.classes_.tolist() == [0, 1, 2, 3, 9]
+    m.delete([ids[7]])
+    assert m.classes_.tolist() == [0, 1, 2, 3, 9]  # output layer keeps the class
+    assert m.scores(X[:5]).shape == (5, 5)
+    assert m.verify().exact
+    m.add(["new9"], X[[7]], [9])  # the class can come back
+    assert m.verify().exact
+
+
+def test_string_labels_and_int_ids():
+    _, X, y = _pool(50)
+    labels = np.array(["cat", "dog", "emu"])[y]
+    m = _model(n_shards=2).fit(np.arange(50), X, labels)
+    assert set(m.predict(X[:10])) <= {"cat", "dog", "emu"}
+    m.delete([3, 4])
+    m.add([1000], X[[3]], ["emu"])
+    with pytest.raises(UnknownRecordError):
+        m.delete([3])
+    assert m.verify().exact
+
+
+def test_values_outside_seen_range_duplicates_and_constant_attributes():
+    ids, X, y = _pool(60)
+    X = X.copy()
+    X[:, 2] = 0.5  # constant attribute
+    X[10:20] = X[10]  # duplicate feature rows (different ids, same and different labels)
+    y = y.copy()
+    y[15] = (y[10] + 1) % 3
+    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    out = np.array([[5.0, -3.0, 0.5, 1e3, -1e-3], [0, 0, 0, 0, 0]], dtype=float)
+    m.add(["far1", "far2"], out, [0, 2])
+    m.add(["dupX"], X[[10]], [y[10]])
+    m.delete([ids[12], ids[15]])
+    assert m.verify().exact
+    assert np.isfinite(m.shard_logits(out)).all()
+
+
+def test_deleting_everything_in_a_shard_and_everything_at_all():
+    ids, X, y = _pool(60)
+    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    shards, _ = m.locate(ids)
+    victims = ids[shards == 1]
+    rep = m.delete(victims)
+    assert rep.retrained["shards"] == [1]
+    assert not m.active_shards_[1] and m.active_shards_.sum() == 2
+    init = hash_state(state_to_cpu(init_net(build_net("mlp", 5, 3, (8,)), prf_u64(0, "init", 1))))
+    assert m.checkpoint_hash(1, 0) == m.checkpoint_hash(1, 1) == m.shard_hash(1) == init
+    assert (m.scores(X).sum(axis=1) == 2).all()  # the empty shard does not vote
+    assert (m.shard_predictions(X)[1] == -1).all()
+    assert m.verify().exact
+    m.add(victims[:2], X[shards == 1][:2], y[shards == 1][:2])
+    assert m.active_shards_[1]
+    assert m.verify().exact
+    # everything gone: no votes, deterministic answer, updates still exact
+    m.delete(m.record_ids_.copy())
+    assert len(m.record_ids_) == 0 and not m.active_shards_.any()
+    assert (m.scores(X[:4]) == 0).all()
+    assert (m.predict(X[:4]) == m.classes_[0]).all()
+    assert m.verify().exact
+    m.add(ids[:5], X[:5], y[:5])
+    assert m.verify().exact
+
+
+def test_mean_aggregation():
+    ids, X, y = _pool(90)
+    m = _model(n_shards=3, aggregation="mean").fit(ids, X, y)
+    sc = m.scores(X[:20])
+    np.testing.assert_allclose(sc.sum(axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(m.predict(X[:20]), m.classes_[sc.argmax(axis=1)])
+    m.delete(ids[:5])
+    assert m.verify().exact
+
+
+def test_vote_tie_breaks_to_lowest_class():
+    ids, X, y = _pool(90)
+    m = _model(n_shards=2, epochs_per_slice=1).fit(ids, X, y)
+    Q = np.random.default_rng(5).random((2000, 5))
+    sp = m.shard_predictions(Q)
+    split = np.flatnonzero(sp[0] != sp[1])
+    assert len(split) > 0, "the two shard models never disagree on 2000 random points"
+    np.testing.assert_array_equal(m.predict(Q[split]), m.classes_[sp[:, split].min(axis=0)])
+
+
+def test_unknown_duplicate_and_invalid_requests_leave_model_unchanged():
+    ids, X, y = _pool(40)
+    m = _model(n_shards=2).fit(ids[:30], X[:30], y[:30])
+    h = m.content_hash()
+    with pytest.raises(UnknownRecordError) as e:
+        m.delete(["never-seen"])
+    assert e.value.record_ids == ["never-seen"]
+    m.delete([ids[0]])
+    h = m.content_hash()
+    with pytest.raises(UnknownRecordError):
+        m.delete([ids[0]])  # already deleted
+    with pytest.raises(UnknownRecordError):
+        m.delete([ids[1], ids[0]])  # one good, one gone: nothing happens
+    with pytest.raises(DuplicateRecordError):
+        m.delete([ids[1], ids[1]])
+    with pytest.raises(DuplicateRecordError):
+        m.add([ids[5]], X[[5]], y[[5]])
+    with pytest.raises(DuplicateRecordError):
+        m.add([ids[31], ids[31]], X[[31, 31]], y[[31, 31]])
+    with pytest.raises(ValueError, match="features"):
+        m.add([ids[31]], X[[31], :3], y[[31]])
+    with pytest.raises(ValueError, match="rows"):
+        m.add([ids[31], ids[32]], X[[31]], y[[31]])
+    with pytest.raises(ValueError, match="NaN"):
+        m.add([ids[31]], np.full((1, 5), np.nan), [0])
+    with pytest.raises(ValueError, match="NaN"):
+        m.add([ids[31]], np.full((1, 5), np.inf), [0])
+    with pytest.raises(ValueError, match="unknown label"):
+        m.add([ids[31]], X[[31]], [7])
+    with pytest.raises(ValueError, match="labels"):
+        m.add([ids[31]], X[[31]], [0, 1])
+    with pytest.raises(ValueError):
+        m.predict(X[:2, :4])
+    with pytest.raises(ValueError, match="NaN"):
+        m.predict(np.full((1, 5), np.nan))
+    with pytest.raises(DuplicateRecordError):
+        _model().fit(["a", "a"], X[:2], y[:2])
+    assert m.content_hash() == h
+    assert ids[0] not in set(m.record_ids_)
+    assert len(m.record_ids_) == 29
+    rep = m.delete([])
+    assert rep.retrained["shards"] == [] and m.content_hash() == h
+    assert m.verify().exact
+
+
+def test_verify_detects_tampering():
+    ids, X, y = _pool(60)
+    m = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    assert m.verify().exact
+    with torch.no_grad():
+        next(m._nets[1].parameters()).view(-1)[0] += 1e-6
+    rep = m.verify()
+    assert not rep.exact and rep.detail["served_differs_from_checkpoint"] == [1]
+    assert not m.verify_shard(1).exact and m.verify_shard(0).exact
+    m2 = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    m2.slice_of_[0] = (m2.slice_of_[0] + 1) % 2  # a record claimed to be in another slice
+    rep = m2.verify()
+    assert not rep.exact and rep.detail["assignment_errors"] == 1
+
+
+# --------------------------------------------------------------------------- persistence
+
+
+def test_save_load_round_trip_then_updates_stay_exact(tmp_path):
+    ids, X, y = _pool(80)
+    labels = np.array(["a", "b", "c"])[y]
+    m = _model(n_shards=3, n_slices=2, aggregation="mean").fit(ids[:60], X[:60], labels[:60])
+    m.add(ids[60:65], X[60:65], labels[60:65])
+    m.delete(ids[:3])
+    m.save(tmp_path / "m")
+    state = torch.load(tmp_path / "m" / "state.pt", weights_only=True)  # tensors only
+    assert set(state) == {"X", "y", "added", "checkpoints"}
+    assert ids[0] not in json.loads((tmp_path / "m" / "meta.json").read_text())["record_ids"]
+    m2 = SISAEnsemble.load(tmp_path / "m")
+    assert m2.content_hash() == m.content_hash()
+    assert m2.get_params() == m.get_params()
+    np.testing.assert_array_equal(m2.scores(X[60:]), m.scores(X[60:]))
+    np.testing.assert_array_equal(m2.predict(X[60:]), m.predict(X[60:]))
+    for mm in (m, m2):  # the same updates on both give the same bits
+        mm.delete(ids[[10, 61]])
+        mm.add(ids[65:70], X[65:70], labels[65:70])
+    assert m2.content_hash() == m.content_hash()
+    assert m2.verify().exact
+    # the added records keep their origin (last slice) across save/load
+    assert (m2.locate(ids[62:65])[1] == 1).all()
+
+
+def test_load_rejects_altered_bundle(tmp_path):
+    ids, X, y = _pool(40)
+    m = _model(n_shards=2).fit(ids, X, y)
+    m.save(tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    meta["content_hash"] = "0" * 64
+    (tmp_path / "m" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="hash"):
+        SISAEnsemble.load(tmp_path / "m")
+
+
+# --------------------------------------------------------------------------- CNN
+
+
+def test_cnn_on_small_digits_subset():
+    from sklearn.datasets import load_digits
+
+    Xd, yd = load_digits(return_X_y=True)
+    Xd = Xd / 16.0
+    ids = np.array([f"d{i}" for i in range(len(Xd))], dtype=object)
+    tr, te = slice(0, 300), slice(300, 500)
+    m = SISAEnsemble(
+        n_shards=2,
+        n_slices=2,
+        model="cnn",
+        hidden=(16,),
+        epochs_per_slice=4,
+        batch_size=16,
+        lr=0.01,
+        device="cpu",
+        random_state=0,
+    )
+    m.fit(ids[tr], Xd[tr], yd[tr])
+    assert m.shard_logits(Xd[te]).shape == (2, 200, 10)
+    assert (m.predict(Xd[te]) == yd[te]).mean() > 0.6
+    m.delete(ids[[0, 1, 2]])
+    m.add(ids[500:505], Xd[500:505], yd[500:505])
+    assert m.verify().exact
+    with pytest.raises(ValueError, match="square"):
+        SISAEnsemble(model="cnn", device="cpu").fit(["a"], [[0.0, 0.1, 0.2]], [0])
