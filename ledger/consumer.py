@@ -120,7 +120,7 @@ class RequestConsumer:
         finally:
             try:  # commit exactly what the ledger recorded, never the mere read position
                 if self._recorded:
-                    consumer.commit(dict(self._recorded))
+                    consumer.commit(dict(self._recorded), timeout_ms=5000)
             except KafkaError as exc:
                 log.warning("final offset commit failed (%s); the ledger holds the batches", exc)
             consumer.close(autocommit=False)

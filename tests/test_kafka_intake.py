@@ -196,3 +196,33 @@ def test_sigkill_mid_stream_then_restart_loses_and_repeats_nothing(broker, topic
     admin.close()
     assert [o.offset for o in committed[topic].values()] == [len(messages)]
     assert ledger.verify().ok
+
+
+def test_consumer_survives_a_broker_that_goes_away(tmp_path) -> None:
+    ledger = make_ledger(tmp_path)
+    with LocalBroker() as own:
+        from ledger.consumer import ensure_topics
+        ensure_topics(own.bootstrap, ["req", "req.dead"])
+        produce(own.bootstrap, "req", stream(50))
+        consumer = RequestConsumer(ledger, own.bootstrap, "req", "req.dead", group_id="g")
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                consumer.run()
+            except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while consumer.stats.messages < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        own.stop()
+        time.sleep(3)
+        assert thread.is_alive() and not errors, errors
+        consumer.stop()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and not errors, errors
+    assert consumer.stats.messages == 50
+    assert ledger.verify().ok
