@@ -238,7 +238,7 @@ class Ledger:
         now = utc_now()
         now_s = iso(now)
         with writing(self.engine) as conn:
-            intake = _BatchIntake(self, conn, parsed, now, now_s)
+            intake = _BatchIntake(self._key, conn, parsed, now, now_s)
             results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
             intake.write(conn)
             self._maybe_checkpoint(conn, intake.appender.seq)
@@ -326,7 +326,10 @@ class Ledger:
         return None if row is None else Checkpoint.model_validate(dict(row._mapping))
 
     def history(self, request_id: str) -> dict[str, Any]:
-        """A request, its events, and for each event an inclusion proof to a published root."""
+        """A request, its events, and for each event an inclusion proof to a published root.
+
+        Publishes a new checkpoint first if the latest one does not cover the events yet.
+        """
         with self.engine.connect() as conn:
             req = conn.execute(select(REQUESTS).where(REQUESTS.c.request_id == request_id)).first()
             events = conn.execute(select(EVENTS).where(EVENTS.c.request_id == request_id)
@@ -525,10 +528,10 @@ class _Appender:
 class _BatchIntake:
     """The database half of validating one batch: duplicates, unknown ids, expansion."""
 
-    def __init__(self, ledger: Ledger, conn: Connection,
+    def __init__(self, hmac_key: bytes, conn: Connection,
                  parsed: Sequence[RequestMessage | InvalidRequest], now: datetime,
                  now_s: str) -> None:
-        self.ledger, self.now, self.now_s = ledger, now, now_s
+        self.key, self.now, self.now_s = hmac_key, now, now_s
         self.appender = _Appender(conn)
         self.request_rows: list[dict[str, Any]] = []
         self.record_rows: list[dict[str, Any]] = []
@@ -588,7 +591,7 @@ class _BatchIntake:
         if p.op == "add":
             hashes = {}
             for r in p.records:
-                fp = record_fingerprint(self.ledger._key, r.record_id, p.subject_id,
+                fp = record_fingerprint(self.key, r.record_id, p.subject_id,
                                         r.features, r.label)
                 hashes[r.record_id] = fp
                 self.record_rows.append({
