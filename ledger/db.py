@@ -23,6 +23,8 @@ from sqlalchemy import (
     bindparam,
     create_engine,
     event,
+    func,
+    select,
     text,
 )
 from sqlmodel import SQLModel
@@ -115,4 +117,7 @@ def among(conn: Connection, column: ColumnElement[Any], values: list[Any]) -> Co
     """`column IN (values)`; on PostgreSQL one array parameter instead of one per value."""
     if conn.dialect.name == "postgresql":
         return column == any_(bindparam(None, values, type_=ARRAY(column.type)))
+    if conn.dialect.name == "sqlite":  # one JSON parameter, unpacked by SQLite itself
+        each = func.json_each(json.dumps(values)).table_valued("value")
+        return column.in_(select(each.c.value))
     return column.in_(values)
