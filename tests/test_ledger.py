@@ -315,3 +315,14 @@ def _record(ledger: Ledger, record_id: str):
 def _hashes(ledger: Ledger) -> dict[str, str]:
     with ledger.engine.connect() as conn:
         return dict(conn.execute(text("SELECT record_id, record_hash FROM training_records")).all())
+
+
+def test_auditor_recomputes_exported_events_without_the_database(seeded: Ledger) -> None:
+    """The README's recipe: an exported event alone re-hashes to its stored hash."""
+    from ledger.chain import canonical_json, event_hash
+
+    seeded.receive(add("n", "new1", features=[0.1, 1e-7, 0.3333333333333333, 2.5]))
+    seeded.receive(delete("d", subject="s01"))
+    for ev in seeded.export():
+        assert event_hash(ev["seq"], ev["request_id"], ev["kind"], canonical_json(ev["payload"]),
+                          ev["model_version"], ev["created_at"], ev["prev_hash"]) == ev["hash"]
