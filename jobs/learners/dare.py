@@ -1,0 +1,2220 @@
+"""DaRE random forests (Brophy & Lowd, ICML 2021) whose updates are checkably exact.
+
+A DaRE forest caches, at every decision node, the counts it needs to re-score
+its candidate splits, so deleting (or adding) a record touches the counts along
+the record's path in every tree and retrains a subtree only where the best
+split changes. The paper promises that an update has the same *distribution*
+as a retrain. This implementation promises more: after any sequence of
+:meth:`DaREForest.delete` / :meth:`DaREForest.add` calls the forest is
+bit-identical to ``DaREForest(same params).fit(live ids, X, y)``, which
+:meth:`DaREForest.verify` checks by retraining and comparing content hashes.
+
+Keyed randomness (why update == retrain)
+----------------------------------------
+No random stream is shared between training and updates. Every random choice
+is a pure function of ``random_state`` and a name for the choice, computed
+with a keyed 64-bit mixer (splitmix64's finaliser, keyed per tree by
+``keyed.prf_u64(random_state, "dare-tree", t)``). A node is named by its tree
+and its heap path (root 1, children 2i and 2i+1). A node's state is therefore
+a pure function of the records that reach it:
+
+* leaf: depth == max_depth, fewer than 2 * min_samples_leaf records, one
+  class, no non-constant attribute, or no candidate leaves min_samples_leaf
+  records on both sides.
+* random node (depth < d_rmax): the first attribute, in the node's keyed
+  attribute order, that is not constant on the node; the threshold is the
+  first draw of the keyed stream ``v_j = (2 u_j - 1) D`` (u_j keyed by node,
+  attribute and j) that falls in ``[min, max)`` of the node's values. ``D`` is
+  a canonical function of the live data, the smallest power of two above the
+  attribute's largest absolute value, so it changes only when that crosses a
+  power of two (then every random node on the attribute is re-derived).
+  A deletion only shrinks ``[min, max)``: the current draw stays the first
+  draw inside as long as both children are non-empty, else the node is
+  re-derived. An addition widens the range: the node is re-derived.
+* greedy node: the first ``floor(sqrt(p))`` non-constant attributes in the
+  node's keyed order; per attribute, the candidate thresholds are the pairs of
+  adjacent distinct values (v1, v2) that are *valid* (not both value groups
+  pure with the same label); each pair has the 32-bit priority
+  ``h(node, attribute, bits(v1))``; the k valid pairs of smallest
+  (priority, v1) are scored (Gini: maximise sum L_c^2/n_l + sum R_c^2/n_r
+  from exact integer sums; entropy: from a table of x*log(x)); ties go to the
+  earlier attribute, then the smaller (priority, v1). The threshold is the
+  midpoint of (v1, v2).
+
+Updating a greedy node with cached counts. Greedy nodes with at least
+``_CACHE_MIN`` records keep, per sampled attribute, the first k + ``_BUFFER``
+valid pairs in priority order with their left class counts, and the key
+(priority, v1) of the last one (the cut-off). A pair is named by its lower
+value v1, so when a deletion removes value w from a node, the pair (prev, w)
+becomes (prev, next) under the same priority and the pair (w, next) disappears;
+no pair with a new priority ever appears. Hence the stored list stays exactly
+"every valid pair with priority up to the cut-off", and its first k entries are
+the pairs a retrain would select, as long as at least k remain (otherwise the
+node's cache is recomputed from its records). A deletion decrements the left
+counts of the cached pairs, repairs the (at most two) pairs that touch w, and,
+when w's value disappears, checks whether the merged pair (prev, next) is a
+newly valid pair under the cut-off (prev and next are found by walking the
+attribute's global sorted order, or the node's own records, whichever is
+shorter). It then re-scores the k selected pairs and retrains the subtree only
+if the best pair changes; a pair that only moved its upper value moves the
+threshold without retraining. Smaller greedy nodes keep no per-candidate
+cache: when a record in them changes, their best split is recomputed from their
+records. Additions re-derive every node on the new records' paths from its
+records (exact, but slower than deletions).
+
+Exactness does not make flips cheap: when two candidates of a large node are
+nearly tied, successive deletions can flip the argmax back and forth, and each
+flip retrains the subtree, exactly as a retrain would choose; this, not the
+count updates, dominates the deletion time of G-DaRE.
+
+The content hash covers the structure, thresholds, counts, the selected
+candidates of cached nodes with their counts, the keyed draw indices, each
+leaf's records (by id) and the live training set; nothing in it depends on
+the order of updates, memory layout or record slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.exceptions import NotFittedError
+
+from jobs.learners.base import (
+    DuplicateRecordError,
+    Learner,
+    UnknownRecordError,
+    UpdateReport,
+    VerifyReport,
+)
+from jobs.learners.keyed import prf_u64
+
+FORMAT = "obliviate.dare/1"
+_META = "meta.json"
+_ARRAYS = "arrays.npz"
+
+# ----------------------------------------------------------------------------- keyed mixing
+
+_U64 = np.uint64
+_M1 = _U64(0xBF58476D1CE4E5B9)
+_M2 = _U64(0x94D049BB133111EB)
+_GOLD = _U64(0x9E3779B97F4A7C15)
+_S30, _S27, _S31, _S32, _S11 = _U64(30), _U64(27), _U64(31), _U64(32), _U64(11)
+_TAG_GATTR = _U64(0x243F6A8885A308D3)
+_TAG_THR = _U64(0x13198A2E03707344)
+_TAG_RATTR = _U64(0xA4093822299F31D0)
+_TAG_DRAW = _U64(0x082EFA98EC4E6C89)
+_INV53 = 2.0**-53
+
+LEAF, RANDOM, GREEDY = 0, 1, 2
+# why a node is a leaf (0: it is not)
+_W_DEPTH, _W_SMALL, _W_PURE, _W_CONST, _W_MSL = 1, 2, 3, 4, 5
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a bijection of uint64), elementwise on a uint64 array (array
+    integer arithmetic wraps silently; only numpy scalars would warn, so x is made 1-D)."""
+    x = np.atleast_1d(x)
+    x = x ^ (x >> _S30)
+    x = x * _M1
+    x = x ^ (x >> _S27)
+    x = x * _M2
+    return x ^ (x >> _S31)
+
+
+def _h2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Keyed hash of two uint64 arrays (broadcasting)."""
+    return _mix(np.atleast_1d(a) ^ _mix(np.atleast_1d(b) + _GOLD))
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + l) for each (s, l), as int64."""
+    lens = np.asarray(lens, dtype=np.int64)
+    tot = int(lens.sum())
+    if tot == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lens)
+    return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lens), lens) + np.arange(
+        tot, dtype=np.int64
+    )
+
+
+def _bits(x: int) -> int:
+    return max(1, int(x).bit_length())
+
+
+def _midpoint(v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
+    """Threshold between adjacent values: the midpoint, or v1 where it rounds onto v2."""
+    t = 0.5 * v1 + 0.5 * v2  # finite inputs: no overflow, no NaN
+    bad = ~((t >= v1) & (t < v2))
+    if bad.any():
+        t = np.where(bad, v1, t)
+    return t
+
+
+def _as_ids(ids: Any, what: str = "ids") -> np.ndarray:
+    """Record ids as a 1-D object array of ``str`` (ints and strings are both accepted)."""
+    arr = np.asarray(ids, dtype=object)
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must be a 1-D sequence of record ids, got a scalar")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    out = np.empty(len(arr), dtype=object)
+    for i, v in enumerate(arr):
+        if v is None:
+            raise ValueError(f"{what}[{i}] is None; record ids must be strings or integers")
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, float | np.floating):
+            raise ValueError(f"{what}[{i}] = {v!r} is a float; record ids must be strings or ints")
+        out[i] = str(v)
+    return out
+
+
+def _duplicates(ids: np.ndarray) -> list[str]:
+    seen: set[str] = set()
+    dup: list[str] = []
+    for i in ids.tolist():
+        if i in seen:
+            dup.append(i)
+        seen.add(i)
+    return dup
+
+
+_XLOGX: list[np.ndarray] = [np.zeros(1)]
+
+
+def _xlogx(n: int) -> np.ndarray:
+    """Table of x * log(x) for x = 0..n-1 (0 at 0), computed one value at a time with math.log
+    so an entry never depends on the table's length or on SIMD code paths."""
+    tab = _XLOGX[0]
+    if len(tab) < n:
+        m = max(n, 2 * len(tab), 1024)
+        ext = np.fromiter(
+            (x * math.log(x) for x in range(len(tab), m)), dtype=np.float64, count=m - len(tab)
+        )
+        tab = np.concatenate([tab, ext])
+        _XLOGX[0] = tab
+    return tab
+
+
+class _Decisions:
+    """Per-task outcome of :meth:`DaREForest._decide` (parallel arrays)."""
+
+    __slots__ = (
+        "kind", "why", "attr", "thr", "r1", "r2", "draw", "n", "cnt", "go_left",
+        "cache_task", "cache_slots", "cache_all", "cache_cutp", "cache_cutv", "cache_off",
+        "cache_len", "e_r1", "e_r2", "e_left",
+    )  # fmt: skip
+
+
+class DaREForest(Learner, BaseEstimator):
+    """Data-removal-enabled random forest with keyed, checkably exact updates.
+
+    Parameters
+    ----------
+    n_estimators : int
+        Number of trees; every tree sees all records (no bootstrap).
+    max_depth : int
+        Maximum depth (the root has depth 0; at most 60).
+    k : int
+        Number of valid thresholds sampled per attribute at a greedy node.
+    d_rmax : int
+        Nodes at depth < d_rmax are random nodes (attribute and threshold drawn
+        at random, independent of labels); 0 gives G-DaRE.
+    criterion : {"gini", "entropy"}
+        Split criterion of greedy nodes.
+    min_samples_leaf : int
+        A greedy split must leave at least this many records on each side.
+    random_state : int
+        Key of every random choice (see the module docstring).
+    """
+
+    guarantee = "exact"
+
+    #: greedy nodes with at least this many records keep per-candidate counts
+    _CACHE_MIN = 128
+    #: extra valid candidates a cached node keeps beyond its k selected ones
+    _BUFFER = 8
+    #: random-node threshold draws per vectorised round and the cap before a fallback
+    _DRAW_CHUNK = 64
+    _MAX_DRAWS = 1 << 16
+    #: a batch deletion larger than this fraction of the live records refits from scratch
+    _REFIT_FRACTION = 0.25
+
+    def __init__(
+        self,
+        n_estimators: int = 100,
+        max_depth: int = 10,
+        k: int = 25,
+        d_rmax: int = 0,
+        criterion: str = "gini",
+        min_samples_leaf: int = 1,
+        random_state: int = 0,
+    ) -> None:
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.k = k
+        self.d_rmax = d_rmax
+        self.criterion = criterion
+        self.min_samples_leaf = min_samples_leaf
+        self.random_state = random_state
+
+    # ================================================================== configuration / checks
+
+    def _validate_params(self) -> None:
+        def nonneg_int(name: str, v: Any, lo: int) -> int:
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+            return int(v)
+
+        self._T = nonneg_int("n_estimators", self.n_estimators, 1)
+        self._maxd = nonneg_int("max_depth", self.max_depth, 0)
+        if self._maxd > 60:
+            raise ValueError(f"max_depth must be <= 60, got {self.max_depth!r}")
+        self._k = nonneg_int("k", self.k, 1)
+        self._drmax = nonneg_int("d_rmax", self.d_rmax, 0)
+        self._msl = nonneg_int("min_samples_leaf", self.min_samples_leaf, 1)
+        if self.criterion not in ("gini", "entropy"):
+            raise ValueError(f"criterion must be 'gini' or 'entropy', got {self.criterion!r}")
+        if isinstance(self.random_state, bool) or not isinstance(
+            self.random_state, int | np.integer
+        ):
+            raise ValueError(f"random_state must be an integer, got {self.random_state!r}")
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "classes_"):
+            raise NotFittedError("this DaREForest is not fitted yet; call fit() first")
+
+    @staticmethod
+    def _check_X(X: Any, n: int | None, d: int | None) -> np.ndarray:
+        try:
+            arr = np.asarray(X, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"X must be a numeric 2-D array: {exc}") from None
+        if arr.ndim != 2:
+            raise ValueError(f"X must be 2-D (n_samples, n_features), got shape {arr.shape}")
+        if n is not None and arr.shape[0] != n:
+            raise ValueError(f"X has {arr.shape[0]} rows but {n} record ids were given")
+        if d is not None and arr.shape[1] != d:
+            raise ValueError(f"X has {arr.shape[1]} features, the model expects {d}")
+        if not np.isfinite(arr).all():
+            bad = int((~np.isfinite(arr)).any(axis=1).sum())
+            raise ValueError(f"X contains NaN or infinite values in {bad} row(s)")
+        return np.ascontiguousarray(arr) + 0.0  # + 0.0 turns -0.0 into 0.0
+
+    @staticmethod
+    def _check_y(y: Any, n: int) -> np.ndarray:
+        arr = np.asarray(y)
+        if arr.ndim != 1 or arr.shape[0] != n:
+            raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
+        if arr.dtype == object:
+            raise ValueError("y must be a numeric or string array (not objects)")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError("y contains NaN or infinite labels")
+        return arr
+
+    @property
+    def n_classes_(self) -> int:
+        self._check_fitted()
+        return len(self.classes_)
+
+    @property
+    def n_records_(self) -> int:
+        """Number of live training records."""
+        self._check_fitted()
+        return int(self._nlive)
+
+    @property
+    def record_ids_(self) -> np.ndarray:
+        """Live record ids, sorted."""
+        self._check_fitted()
+        return np.array(sorted(self._slot), dtype=object)
+
+    # ================================================================== record store
+
+    def _init_store(self, ids: np.ndarray, X: np.ndarray, yi: np.ndarray) -> None:
+        n, p = X.shape
+        self._cap = max(n, 1)
+        self._nrec = n
+        self._X = np.zeros((p, self._cap), dtype=np.float64)
+        self._X[:, :n] = X.T
+        self._y = np.zeros(self._cap, dtype=np.int32)
+        self._y[:n] = yi
+        self._alive = np.zeros(self._cap, dtype=bool)
+        self._alive[:n] = True
+        self._ids = np.empty(self._cap, dtype=object)
+        self._ids[:n] = ids
+        self._slot = {s: i for i, s in enumerate(ids.tolist())}
+        self._nlive = n
+        self._class_n = np.bincount(yi, minlength=len(self.classes_)).astype(np.int64)
+
+    def _grow_store(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = max(need, 2 * self._cap)
+        p = self._X.shape[0]
+        X = np.zeros((p, cap), dtype=np.float64)
+        X[:, : self._nrec] = self._X[:, : self._nrec]
+        self._X = X
+        for name, dt in (("_y", np.int32), ("_alive", bool)):
+            a = np.zeros(cap, dtype=dt)
+            a[: self._nrec] = getattr(self, name)[: self._nrec]
+            setattr(self, name, a)
+        ids = np.empty(cap, dtype=object)
+        ids[: self._nrec] = self._ids[: self._nrec]
+        self._ids = ids
+        pos = np.zeros((self._T, cap), dtype=np.int32)
+        pos[:, : self._nrec] = self._pos[:, : self._nrec]
+        self._pos = pos
+        rank = np.zeros((p, cap), dtype=np.int32)
+        rank[:, : self._nrec] = self._rank[:, : self._nrec]
+        self._rank = rank
+        self._cap = cap
+
+    def _rerank(self) -> list[np.ndarray] | None:
+        """Dense ranks of every slot's values per attribute, the global sorted order and the
+        start of each value's run in it. Returns, per attribute, the map old rank -> new rank
+        (None on the first call)."""
+        p = self.n_features_
+        n = self._nrec
+        old_vals = None
+        if hasattr(self, "_vals"):
+            old_vals = [self._vals[self._voff[a] : self._voff[a + 1]] for a in range(p)]
+        if not hasattr(self, "_rank") or self._rank.shape[1] < self._cap:
+            self._rank = np.zeros((p, self._cap), dtype=np.int32)
+        vals, voff = [], [0]
+        gorder = np.empty((p, n), dtype=np.int32)
+        rstart, roff = [], [0]
+        for a in range(p):
+            u, inv = np.unique(self._X[a, :n], return_inverse=True)
+            self._rank[a, :n] = inv
+            vals.append(u)
+            voff.append(voff[-1] + len(u))
+            gorder[a] = np.argsort(inv, kind="stable")
+            rs = np.zeros(len(u) + 1, dtype=np.int32)
+            np.cumsum(np.bincount(inv, minlength=len(u)), out=rs[1:])
+            rstart.append(rs)
+            roff.append(roff[-1] + len(u) + 1)
+        self._vals = np.concatenate(vals) if vals else np.zeros(0)
+        self._voff = np.array(voff, dtype=np.int64)
+        self._gorder = gorder
+        self._rstart = np.concatenate(rstart)
+        self._roff = np.array(roff, dtype=np.int64)
+        self._nvals_max = max((len(v) for v in vals), default=1)
+        if old_vals is None:
+            return None
+        return [np.searchsorted(vals[a], old_vals[a]).astype(np.int32) for a in range(p)]
+
+    def _update_domain(self, attrs: np.ndarray | None = None) -> np.ndarray:
+        """Random-node stream domains D_a = 2**e with 2**(e-1) <= max|x_a| < 2**e over the live
+        data (e <= 1023). Returns the attributes whose D changed."""
+        p = self.n_features_
+        attrs = np.arange(p) if attrs is None else np.asarray(attrs, dtype=np.int64)
+        if not hasattr(self, "_dom"):
+            self._dom = np.ones(p, dtype=np.float64)
+            self._absmax = np.zeros(p, dtype=np.float64)
+        if len(attrs) == 0:
+            return attrs
+        live = np.flatnonzero(self._alive[: self._nrec])
+        m = np.abs(self._X[np.ix_(attrs, live)]).max(axis=1) if live.size else np.zeros(len(attrs))
+        self._absmax[attrs] = m
+        dom = np.array(
+            [1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023)) for v in m.tolist()]
+        )
+        changed = attrs[dom != self._dom[attrs]]
+        self._dom[attrs] = dom
+        return changed
+
+    # ================================================================== node & entry pools
+
+    def _init_pools(self, ncap: int, ccap: int, ecap: int, scap: int) -> None:
+        C, P = len(self.classes_), self._P
+        self._ncap = ncap
+        self._n_tree = np.zeros(ncap, dtype=np.int32)
+        self._n_depth = np.zeros(ncap, dtype=np.int32)
+        self._n_path = np.zeros(ncap, dtype=np.int64)
+        self._n_kind = np.zeros(ncap, dtype=np.int8)
+        self._n_why = np.zeros(ncap, dtype=np.int8)
+        self._n_left = np.full(ncap, -1, dtype=np.int32)
+        self._n_right = np.full(ncap, -1, dtype=np.int32)
+        self._n_attr = np.full(ncap, -1, dtype=np.int32)
+        self._n_thr = np.zeros(ncap, dtype=np.float64)
+        self._n_r1 = np.full(ncap, -1, dtype=np.int32)
+        self._n_r2 = np.full(ncap, -1, dtype=np.int32)
+        self._n_draw = np.full(ncap, -1, dtype=np.int32)
+        self._n_n = np.zeros(ncap, dtype=np.int32)
+        self._n_cnt = np.zeros((ncap, C), dtype=np.int32)
+        self._n_s = np.zeros(ncap, dtype=np.int32)
+        self._n_e = np.zeros(ncap, dtype=np.int32)
+        self._n_cid = np.full(ncap, -1, dtype=np.int32)
+        self._n_used = np.zeros(ncap, dtype=bool)
+        self._nfree = np.arange(ncap - 1, -1, -1, dtype=np.int64)
+        self._nfree_n = ncap
+        # cache table: one row per cached greedy node
+        self._ccap = ccap
+        self._c_attr = np.full((ccap, P), -1, dtype=np.int32)
+        self._c_off = np.zeros((ccap, P), dtype=np.int64)
+        self._c_len = np.zeros((ccap, P), dtype=np.int32)
+        self._c_all = np.zeros((ccap, P), dtype=bool)
+        self._c_cutp = np.zeros((ccap, P), dtype=np.int64)
+        self._c_cutv = np.zeros((ccap, P), dtype=np.float64)
+        self._cfree = np.arange(ccap - 1, -1, -1, dtype=np.int64)
+        self._cfree_n = ccap
+        # entry pool (cached candidate pairs)
+        self._ecap = ecap
+        self._er1 = np.full(ecap, -1, dtype=np.int32)
+        self._er2 = np.full(ecap, -1, dtype=np.int32)
+        # left class counts of cached pairs, class-major (1-D gathers per class); 16-bit while
+        # no node can hold 65,535 records
+        cdt = np.uint16 if self._nlive < 65_535 else np.int32
+        self._eleft = np.zeros((C, ecap), dtype=cdt)
+        self._eused = 0
+        self._egarb = 0
+        # per-tree layout of records (leaves' instance lists are ranges of it)
+        self._samp = np.full((self._T, scap), -1, dtype=np.int32)
+        self._pos = np.zeros((self._T, self._cap), dtype=np.int32)
+        self._root = np.full(self._T, -1, dtype=np.int64)
+        self._tt = np.arange(self._T)
+
+    _NODE_1D = (
+        ("_n_tree", 0), ("_n_depth", 0), ("_n_path", 0), ("_n_kind", 0), ("_n_why", 0),
+        ("_n_left", -1), ("_n_right", -1), ("_n_attr", -1), ("_n_thr", 0), ("_n_r1", -1),
+        ("_n_r2", -1), ("_n_draw", -1), ("_n_n", 0), ("_n_s", 0), ("_n_e", 0),
+        ("_n_cid", -1), ("_n_used", False),
+    )  # fmt: skip
+
+    def _alloc_nodes(self, m: int) -> np.ndarray:
+        if self._nfree_n < m:
+            old = self._ncap
+            cap = max(2 * old, old + m)
+            for name, fill in self._NODE_1D:
+                a = getattr(self, name)
+                b = np.full(cap, fill, dtype=a.dtype)
+                b[:old] = a
+                setattr(self, name, b)
+            cnt = np.zeros((cap, self._n_cnt.shape[1]), dtype=np.int32)
+            cnt[:old] = self._n_cnt
+            self._n_cnt = cnt
+            fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
+            self._nfree = np.concatenate([fresh, self._nfree[: self._nfree_n]])
+            self._nfree_n = len(self._nfree)
+            self._ncap = cap
+        out = self._nfree[self._nfree_n - m : self._nfree_n][::-1].copy()
+        self._nfree_n -= m
+        self._n_used[out] = True
+        return out
+
+    def _free_nodes(self, nodes: np.ndarray) -> None:
+        if len(nodes) == 0:
+            return
+        self._uncache(nodes)
+        self._n_used[nodes] = False
+        self._n_kind[nodes] = LEAF
+        self._n_left[nodes] = -1
+        self._n_right[nodes] = -1
+        need = self._nfree_n + len(nodes)
+        if need > len(self._nfree):
+            f = np.zeros(max(need, 2 * len(self._nfree)), dtype=np.int64)
+            f[: self._nfree_n] = self._nfree[: self._nfree_n]
+            self._nfree = f
+        self._nfree[self._nfree_n : need] = nodes
+        self._nfree_n = need
+
+    def _uncache(self, nodes: np.ndarray) -> None:
+        cid = self._n_cid[nodes]
+        cid = cid[cid >= 0]
+        if cid.size == 0:
+            return
+        self._egarb += int(self._c_len[cid].sum())
+        self._c_attr[cid] = -1
+        self._c_len[cid] = 0
+        self._n_cid[nodes] = -1
+        need = self._cfree_n + len(cid)
+        if need > len(self._cfree):
+            f = np.zeros(max(need, 2 * len(self._cfree)), dtype=np.int64)
+            f[: self._cfree_n] = self._cfree[: self._cfree_n]
+            self._cfree = f
+        self._cfree[self._cfree_n : need] = cid
+        self._cfree_n = need
+
+    def _alloc_caches(self, m: int) -> np.ndarray:
+        if self._cfree_n < m:
+            old = self._ccap
+            cap = max(2 * old, old + m)
+            P = self._P
+            for name, fill, dt in (
+                ("_c_attr", -1, np.int32), ("_c_off", 0, np.int64),
+                ("_c_len", 0, np.int32), ("_c_all", False, bool),
+                ("_c_cutp", 0, np.int64), ("_c_cutv", 0.0, np.float64),
+            ):  # fmt: skip
+                b = np.full((cap, P), fill, dtype=dt)
+                b[:old] = getattr(self, name)
+                setattr(self, name, b)
+            fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
+            self._cfree = np.concatenate([fresh, self._cfree[: self._cfree_n]])
+            self._cfree_n = len(self._cfree)
+            self._ccap = cap
+        out = self._cfree[self._cfree_n - m : self._cfree_n][::-1].copy()
+        self._cfree_n -= m
+        return out
+
+    def _alloc_entries(self, m: int) -> int:
+        self._reserve_entries(m)
+        start = self._eused
+        self._eused += m
+        return start
+
+    def _reserve_entries(self, m: int) -> None:
+        """Make room for m more entries (may compact the pool, moving cached segments)."""
+        if self._eused + m > self._ecap:
+            if self._egarb > self._eused // 4:
+                self._compact_entries()
+            if self._eused + m > self._ecap:
+                cap = max(self._ecap + self._ecap // 4, self._eused + m)
+                for name, fill in (("_er1", -1), ("_er2", -1)):
+                    a = getattr(self, name)
+                    b = np.full(cap, fill, dtype=a.dtype)
+                    b[: self._eused] = a[: self._eused]
+                    setattr(self, name, b)
+                b = np.zeros((self._eleft.shape[0], cap), dtype=self._eleft.dtype)
+                b[:, : self._eused] = self._eleft[:, : self._eused]
+                self._eleft = b
+                self._ecap = cap
+
+    def _compact_entries(self) -> None:
+        """Drop freed segments and dead entries, keeping each segment's priority order."""
+        cids = np.flatnonzero((self._c_attr >= 0).any(axis=1))
+        P = self._P
+        off = self._c_off[cids].ravel()
+        ln = self._c_len[cids].ravel().astype(np.int64)
+        idx = _ranges(off, ln)
+        seg = np.repeat(np.arange(len(off)), ln)
+        keep = self._er1[idx] >= 0
+        idx, seg = idx[keep], seg[keep]
+        newlen = np.bincount(seg, minlength=len(off)).astype(np.int64)
+        newoff = np.cumsum(newlen) - newlen
+        m = len(idx)
+        self._er1[:m] = self._er1[idx]
+        self._er2[:m] = self._er2[idx]
+        self._eleft[:, :m] = self._eleft[:, idx]
+        self._er1[m : self._eused] = -1
+        self._c_off[cids] = newoff.reshape(-1, P)
+        self._c_len[cids] = newlen.reshape(-1, P)
+        self._eused = m
+        self._egarb = 0
+
+    def _trim_pools(self) -> None:
+        """Release spare capacity of the node, cache and entry pools (after a fit)."""
+        if self._egarb:
+            self._compact_entries()
+        cap = self._eused + max(1024, self._eused // 16)
+        if cap < self._ecap:
+            self._er1 = self._er1[:cap].copy()
+            self._er2 = self._er2[:cap].copy()
+            self._eleft = np.ascontiguousarray(self._eleft[:, :cap])
+            self._ecap = cap
+        used = np.flatnonzero(self._n_used)
+        top = int(used.max()) + 1 if used.size else 1
+        cap = top + max(64, top // 16)
+        if cap < self._ncap:
+            for name, _fill in self._NODE_1D:
+                setattr(self, name, getattr(self, name)[:cap].copy())
+            self._n_cnt = self._n_cnt[:cap].copy()
+            self._nfree = np.flatnonzero(~self._n_used)[::-1].copy()
+            self._nfree_n = len(self._nfree)
+            self._ncap = cap
+        cid = self._n_cid[used]
+        cid = cid[cid >= 0]
+        top = int(cid.max()) + 1 if cid.size else 1
+        cap = top + max(16, top // 16)
+        if cap < self._ccap:
+            inuse = np.zeros(self._ccap, dtype=bool)
+            inuse[cid] = True
+            for name in ("_c_attr", "_c_off", "_c_len", "_c_all", "_c_cutp", "_c_cutv"):
+                setattr(self, name, getattr(self, name)[:cap].copy())
+            self._cfree = np.flatnonzero(~inuse[:cap])[::-1].copy()
+            self._cfree_n = len(self._cfree)
+            self._ccap = cap
+
+    # ================================================================== keyed choices
+
+    def _nodekey(self, tree: np.ndarray, path: np.ndarray) -> np.ndarray:
+        return _h2(self._tkeys[tree], np.asarray(path).astype(_U64))
+
+    def _attr_order(self, nk: np.ndarray, tag: np.uint64) -> np.ndarray:
+        h = _h2((nk ^ tag)[:, None], self._attr_u64[None, :])
+        return np.argsort(h, axis=1, kind="stable")
+
+    # ================================================================== split kernels
+
+    def _pairs(self, sa_task, sa_attr, rows, off):
+        """Adjacent distinct-value pairs of every (task, attribute) segment.
+
+        Returns (npairs per segment, pair segment, r1, r2, valid, left counts (np, C))."""
+        C = len(self.classes_)
+        nsa = len(sa_task)
+        lens = (off[1:] - off[:-1])[sa_task]
+        E = int(lens.sum())
+        el = _ranges(off[sa_task], lens)
+        er = rows[el]
+        stride = np.repeat(sa_attr.astype(np.int64) * self._rank.shape[1], lens)
+        rk = self._rank.ravel()[stride + er]
+        lab = self._y[er]
+        seg = np.repeat(np.arange(nsa, dtype=np.int64), lens)
+        b_lab = _bits(C - 1)
+        b_rk = _bits(self._nvals_max)
+        b_seg = _bits(nsa)
+        if b_seg + b_rk + b_lab <= 63:
+            key = (seg << (b_rk + b_lab)) | (rk.astype(np.int64) << b_lab) | lab
+            key.sort()
+            kk = key >> b_lab  # (segment, rank)
+            lab = key & ((1 << b_lab) - 1)
+        else:  # pragma: no cover - enormous batches only
+            o = np.lexsort((lab, rk, seg))
+            kk = (seg[o] << b_rk) | rk[o].astype(np.int64)
+            lab = lab[o].astype(np.int64)
+            b_lab = 0
+        newg = np.empty(E, dtype=bool)
+        newg[:1] = True
+        np.not_equal(kk[1:], kk[:-1], out=newg[1:])
+        G = np.flatnonzero(newg)
+        Gend = np.empty(len(G), dtype=np.int64)
+        Gend[:-1] = G[1:] - 1
+        Gend[-1:] = E - 1
+        kg = kk[G]
+        gseg = kg >> b_rk
+        grk = kg & ((1 << b_rk) - 1)
+        gf = lab[G]
+        gl = lab[Gend]
+        pi = np.flatnonzero(gseg[1:] == gseg[:-1])
+        pj = pi + 1
+        gpure = gf == gl
+        valid = ~(gpure[pi] & gpure[pj] & (gl[pi] == gf[pj]))
+        iel = Gend[pi]
+        pseg = gseg[pi]
+        segstart = (np.cumsum(lens) - lens)[pseg]
+        left = np.empty((len(pi), C), dtype=np.int32)
+        rest = (iel - segstart + 1).astype(np.int32)
+        for c in range(1, C):
+            cum = np.zeros(E + 1, dtype=np.int32)
+            np.cumsum(lab == c if C > 2 else lab, out=cum[1:])
+            lc = cum[iel + 1] - cum[segstart]
+            left[:, c] = lc
+            rest -= lc
+        left[:, 0] = rest
+        npairs = np.bincount(pseg, minlength=nsa)
+        return npairs, pseg, grk[pi].astype(np.int32), grk[pj].astype(np.int32), valid, left
+
+    def _greedy(self, tree, path, n, cnt, rows, off, want_cache):
+        """Greedy split of each task; caches (prefix of candidate pairs) where want_cache."""
+        ntask = len(tree)
+        P, p, k, C = self._P, self.n_features_, self._k, len(self.classes_)
+        nk = self._nodekey(tree, path)
+        order = self._attr_order(nk, _TAG_GATTR)
+        need = np.full(ntask, min(P, p), dtype=np.int64)
+        nxt = np.zeros(ntask, dtype=np.int64)
+        nch = np.zeros(ntask, dtype=np.int64)
+        slot_attr = np.full((ntask, P), -1, dtype=np.int32)
+        parts = []
+        while True:
+            act = np.flatnonzero((need > 0) & (nxt < p))
+            if act.size == 0:
+                break
+            m = np.minimum(need[act], p - nxt[act])
+            sa_task = np.repeat(act, m)
+            sa_attr = order[sa_task, _ranges(nxt[act], m)]
+            npairs, pseg, r1, r2, valid, left = self._pairs(sa_task, sa_attr, rows, off)
+            nonc = npairs > 0
+            cnc = np.cumsum(nonc)
+            first = np.cumsum(m) - m
+            before = np.concatenate([[0], cnc])[first]
+            sa_slot = np.where(nonc, nch[sa_task] + cnc - 1 - np.repeat(before, m), -1)
+            slot_attr[sa_task[nonc], sa_slot[nonc]] = sa_attr[nonc]
+            got = np.bincount(sa_task[nonc], minlength=ntask)
+            nch += got
+            need -= got
+            nxt[act] += m
+            parts.append((sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, valid, left))
+        if len(parts) == 1:
+            sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, valid, left = parts[0]
+            ptask, pslot, pattr = sa_task[pseg], sa_slot[pseg], sa_attr[pseg]
+        else:  # make every task's pairs contiguous, slots in order
+            ptask = np.concatenate([q[0][q[4]] for q in parts])
+            pslot = np.concatenate([q[1][q[4]] for q in parts])
+            pattr = np.concatenate([q[2][q[4]] for q in parts])
+            o = np.argsort(ptask * P + pslot, kind="stable")
+            ptask, pslot, pattr = ptask[o], pslot[o], pattr[o]
+            r1 = np.concatenate([q[5] for q in parts])[o]
+            r2 = np.concatenate([q[6] for q in parts])[o]
+            valid = np.concatenate([q[7] for q in parts])[o]
+            left = np.concatenate([q[8] for q in parts])[o]
+            sid = ptask * P + pslot
+            news = np.empty(len(sid), dtype=bool)
+            news[:1] = True
+            news[1:] = sid[1:] != sid[:-1]
+            pseg = np.cumsum(news) - 1
+            npairs = np.bincount(pseg)
+        ptask = ptask.astype(np.int64)
+        pslot = pslot.astype(np.int64)
+        pattr = pattr.astype(np.int64)
+        npair = len(ptask)
+        if npair == 0:
+            none = np.full(ntask, -1, dtype=np.int64)
+            return np.zeros(ntask, dtype=bool), none, none, none, None
+        # segment = (task, slot); its pairs are contiguous and sorted by r1. Segment ids come
+        # from _pairs (constant attributes give empty segments); keep the non-empty ones.
+        nz = np.flatnonzero(npairs)
+        dense = np.zeros(len(npairs), dtype=np.int64)
+        dense[nz] = np.arange(len(nz))
+        dseg = dense[pseg]
+        sfirst = (np.cumsum(npairs) - npairs)[nz]
+        li = np.arange(npair, dtype=np.int64) - sfirst[dseg]
+        cache_t = np.asarray(want_cache, dtype=bool)
+        cache_p = cache_t[ptask]
+        need_pr = valid
+        prio = np.full(npair, -1, dtype=np.int64)
+        ii = np.flatnonzero(need_pr)
+        if ii.size:
+            sk = _h2(nk[ptask[sfirst]] ^ _TAG_THR, pattr[sfirst].astype(_U64))
+            v1 = self._vals[self._voff[pattr[ii]] + r1[ii]]
+            prio[ii] = (_h2(sk[dseg[ii]], v1.view(_U64)) >> _S32).astype(np.int64)
+        nval = np.add.reduceat(valid.astype(np.int64), sfirst)
+        sseg = cache_t[ptask[sfirst]] | (nval > k)  # segments that need a priority sort
+        sel = valid.copy()
+        pre = np.zeros(npair, dtype=bool)
+        srt = np.flatnonzero(sseg[dseg] & need_pr)
+        if srt.size:
+            # order by (segment, priority, v1) with packed keys, in chunks of segments
+            b_li = _bits(int(li.max()) + 1)
+            per = 1 << max(1, 63 - 32 - b_li)
+            ds = dseg[srt]
+            sorted_parts = []
+            lo = 0
+            while lo < len(srt):
+                hi = int(np.searchsorted(ds, ds[lo] + per - 1, side="right"))
+                s_ = srt[lo:hi]
+                key = ((ds[lo:hi] - ds[lo]) << (32 + b_li)) | (prio[s_] << b_li) | li[s_]
+                key.sort()
+                dd = (key >> (32 + b_li)) + ds[lo]
+                sorted_parts.append(sfirst[dd] + (key & ((1 << b_li) - 1)))
+                lo = hi
+            perm = np.concatenate(sorted_parts)
+            vperm = valid[perm]
+            cs = np.cumsum(vperm)
+            pd = dseg[perm]
+            pnew = np.empty(len(perm), dtype=bool)
+            pnew[:1] = True
+            pnew[1:] = pd[1:] != pd[:-1]
+            plen = np.diff(np.append(np.flatnonzero(pnew), len(perm)))
+            base = np.repeat((cs - vperm)[pnew], plen)
+            vb = cs - vperm - base  # valid pairs strictly before, within the segment
+            sel[perm] = vperm & (vb < k)
+            pre[perm] = vb < k + self._BUFFER
+        # ---- score the selected candidates
+        cand = np.flatnonzero(sel)
+        ct = ptask[cand]
+        Ls = [left[cand, c].astype(np.int64) for c in range(C)]
+        Rs = [cnt[ct, c].astype(np.int64) - Ls[c] for c in range(C)]
+        nl = sum(Ls[1:], Ls[0])
+        nr = n[ct] - nl
+        score = self._score(Ls, Rs, nl, nr)
+        ok_c = (nl >= self._msl) & (nr >= self._msl)
+        best = np.full(ntask, -1, dtype=np.int64)
+        if cand.size:
+            tb_ = np.flatnonzero(np.append(True, ct[1:] != ct[:-1]))  # task blocks of cand
+            tl = np.diff(np.append(tb_, len(cand)))
+            ms = np.maximum.reduceat(np.where(ok_c, score, -np.inf), tb_)
+            tie = ok_c & (score == np.repeat(ms, tl))
+            b_li = _bits(int(li.max()) + 1)
+            tkey = (pslot[cand] << (32 + b_li)) | (prio[cand] << b_li) | li[cand]
+            big = np.iinfo(np.int64).max
+            tbk = np.minimum.reduceat(np.where(tie, tkey, big), tb_)
+            win = tie & (tkey == np.repeat(tbk, tl))
+            best[ct[win]] = cand[win]
+        ok = best >= 0
+        bi = best[ok]
+        out_attr = np.full(ntask, -1, dtype=np.int64)
+        out_r1 = np.full(ntask, -1, dtype=np.int64)
+        out_r2 = np.full(ntask, -1, dtype=np.int64)
+        out_attr[ok] = pattr[bi]
+        out_r1[ok] = r1[bi]
+        out_r2[ok] = r2[bi]
+        # ---- caches: the first k + _BUFFER valid pairs of each slot, in priority order
+        cache = None
+        ctask = np.flatnonzero(cache_t & ok)
+        if ctask.size:
+            P_ = P
+            pos_t = np.full(ntask, -1, dtype=np.int64)
+            pos_t[ctask] = np.arange(len(ctask))
+            keep = cache_p & pre & valid & ok[ptask]
+            # perm runs over segments in (task, slot) order, each by priority
+            ent = perm[keep[perm]] if srt.size else np.zeros(0, np.int64)
+            ek = pos_t[ptask[ent]] * P_ + pslot[ent]
+            nct = len(ctask)
+            elen = np.bincount(ek, minlength=nct * P_).reshape(nct, P_)
+            eoff = (np.cumsum(elen.ravel()) - elen.ravel()).reshape(nct, P_)
+            cp = cache_p & ok[ptask]
+            segv = np.bincount(
+                pos_t[ptask[cp]] * P_ + pslot[cp], weights=valid[cp], minlength=nct * P_
+            )
+            allf = (segv <= k + self._BUFFER).reshape(nct, P_)
+            # cut-off: key (priority, v1) of the last stored pair of segments that are not "all"
+            cutp = np.full(nct * P_, -1, dtype=np.int64)
+            cutv = np.zeros(nct * P_, dtype=np.float64)
+            if len(ent):
+                last = np.flatnonzero(np.append(ek[1:] != ek[:-1], True))
+                le = ent[last]
+                cutp[ek[last]] = prio[le]
+                cutv[ek[last]] = self._vals[self._voff[pattr[le]] + r1[le]]
+            cache = (
+                ctask, slot_attr[ctask], allf, cutp.reshape(nct, P_), cutv.reshape(nct, P_),
+                eoff, elen, r1[ent], r2[ent], left[ent],
+            )  # fmt: skip
+        return ok, out_attr, out_r1, out_r2, cache
+
+    #: elements (records x sampled attributes) per kernel call: keeps temporaries cache-sized
+    _CHUNK = 1 << 15
+
+    def _greedy_chunked(self, tree, path, n, cnt, rows, off, want_cache):
+        """_greedy over groups of tasks of bounded total size, results concatenated."""
+        ntask = len(tree)
+        w = n * min(self._P, self.n_features_)
+        if ntask <= 1 or int(w.sum()) <= self._CHUNK:
+            return self._greedy(tree, path, n, cnt, rows, off, want_cache)
+        cw = np.cumsum(w)
+        cuts = [0]
+        while cuts[-1] < ntask:
+            base = cw[cuts[-1] - 1] if cuts[-1] else 0
+            j = int(np.searchsorted(cw, base + self._CHUNK, side="right"))
+            cuts.append(min(ntask, max(j, cuts[-1] + 1)))
+        ok = np.zeros(ntask, dtype=bool)
+        at = np.full(ntask, -1, dtype=np.int64)
+        q1 = np.full(ntask, -1, dtype=np.int64)
+        q2 = np.full(ntask, -1, dtype=np.int64)
+        caches = []
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            r0, r1_ = off[lo], off[hi]
+            o, a, b1, b2, c = self._greedy(
+                tree[lo:hi], path[lo:hi], n[lo:hi], cnt[lo:hi], rows[r0:r1_],
+                off[lo : hi + 1] - r0, want_cache[lo:hi],
+            )  # fmt: skip
+            ok[lo:hi], at[lo:hi], q1[lo:hi], q2[lo:hi] = o, a, b1, b2
+            if c is not None:
+                caches.append((lo, c))
+        if not caches:
+            return ok, at, q1, q2, None
+        shift = 0
+        parts = []
+        for lo, c in caches:
+            parts.append((c[0] + lo, *c[1:5], c[5] + shift, *c[6:]))
+            shift += len(c[7])
+        merged = tuple(np.concatenate([q[i] for q in parts]) for i in range(10))
+        return ok, at, q1, q2, merged
+
+    def _score(self, Ls, Rs, nl, nr):
+        """Split score to maximise, from per-class left/right counts (lists of int64 arrays).
+
+        Gini: sum L_c^2 / n_l + sum R_c^2 / n_r, with exact integer numerators; entropy:
+        sum x log x over classes from a fixed table. Equal integer inputs give equal bits
+        whatever the caller, and a class column of zeros changes nothing. Every candidate
+        pair has records on both sides, so n_l, n_r >= 1."""
+        if self.criterion == "gini":
+            sl = Ls[0] * Ls[0]
+            sr = Rs[0] * Rs[0]
+            for c in range(1, len(Ls)):
+                sl = sl + Ls[c] * Ls[c]
+                sr = sr + Rs[c] * Rs[c]
+            return sl / nl + sr / nr
+        f = _xlogx(int(max(nl.max(initial=0), nr.max(initial=0))) + 2)
+        sl = f[Ls[0]]
+        sr = f[Rs[0]]
+        for c in range(1, len(Ls)):
+            sl = sl + f[Ls[c]]
+            sr = sr + f[Rs[c]]
+        return (sl - f[nl]) + (sr - f[nr])
+
+    def _random(self, tree, path, rows, off):
+        """Random split of each task: first non-constant attribute in keyed order, first keyed
+        draw of the attribute's stream inside [min, max) of the task's values."""
+        ntask = len(tree)
+        p = self.n_features_
+        n = off[1:] - off[:-1]
+        nk = self._nodekey(tree, path)
+        order = self._attr_order(nk, _TAG_RATTR)
+        cur = np.zeros(ntask, dtype=np.int64)
+        attr = np.full(ntask, -1, dtype=np.int64)
+        lo = np.zeros(ntask)
+        hi = np.zeros(ntask)
+        pend = np.arange(ntask)
+        while pend.size:
+            a = order[pend, cur[pend]]
+            el = _ranges(off[pend], n[pend])
+            x = self._X.ravel()[np.repeat(a * self._X.shape[1], n[pend]) + rows[el]]
+            so = np.cumsum(n[pend]) - n[pend]
+            mn = np.minimum.reduceat(x, so)
+            mx = np.maximum.reduceat(x, so)
+            nc = mn < mx
+            attr[pend[nc]] = a[nc]
+            lo[pend[nc]] = mn[nc]
+            hi[pend[nc]] = mx[nc]
+            rest = pend[~nc]
+            cur[rest] += 1
+            pend = rest[cur[rest] < p]
+        ok = attr >= 0
+        thr = np.zeros(ntask)
+        draw = np.full(ntask, -1, dtype=np.int64)
+        t = np.flatnonzero(ok)
+        base = _h2(nk[t] ^ _TAG_DRAW, attr[t].astype(_U64))
+        D = self._dom[attr[t]]
+        j0 = 0
+        while t.size and j0 < self._MAX_DRAWS:
+            J = np.arange(j0, j0 + self._DRAW_CHUNK, dtype=_U64)
+            u = (_h2(base[:, None], J[None, :]) >> _S11).astype(np.float64) * _INV53
+            v = (2.0 * u - 1.0) * D[:, None]  # exact: u has 53 bits, D is a power of two
+            hit = (v >= lo[t][:, None]) & (v < hi[t][:, None])
+            anyh = hit.any(axis=1)
+            first = hit.argmax(axis=1)
+            w = np.flatnonzero(anyh)
+            thr[t[w]] = v[w, first[w]]
+            draw[t[w]] = j0 + first[w]
+            keep = ~anyh
+            t, base, D = t[keep], base[keep], D[keep]
+            j0 += self._DRAW_CHUNK
+        thr[t] = lo[t]  # fallback after _MAX_DRAWS misses (draw stays -1)
+        return ok, attr, thr, draw
+
+    def _decide(self, tree, path, depth, rows, off, want_cache=None):
+        """The canonical state of each task's node from its records (CSR rows/off)."""
+        C = len(self.classes_)
+        ntask = len(tree)
+        n = (off[1:] - off[:-1]).astype(np.int64)
+        trow = np.repeat(np.arange(ntask, dtype=np.int64), n)
+        lab = self._y[rows]
+        cnt = np.bincount(trow * C + lab, minlength=ntask * C).reshape(ntask, C)
+        d = _Decisions()
+        d.n, d.cnt = n, cnt
+        why = np.zeros(ntask, dtype=np.int8)
+        why[depth >= self._maxd] = _W_DEPTH
+        why[(why == 0) & (n < 2 * self._msl)] = _W_SMALL
+        why[(why == 0) & (cnt.max(axis=1, initial=0) == n)] = _W_PURE
+        kind = np.zeros(ntask, dtype=np.int8)
+        attr = np.full(ntask, -1, dtype=np.int64)
+        thr = np.zeros(ntask)
+        r1 = np.full(ntask, -1, dtype=np.int64)
+        r2 = np.full(ntask, -1, dtype=np.int64)
+        draw = np.full(ntask, -1, dtype=np.int64)
+        go_left = np.zeros(len(rows), dtype=bool)
+        cand = why == 0
+        rnd = np.flatnonzero(cand & (depth < self._drmax))
+        grd = np.flatnonzero(cand & (depth >= self._drmax))
+        d.cache_task = np.zeros(0, dtype=np.int64)
+        if rnd.size:
+            el = _ranges(off[rnd], n[rnd])
+            soff = np.concatenate([[0], np.cumsum(n[rnd])])
+            ok, a, t, j = self._random(tree[rnd], path[rnd], rows[el], soff)
+            okr, bad = rnd[ok], rnd[~ok]
+            why[bad] = _W_CONST
+            kind[okr] = RANDOM
+            attr[okr], thr[okr], draw[okr] = a[ok], t[ok], j[ok]
+            el = _ranges(off[okr], n[okr])
+            ar = np.repeat(attr[okr], n[okr])
+            go_left[el] = self._X.ravel()[ar * self._X.shape[1] + rows[el]] <= np.repeat(
+                thr[okr], n[okr]
+            )
+        if grd.size:
+            el = _ranges(off[grd], n[grd])
+            soff = np.concatenate([[0], np.cumsum(n[grd])])
+            if want_cache is None:
+                wc = n[grd] >= self._CACHE_MIN
+            else:
+                wc = want_cache[grd] & (n[grd] >= self._CACHE_MIN)
+            ok, a, q1, q2, cache = self._greedy_chunked(
+                tree[grd], path[grd], n[grd], cnt[grd], rows[el], soff, wc
+            )
+            okg, bad = grd[ok], grd[~ok]
+            # no non-constant attribute at all -> CONST, else no split leaves msl records
+            why[bad] = _W_MSL
+            kind[okg] = GREEDY
+            attr[okg], r1[okg], r2[okg] = a[ok], q1[ok], q2[ok]
+            if bad.size:
+                why[bad[self._all_constant(rows, off, bad)]] = _W_CONST
+            v1 = self._vals[self._voff[attr[okg]] + r1[okg]]
+            v2 = self._vals[self._voff[attr[okg]] + r2[okg]]
+            thr[okg] = _midpoint(v1, v2)
+            el = _ranges(off[okg], n[okg])
+            ar = np.repeat(attr[okg], n[okg])
+            go_left[el] = self._rank.ravel()[ar * self._rank.shape[1] + rows[el]] <= np.repeat(
+                r1[okg], n[okg]
+            )
+            if cache is not None:
+                (ct, d.cache_slots, d.cache_all, d.cache_cutp, d.cache_cutv, d.cache_off,
+                 d.cache_len, d.e_r1, d.e_r2, d.e_left) = cache  # fmt: skip
+                d.cache_task = grd[ct]
+        d.kind, d.why, d.attr, d.thr, d.r1, d.r2, d.draw, d.go_left = (
+            kind, why, attr, thr, r1, r2, draw, go_left
+        )
+        return d
+
+    def _all_constant(self, rows, off, tasks):
+        n = off[1:] - off[:-1]
+        res = np.ones(len(tasks), dtype=bool)
+        el = _ranges(off[tasks], n[tasks])
+        so = np.cumsum(n[tasks]) - n[tasks]
+        for a in range(self.n_features_):
+            x = self._X[a, rows[el]]
+            res &= np.minimum.reduceat(x, so) == np.maximum.reduceat(x, so)
+        return res
+
+    # ================================================================== building
+
+    def _install_caches(self, nodes: np.ndarray, d: _Decisions, sel: np.ndarray) -> None:
+        """Store the cache rows of tasks d.cache_task[sel] on `nodes` (parallel to sel)."""
+        if len(nodes) == 0:
+            return
+        self._uncache(nodes)
+        cids = self._alloc_caches(len(nodes))
+        ln = d.cache_len[sel]
+        eo = d.cache_off[sel]
+        tot = int(ln.sum())
+        start = self._alloc_entries(tot)
+        src = _ranges(eo.ravel(), ln.ravel())
+        dst = np.arange(start, start + tot)
+        self._er1[dst] = d.e_r1[src]
+        self._er2[dst] = d.e_r2[src]
+        self._eleft[:, dst] = d.e_left[src].T
+        newoff = start + (np.cumsum(ln.ravel()) - ln.ravel()).reshape(ln.shape)
+        self._c_attr[cids] = d.cache_slots[sel]
+        self._c_off[cids] = newoff
+        self._c_len[cids] = ln
+        self._c_all[cids] = d.cache_all[sel]
+        self._c_cutp[cids] = d.cache_cutp[sel]
+        self._c_cutv[cids] = d.cache_cutv[sel]
+        self._n_cid[nodes] = cids
+
+    def _build(self, tree, path, depth, node, s, e, rows, off) -> int:
+        """Level-wise (re)build of the subtrees rooted at the given (allocated) nodes.
+
+        Each task owns positions [s, e) of its tree's layout; rows/off: its live records.
+        Returns the number of nodes written."""
+        written = 0
+        while len(tree):
+            d = self._decide(tree, path, depth, rows, off)
+            n = d.n
+            self._n_tree[node] = tree
+            self._n_depth[node] = depth
+            self._n_path[node] = path
+            self._n_n[node] = n
+            self._n_cnt[node] = d.cnt
+            self._n_s[node] = s
+            self._n_e[node] = e
+            self._n_kind[node] = d.kind
+            self._n_why[node] = d.why
+            self._n_attr[node] = d.attr
+            self._n_thr[node] = d.thr
+            self._n_r1[node] = d.r1
+            self._n_r2[node] = d.r2
+            self._n_draw[node] = d.draw
+            self._n_cid[node] = -1
+            written += len(tree)
+            if d.cache_task.size:
+                self._install_caches(node[d.cache_task], d, np.arange(len(d.cache_task)))
+            leaf = np.flatnonzero(d.kind == LEAF)
+            if leaf.size:
+                self._n_left[node[leaf]] = -1
+                self._n_right[node[leaf]] = -1
+                el = _ranges(off[leaf], n[leaf])
+                tr = np.repeat(tree[leaf], n[leaf])
+                q = _ranges(s[leaf], n[leaf])
+                self._samp[tr, q] = rows[el]
+                self._pos[tr, rows[el]] = q
+                tl = e[leaf] - s[leaf] - n[leaf]
+                self._samp[np.repeat(tree[leaf], tl), _ranges(s[leaf] + n[leaf], tl)] = -1
+            it = np.flatnonzero(d.kind != LEAF)
+            if it.size == 0:
+                break
+            m = len(it)
+            el = _ranges(off[it], n[it])
+            rr = rows[el]
+            gl = d.go_left[el]
+            ni = n[it]
+            tr = np.repeat(np.arange(m), ni)
+            nl = np.bincount(tr, weights=gl, minlength=m).astype(np.int64)
+            start = np.cumsum(ni) - ni
+            csl = np.concatenate([[0], np.cumsum(gl)])
+            csr = np.concatenate([[0], np.cumsum(~gl)])
+            st = start[tr]
+            dest = np.where(
+                gl, st + csl[1:] - 1 - csl[st], st + nl[tr] + csr[1:] - 1 - csr[st]
+            )
+            new_rows = np.empty_like(rr)
+            new_rows[dest] = rr
+            kids = self._alloc_nodes(2 * m)
+            lk, rk = kids[0::2], kids[1::2]
+            self._n_left[node[it]] = lk
+            self._n_right[node[it]] = rk
+            ch_n = np.stack([nl, ni - nl], axis=1).ravel()
+            off = np.concatenate([[0], np.cumsum(ch_n)])
+            rows = new_rows
+            si, ei = s[it], e[it]
+            s = np.stack([si, si + nl], axis=1).ravel()
+            e = np.stack([si + nl, ei], axis=1).ravel()
+            tree = np.repeat(tree[it], 2)
+            path = (np.repeat(path[it], 2) << 1) | np.tile([0, 1], m)
+            depth = np.repeat(depth[it] + 1, 2)
+            node = kids
+        return written
+
+    # ================================================================== fit / predict
+
+    def fit(self, ids: Any, X: Any, y: Any) -> DaREForest:
+        """Train on (ids, X, y); ids are unique record ids (strings or ints)."""
+        params = set(self.get_params(deep=False))
+        for name in list(vars(self)):
+            if name not in params:
+                delattr(self, name)
+        self._validate_params()
+        rids = _as_ids(ids)
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        if len(rids) == 0:
+            raise ValueError("fit needs at least one record")
+        Xa = self._check_X(X, len(rids), None)
+        ya = self._check_y(y, len(rids))
+        self.classes_, yi = np.unique(ya, return_inverse=True)
+        self.n_features_ = int(Xa.shape[1])
+        p = self.n_features_
+        self._P = max(1, int(math.isqrt(p)))
+        self._tkeys = np.array(
+            [prf_u64(int(self.random_state), "dare-tree", t) for t in range(self._T)], dtype=_U64
+        )
+        self._attr_u64 = np.arange(p, dtype=_U64)
+        self._init_store(rids, Xa, yi.astype(np.int32))
+        self._rerank()
+        self._update_domain()
+        n = len(rids)
+        est_nodes = self._T * min(2 ** (self._maxd + 1), 2 * n + 1)
+        self._init_pools(
+            ncap=max(64, est_nodes // 2), ccap=max(16, self._T * 16),
+            ecap=max(1024, self._T * min(2 * n // self._CACHE_MIN + 1, 2**self._maxd)
+                     * self._P * (self._k + self._BUFFER) // 2),
+            scap=n,
+        )  # fmt: skip
+        self._build_trees(np.arange(self._T))
+        self._trim_pools()
+        return self
+
+    def _build_trees(self, trees: np.ndarray) -> None:
+        n = self._nrec
+        live = np.flatnonzero(self._alive[:n]).astype(np.int64)
+        nl = len(live)
+        chunk = max(1, 250_000 // max(1, nl * min(self._P, self.n_features_)))
+        for t0 in range(0, len(trees), chunk):
+            tr = trees[t0 : t0 + chunk].astype(np.int64)
+            m = len(tr)
+            roots = self._alloc_nodes(m)
+            self._root[tr] = roots
+            self._build(
+                tr, np.ones(m, dtype=np.int64), np.zeros(m, dtype=np.int64), roots,
+                np.zeros(m, dtype=np.int64), np.full(m, self._samp.shape[1], dtype=np.int64),
+                np.tile(live, m), np.arange(m + 1, dtype=np.int64) * nl,
+            )  # fmt: skip
+
+    def _leaf_of(self, Xq: np.ndarray, trees: np.ndarray) -> np.ndarray:
+        """Leaf node of each (tree, query row), following the served thresholds."""
+        nq = Xq.shape[0]
+        node = np.repeat(self._root[trees][:, None], nq, axis=1)
+        qi = np.broadcast_to(np.arange(nq), node.shape)
+        for _ in range(self._maxd + 1):
+            internal = self._n_kind[node] != LEAF
+            if not internal.any():
+                break
+            a = self._n_attr[node]
+            go = Xq[qi, np.maximum(a, 0)] <= self._n_thr[node]
+            node = np.where(internal, np.where(go, self._n_left[node], self._n_right[node]), node)
+        return node
+
+    def scores(self, X: Any) -> np.ndarray:
+        """Mean over trees of the leaf class frequencies, shape (n, n_classes)."""
+        self._check_fitted()
+        Xq = self._check_X(X, None, self.n_features_)
+        C = len(self.classes_)
+        out = np.zeros((Xq.shape[0], C))
+        step = max(1, 100_000 // max(1, Xq.shape[0]))
+        for t0 in range(0, self._T, step):
+            trees = np.arange(t0, min(self._T, t0 + step))
+            leaf = self._leaf_of(Xq, trees)
+            cnt = self._n_cnt[leaf].astype(np.float64)
+            nn = np.maximum(self._n_n[leaf], 1).astype(np.float64)
+            out += (cnt / nn[..., None]).sum(axis=0)
+        return out / self._T
+
+
+    # ================================================================== neighbourhood queries
+
+    def _rank_of(self, attr: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return self._rank.ravel()[attr * self._rank.shape[1] + slots].astype(np.int64)
+
+    def _group_counts(self, tree, s, e, attr, q):
+        """Class counts of the node's live records whose `attr` value has rank q."""
+        C = len(self.classes_)
+        nq = len(q)
+        if nq == 0:
+            return np.zeros((0, C), dtype=np.int64)
+        ro = self._roff[attr] + q
+        lo = self._rstart[ro]
+        ln = self._rstart[ro + 1] - lo
+        el = _ranges(lo, ln)
+        G = self._gorder.shape[1]
+        sl = self._gorder.ravel()[np.repeat(attr * G, ln) + el].astype(np.int64)
+        ps = self._pos[np.repeat(tree, ln), sl]
+        m = self._alive[sl] & (ps >= np.repeat(s, ln)) & (ps < np.repeat(e, ln))
+        qi = np.repeat(np.arange(nq), ln)[m]
+        return np.bincount(qi * C + self._y[sl[m]], minlength=nq * C).reshape(nq, C)
+
+    def _left_counts(self, tree, s, e, attr, q):
+        """Class counts of the node's live records whose `attr` value has rank <= q."""
+        C = len(self.classes_)
+        nq = len(q)
+        ln = e - s
+        el = _ranges(s, ln)
+        sl = self._samp[np.repeat(tree, ln), el].astype(np.int64)
+        ok = sl >= 0
+        sl = np.where(ok, sl, 0)
+        rk = self._rank_of(np.repeat(attr, ln), sl)
+        m = ok & (rk <= np.repeat(q, ln))
+        qi = np.repeat(np.arange(nq), ln)[m]
+        return np.bincount(qi * C + self._y[sl[m]], minlength=nq * C).reshape(nq, C)
+
+    def _neighbour(self, tree, s, e, n, attr, wr, up: bool):
+        """Rank of the nearest value of `attr` among the node's live records strictly above
+        (up) or below wr; -1 if there is none."""
+        nq = len(wr)
+        res = np.full(nq, -1, dtype=np.int64)
+        if nq == 0:
+            return res
+        G = self._gorder.shape[1]
+        scan = (e - s) <= 2 * G // np.maximum(n, 1) + 16  # the cheaper of the two walks
+        q = np.flatnonzero(scan)
+        if q.size:  # scan the node's layout range
+            ln = e[q] - s[q]
+            el = _ranges(s[q], ln)
+            sl = self._samp[np.repeat(tree[q], ln), el].astype(np.int64)
+            ok = sl >= 0
+            rk = self._rank_of(np.repeat(attr[q], ln), np.where(ok, sl, 0))
+            w = np.repeat(wr[q], ln)
+            so = np.cumsum(ln) - ln
+            if up:
+                big = np.iinfo(np.int64).max
+                v = np.minimum.reduceat(np.where(ok & (rk > w), rk, big), so)
+                res[q] = np.where(v == big, -1, v)
+            else:
+                res[q] = np.maximum.reduceat(np.where(ok & (rk < w), rk, -1), so)
+        q = np.flatnonzero(~scan)
+        if q.size:  # walk the attribute's global order outwards from wr
+            a = attr[q]
+            ro = self._roff[a] + wr[q]
+            cur = self._rstart[ro + 1] if up else self._rstart[ro] - 1
+            t, s_, e_ = tree[q], s[q], e[q]
+            step = np.minimum(G // np.maximum(n[q], 1) + 4, 1 << 14)
+            go = self._gorder.ravel()
+            while q.size:
+                room = G - cur if up else cur + 1
+                L = np.minimum(step, room)
+                j = _ranges(np.zeros(len(q), dtype=np.int64), L)
+                qi = np.repeat(np.arange(len(q)), L)
+                P_ = cur[qi] + j if up else cur[qi] - j
+                sl = go[a[qi] * G + P_].astype(np.int64)
+                ps = self._pos[t[qi], sl]
+                mem = self._alive[sl] & (ps >= s_[qi]) & (ps < e_[qi])
+                hits = np.flatnonzero(mem)
+                hq = qi[hits]
+                first = np.append(True, hq[1:] != hq[:-1]) if hits.size else hits.astype(bool)
+                fq = hq[first]
+                res[q[fq]] = self._rank_of(a[fq], sl[hits[first]])
+                found = np.zeros(len(q), dtype=bool)
+                found[fq] = True
+                more = ~found & (room > L)
+                q, a, t, s_, e_ = q[more], a[more], t[more], s_[more], e_[more]
+                cur = (cur + L if up else cur - L)[more]
+                step = step[more] * 4
+        return res
+
+    @staticmethod
+    def _valid_pair(g1: np.ndarray, g2: np.ndarray) -> np.ndarray:
+        """A pair of adjacent value groups is valid unless both are pure with the same label."""
+        p1 = (g1 > 0).sum(axis=1) == 1
+        p2 = (g2 > 0).sum(axis=1) == 1
+        return ~(p1 & p2 & (g1.argmax(axis=1) == g2.argmax(axis=1)))
+
+    def _prio(self, nodes: np.ndarray, attr: np.ndarray, r: np.ndarray):
+        """(priority, v1) of the pairs keyed by value rank r of attr at the given nodes."""
+        v = self._vals[self._voff[attr] + r]
+        nk = self._nodekey(self._n_tree[nodes], self._n_path[nodes])
+        h = _h2(_h2(nk ^ _TAG_THR, attr.astype(_U64)), v.view(_U64))
+        return (h >> _S32).astype(np.int64), v
+
+    # ================================================================== deletion
+
+    def _path_nodes(self, slots: np.ndarray):
+        """Nodes on the paths of the given records in every tree: (node, tree, depth, record#),
+        tree-major and root first within a tree. Greedy nodes route by rank (x <= v1),
+        random nodes by value (x <= threshold)."""
+        T, m = self._T, len(slots)
+        cur = np.repeat(self._root[:, None], m, axis=1)
+        rec = np.broadcast_to(np.arange(m), (T, m))
+        out = [cur]
+        for _ in range(self._maxd):
+            c0 = np.maximum(cur, 0)
+            kind = np.where(cur >= 0, self._n_kind[c0], LEAF)
+            if not (kind != LEAF).any():
+                break
+            a = np.maximum(self._n_attr[c0], 0).astype(np.int64)
+            sl = slots[rec]
+            go = np.where(
+                kind == GREEDY,
+                self._rank_of(a, sl) <= self._n_r1[c0],
+                self._X.ravel()[a * self._X.shape[1] + sl] <= self._n_thr[c0],
+            )
+            cur = np.where(kind != LEAF, np.where(go, self._n_left[c0], self._n_right[c0]), -1)
+            out.append(cur)
+        P = np.stack(out, axis=2)  # (T, m, depth)
+        tt, rr, dd = np.nonzero(P >= 0)
+        return P[tt, rr, dd].astype(np.int64), tt, dd, rr
+
+    def _cached_delete(self, nodes: np.ndarray, r: int, c: int):
+        """Incremental update of cached greedy nodes after record r (class c) left them.
+
+        Returns per node a status (0 same, 1 same split with a new v2, 2 best split
+        changed, 3 cache must be recomputed) and the new r2 for status 1."""
+        C, k = len(self.classes_), self._k
+        nn = len(nodes)
+        cid = self._n_cid[nodes].astype(np.int64)
+        sa = self._c_attr[cid]
+        sn, ss = np.nonzero(sa >= 0)
+        a = sa[sn, ss].astype(np.int64)
+        cs = cid[sn]
+        nd = nodes[sn]
+        tree = self._n_tree[nd].astype(np.int64)
+        s = self._n_s[nd].astype(np.int64)
+        e = self._n_e[nd].astype(np.int64)
+        n = self._n_n[nd].astype(np.int64)
+        allf = self._c_all[cs, ss]
+        ns = len(sn)
+        off = self._c_off[cs, ss]
+        ln = self._c_len[cs, ss].astype(np.int64)
+        wr = self._rank_of(a, np.full(ns, r, dtype=np.int64))
+        E = _ranges(off, ln)
+        seg = np.repeat(np.arange(ns), ln)
+        r1 = self._er1[E]
+        alive = r1 >= 0
+        w = wr[seg]
+        dec = alive & (r1 >= w)
+        self._eleft[c, E[dec]] -= 1
+        A = np.full(ns, -1, dtype=np.int64)
+        B = np.full(ns, -1, dtype=np.int64)
+        ia = alive & (self._er2[E] == w)
+        A[seg[ia]] = E[ia]
+        ib = alive & (r1 == w)
+        B[seg[ib]] = E[ib]
+        ro = self._roff[a] + wr
+        gw = np.zeros((ns, C), dtype=np.int64)
+        multi = np.flatnonzero(self._rstart[ro + 1] - self._rstart[ro] > 1)
+        if multi.size:
+            gw[multi] = self._group_counts(tree[multi], s[multi], e[multi], a[multi], wr[multi])
+        van = gw.sum(axis=1) == 0
+        # ---- the value group of w survives: pairs touching it can only become invalid
+        j = np.flatnonzero(~van & (A >= 0))
+        if j.size:
+            gp = self._group_counts(tree[j], s[j], e[j], a[j], self._er1[A[j]].astype(np.int64))
+            bad = ~self._valid_pair(gp, gw[j])
+            self._er1[A[j[bad]]] = -1
+        j = np.flatnonzero(~van & (B >= 0))
+        if j.size:
+            gn = self._group_counts(tree[j], s[j], e[j], a[j], self._er2[B[j]].astype(np.int64))
+            bad = ~self._valid_pair(gw[j], gn)
+            self._er1[B[j[bad]]] = -1
+        # ---- w's group vanished: (prev, w) becomes (prev, next); (w, next) disappears
+        bnext = np.where(B >= 0, self._er2[np.maximum(B, 0)], -1).astype(np.int64)
+        kill_b = np.flatnonzero(van & (B >= 0))
+        self._er1[B[kill_b]] = -1
+        ja = np.flatnonzero(van & (A >= 0))
+        if ja.size:
+            nxt = bnext[ja].copy()
+            q = np.flatnonzero(nxt < 0)
+            if q.size:
+                jq = ja[q]
+                nxt[q] = self._neighbour(tree[jq], s[jq], e[jq], n[jq], a[jq], wr[jq], True)
+            prev = self._er1[A[ja]].astype(np.int64)
+            has = nxt >= 0
+            self._er1[A[ja[~has]]] = -1
+            jh = ja[has]
+            if jh.size:
+                gp = self._group_counts(tree[jh], s[jh], e[jh], a[jh], prev[has])
+                gn = self._group_counts(tree[jh], s[jh], e[jh], a[jh], nxt[has])
+                ok = self._valid_pair(gp, gn)
+                self._er2[A[jh[ok]]] = nxt[has][ok]
+                self._er1[A[jh[~ok]]] = -1
+        jp = np.flatnonzero(van & (A < 0) & (~allf | (B >= 0)))
+        if jp.size:
+            prev = self._neighbour(tree[jp], s[jp], e[jp], n[jp], a[jp], wr[jp], False)
+            hp = prev >= 0
+            jp, prev = jp[hp], prev[hp]
+            if jp.size:
+                h, v = self._prio(nd[jp], a[jp], prev)
+                cp = self._c_cutp[cs[jp], ss[jp]]
+                cv = self._c_cutv[cs[jp], ss[jp]]
+                cand = allf[jp] | (h < cp) | ((h == cp) & (v <= cv))
+                jp, prev, h, v = jp[cand], prev[cand], h[cand], v[cand]
+            if jp.size:
+                nxt = bnext[jp].copy()
+                q = np.flatnonzero(nxt < 0)
+                if q.size:
+                    jq = jp[q]
+                    nxt[q] = self._neighbour(tree[jq], s[jq], e[jq], n[jq], a[jq], wr[jq], True)
+                hn = nxt >= 0
+                jp, prev, nxt, h, v = jp[hn], prev[hn], nxt[hn], h[hn], v[hn]
+            if jp.size:
+                gp = self._group_counts(tree[jp], s[jp], e[jp], a[jp], prev)
+                gn = self._group_counts(tree[jp], s[jp], e[jp], a[jp], nxt)
+                ok = self._valid_pair(gp, gn)
+                jp, prev, nxt, h, v = jp[ok], prev[ok], nxt[ok], h[ok], v[ok]
+            if jp.size:
+                left = np.zeros((len(jp), C), dtype=np.int64)
+                hb = B[jp] >= 0
+                left[hb] = self._eleft[:, B[jp[hb]]].T
+                q = np.flatnonzero(~hb)
+                if q.size:
+                    jq = jp[q]
+                    left[q] = self._left_counts(tree[jq], s[jq], e[jq], a[jq], prev[q])
+                self._insert_entries(nd[jp], cs[jp], ss[jp], a[jp], prev, nxt, h, v, left)
+        # ---- select the first k live pairs of each slot and score them
+        off = self._c_off[cs, ss]
+        ln = self._c_len[cs, ss].astype(np.int64)
+        E = _ranges(off, ln)
+        seg = np.repeat(np.arange(ns), ln)
+        alive = self._er1[E] >= 0
+        ca = np.cumsum(alive)
+        before = np.concatenate([[0], ca])[np.cumsum(ln) - ln]
+        rank_in = ca - alive - np.repeat(before, ln)
+        nval = np.bincount(seg, weights=alive, minlength=ns).astype(np.int64)
+        need = ((nval < k) & ~allf) | (nval == 0)
+        status = np.zeros(nn, dtype=np.int64)
+        status[sn[need]] = 3
+        sel = alive & (rank_in < k) & (status[sn[seg]] != 3)
+        ce = E[sel]
+        cseg = seg[sel]
+        cnode = sn[cseg]
+        ncnt = self._n_cnt[nodes].astype(np.int64)
+        Ls = [self._eleft[c][ce].astype(np.int64) for c in range(C)]
+        Rs = [ncnt[cnode, c] - Ls[c] for c in range(C)]
+        nl = sum(Ls[1:], Ls[0])
+        nr = self._n_n[nodes].astype(np.int64)[cnode] - nl
+        score = self._score(Ls, Rs, nl, nr)
+        okc = (nl >= self._msl) & (nr >= self._msl)
+        best = np.full(nn, -1, dtype=np.int64)
+        battr = np.full(nn, -1, dtype=np.int64)
+        if len(ce):
+            blk = np.flatnonzero(np.append(True, cnode[1:] != cnode[:-1]))
+            bl = np.diff(np.append(blk, len(ce)))
+            ms = np.maximum.reduceat(np.where(okc, score, -np.inf), blk)
+            tie = okc & (score == np.repeat(ms, bl))
+            tkey = (ss[cseg] << 40) | (ce - off[cseg])
+            big = np.iinfo(np.int64).max
+            tb = np.minimum.reduceat(np.where(tie, tkey, big), blk)
+            win = tie & (tkey == np.repeat(tb, bl))
+            best[cnode[win]] = ce[win]
+            battr[cnode[win]] = a[cseg[win]]
+        b0 = np.maximum(best, 0)
+        same = (best >= 0) & (battr == self._n_attr[nodes]) & (self._er1[b0] == self._n_r1[nodes])
+        newr2 = self._er2[b0].astype(np.int64)
+        st = np.where(same, np.where(newr2 != self._n_r2[nodes], 1, 0), 2)
+        status = np.where(status == 3, 3, st)
+        return status, newr2
+
+    def _insert_entries(self, nodes, cids, slots, attr, r1, r2, h, v, left) -> None:
+        """Insert one new valid pair into each given cache slot at its priority position."""
+        m = len(nodes)
+        self._reserve_entries(int(self._c_len[cids, slots].sum()) + m)
+        off = self._c_off[cids, slots]
+        ln = self._c_len[cids, slots].astype(np.int64)
+        E = _ranges(off, ln)
+        seg = np.repeat(np.arange(m), ln)
+        keep = self._er1[E] >= 0
+        E, seg = E[keep], seg[keep]
+        eh, ev = self._prio(nodes[seg], attr[seg], self._er1[E].astype(np.int64))
+        before = (eh < h[seg]) | ((eh == h[seg]) & (ev < v[seg]))
+        cnt = np.bincount(seg, minlength=m).astype(np.int64)
+        nb = np.bincount(seg, weights=before, minlength=m).astype(np.int64)
+        newlen = cnt + 1
+        start = self._alloc_entries(int(newlen.sum()))
+        noff = start + np.cumsum(newlen) - newlen
+        local = np.arange(len(E)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        dst = noff[seg] + local + (local >= nb[seg])
+        self._er1[dst] = self._er1[E]
+        self._er2[dst] = self._er2[E]
+        self._eleft[:, dst] = self._eleft[:, E]
+        di = noff + nb
+        self._er1[di] = r1
+        self._er2[di] = r2
+        self._eleft[:, di] = left.T
+        self._egarb += int(ln.sum())
+        self._c_off[cids, slots] = noff
+        self._c_len[cids, slots] = newlen
+
+    def _node_rows(self, nodes: np.ndarray):
+        """Live records of each node (CSR rows, off), from the layout ranges."""
+        s = self._n_s[nodes].astype(np.int64)
+        ln = self._n_e[nodes].astype(np.int64) - s
+        el = _ranges(s, ln)
+        sl = self._samp[np.repeat(self._n_tree[nodes], ln), el].astype(np.int64)
+        ok = sl >= 0
+        cnt = np.bincount(np.repeat(np.arange(len(nodes)), ln)[ok], minlength=len(nodes))
+        return sl[ok], np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
+
+    def _decide_nodes(self, nodes: np.ndarray, want_cache: np.ndarray) -> _Decisions:
+        rows, off = self._node_rows(nodes)
+        return self._decide(
+            self._n_tree[nodes].astype(np.int64), self._n_path[nodes].astype(np.int64),
+            self._n_depth[nodes].astype(np.int64), rows, off, want_cache,
+        )  # fmt: skip
+
+    def _same(self, nodes: np.ndarray, d: _Decisions) -> np.ndarray:
+        kind = self._n_kind[nodes]
+        same = d.kind == kind
+        g = kind == GREEDY
+        same &= ~g | ((d.attr == self._n_attr[nodes]) & (d.r1 == self._n_r1[nodes]))
+        rn = kind == RANDOM
+        same &= ~rn | (
+            (d.attr == self._n_attr[nodes]) & (d.thr == self._n_thr[nodes])
+            & (d.draw == self._n_draw[nodes])
+        )  # fmt: skip
+        return same
+
+    def _set_r2(self, nodes: np.ndarray, r2: np.ndarray) -> None:
+        if len(nodes) == 0:
+            return
+        a = self._n_attr[nodes].astype(np.int64)
+        self._n_r2[nodes] = r2
+        v1 = self._vals[self._voff[a] + self._n_r1[nodes]]
+        v2 = self._vals[self._voff[a] + r2]
+        self._n_thr[nodes] = _midpoint(v1, v2)
+
+    def _descendants(self, nodes: np.ndarray) -> np.ndarray:
+        out = []
+        fr = nodes
+        while fr.size:
+            fr = fr[self._n_kind[fr] != LEAF]
+            fr = np.concatenate([self._n_left[fr], self._n_right[fr]]).astype(np.int64)
+            fr = fr[fr >= 0]
+            out.append(fr)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def _outermost(self, nodes: np.ndarray) -> np.ndarray:
+        """Drop nodes that lie below another node of the set."""
+        nodes = np.unique(nodes)
+        if len(nodes) <= 1:
+            return nodes
+        return nodes[~self._below(nodes, nodes)]
+
+    def _rebuild(self, nodes: np.ndarray) -> int:
+        """Retrain the subtrees rooted at `nodes` from their live records."""
+        if len(nodes) == 0:
+            return 0
+        self._free_nodes(self._descendants(nodes))
+        self._uncache(nodes)
+        rows, off = self._node_rows(nodes)
+        self._build(
+            self._n_tree[nodes].astype(np.int64), self._n_path[nodes].astype(np.int64),
+            self._n_depth[nodes].astype(np.int64), nodes.astype(np.int64),
+            self._n_s[nodes].astype(np.int64), self._n_e[nodes].astype(np.int64), rows, off,
+        )  # fmt: skip
+        return int(off[-1])
+
+    def _below(self, nodes: np.ndarray, roots: np.ndarray) -> np.ndarray:
+        """Whether each node lies strictly below one of the roots."""
+        out = np.zeros(len(nodes), dtype=bool)
+        if len(roots) == 0 or len(nodes) == 0:
+            return out
+        t = self._n_tree[nodes]
+        dep = self._n_depth[nodes].astype(np.int64)
+        pa = self._n_path[nodes]
+        for rt, rd, rp in zip(self._n_tree[roots].tolist(), self._n_depth[roots].tolist(),
+                              self._n_path[roots].tolist(), strict=True):
+            m = (t == rt) & (dep > rd)
+            out[m] |= (pa[m] >> (dep[m] - rd)) == rp
+        return out
+
+    def _resolve(self, pn, ptree, pdepth, flag, r2_nodes, r2_vals, inst_nodes, inst_d, inst_sel,
+                 extra, stats, single_path: bool) -> None:
+        """Apply the outcome of checking the nodes on some paths: rebuild the outermost changed
+        nodes, update thresholds and install recomputed caches of unchanged nodes above them.
+
+        single_path: pn is one root-to-leaf path per tree (a deletion), so the outermost
+        changed node of a tree is simply its shallowest flagged one."""
+        fl = np.flatnonzero(flag)
+        if single_path:
+            big = np.iinfo(np.int64).max
+            first = np.full(self._T, big, dtype=np.int64)
+            np.minimum.at(first, ptree[fl], pdepth[fl])
+            roots = pn[fl][pdepth[fl] == first[ptree[fl]]]
+            if len(extra):
+                roots = self._outermost(np.concatenate([roots, extra]))
+
+            def keep_of(nodes):
+                ok = self._n_depth[nodes] < first[self._n_tree[nodes]]
+                if len(extra):
+                    ok &= ~self._below(nodes, roots) & ~np.isin(nodes, roots)
+                return ok
+        else:
+            roots = self._outermost(np.concatenate([pn[fl], extra]))
+
+            def keep_of(nodes):
+                return ~self._below(nodes, roots) & ~np.isin(nodes, roots)
+
+        if len(r2_nodes):
+            keep = keep_of(r2_nodes)
+            self._set_r2(r2_nodes[keep], r2_vals[keep])
+        if len(inst_nodes):
+            keep = keep_of(inst_nodes)
+            self._install_caches(inst_nodes[keep], inst_d, inst_sel[keep])
+        stats["subtrees_retrained"] += len(roots)
+        stats["records_retrained"] += self._rebuild(roots)
+
+    def _delete_one(self, r: int, stats: dict) -> None:
+        c = int(self._y[r])
+        self._alive[r] = False
+        self._nlive -= 1
+        self._class_n[c] -= 1
+        self._samp[self._tt, self._pos[:, r]] = -1
+        dom = np.zeros(0, dtype=np.int64)
+        if self._drmax > 0:
+            at = np.flatnonzero(np.abs(self._X[:, r]) >= self._absmax)
+            if at.size:
+                dom = self._update_domain(at)
+        pn, ptree, pdepth, _ = self._path_nodes(np.array([r], dtype=np.int64))
+        stats["nodes_touched"] += len(pn)
+        self._n_n[pn] -= 1
+        self._n_cnt[pn, c] -= 1
+        n = self._n_n[pn]
+        kind = self._n_kind[pn]
+        internal = kind != LEAF
+        pure = self._n_cnt[pn].max(axis=1) == n
+        flag = internal & (pure | (n < 2 * self._msl))
+        lf = ~internal & (self._n_why[pn] <= _W_PURE)
+        if lf.any():  # a leaf's reason follows its counts (depth, then size, then purity)
+            why = np.where(n < 2 * self._msl, _W_SMALL, _W_PURE)
+            why = np.where(self._n_depth[pn] >= self._maxd, _W_DEPTH, why)
+            self._n_why[pn[lf]] = why[lf]
+        rnd = np.flatnonzero(internal & ~flag & (kind == RANDOM))
+        if rnd.size:
+            ri = pn[rnd]
+            bad = (self._n_n[self._n_left[ri]] == 0) | (self._n_n[self._n_right[ri]] == 0)
+            bad |= self._n_draw[ri] < 0
+            if dom.size:
+                bad |= np.isin(self._n_attr[ri], dom)
+            flag[rnd] = bad
+        grd = internal & ~flag & (kind == GREEDY)
+        drop = grd & (self._n_cid[pn] >= 0) & (n < self._CACHE_MIN)
+        if drop.any():
+            self._uncache(pn[drop])
+        cached = np.flatnonzero(grd & (self._n_cid[pn] >= 0))
+        check = (grd & (self._n_cid[pn] < 0)) | (~internal & (self._n_why[pn] >= _W_CONST))
+        wantc = np.zeros(len(pn), dtype=bool)
+        r2n, r2v = [], []
+        if cached.size:
+            st, nr2 = self._cached_delete(pn[cached], r, c)
+            flag[cached[st == 2]] = True
+            check[cached[st == 3]] = True
+            wantc[cached[st == 3]] = True
+            r2n.append(pn[cached[st == 1]])
+            r2v.append(nr2[st == 1])
+            stats["caches_recomputed"] += int((st == 3).sum())
+        inst_nodes = np.zeros(0, dtype=np.int64)
+        d = None
+        inst_sel = np.zeros(0, dtype=np.int64)
+        ck = np.flatnonzero(check)
+        if ck.size:
+            d = self._decide_nodes(pn[ck], wantc[ck])
+            same = self._same(pn[ck], d)
+            flag[ck[~same]] = True
+            lf = same & (d.kind == LEAF)
+            self._n_why[pn[ck[lf]]] = d.why[lf]
+            g = same & (d.kind == GREEDY) & (d.r2 != self._n_r2[pn[ck]])
+            r2n.append(pn[ck[g]])
+            r2v.append(d.r2[g])
+            if d.cache_task.size:
+                okc = same[d.cache_task]
+                inst_sel = np.flatnonzero(okc)
+                inst_nodes = pn[ck[d.cache_task[inst_sel]]]
+        extra = np.zeros(0, dtype=np.int64)
+        if dom.size:
+            used = np.flatnonzero(self._n_used & (self._n_kind == RANDOM))
+            extra = used[np.isin(self._n_attr[used], dom)]
+        self._resolve(
+            pn, ptree, pdepth, flag,
+            np.concatenate(r2n) if r2n else np.zeros(0, np.int64),
+            np.concatenate(r2v) if r2v else np.zeros(0, np.int64),
+            inst_nodes, d, inst_sel, extra, stats, True,
+        )  # fmt: skip
+
+    # ================================================================== classes
+
+    def _drop_empty_classes(self) -> None:
+        gone = np.flatnonzero(self._class_n == 0)
+        if gone.size == 0:
+            return
+        keep = np.flatnonzero(self._class_n > 0)
+        remap = np.cumsum(self._class_n > 0) - 1
+        self.classes_ = self.classes_[keep]
+        self._class_n = self._class_n[keep]
+        self._n_cnt = np.ascontiguousarray(self._n_cnt[:, keep])
+        self._eleft = np.ascontiguousarray(self._eleft[keep])
+        y = self._y[: self._nrec]
+        self._y[: self._nrec] = np.where(np.isin(y, gone), 0, remap[y])
+
+    def _insert_classes(self, labels: np.ndarray) -> None:
+        new = np.union1d(self.classes_, labels)
+        if len(new) == len(self.classes_):
+            return
+        pos = np.searchsorted(new, self.classes_)
+        C = len(new)
+
+        def widen(a: np.ndarray) -> np.ndarray:
+            b = np.zeros((a.shape[0], C), dtype=a.dtype)
+            b[:, pos] = a
+            return b
+
+        self._n_cnt = widen(self._n_cnt)
+        self._eleft = np.ascontiguousarray(widen(self._eleft.T).T)
+        cn = np.zeros(C, dtype=np.int64)
+        cn[pos] = self._class_n
+        self._class_n = cn
+        self._y[: self._nrec] = pos[self._y[: self._nrec]]
+        self.classes_ = new
+
+    # ================================================================== public updates
+
+    def _report(self, op, rids, t0, stats) -> UpdateReport:
+        return UpdateReport(
+            op=op, record_ids=list(rids.tolist()), guarantee=self.guarantee,
+            seconds=time.perf_counter() - t0, retrained=dict(stats),
+            metrics={"n_records": float(self._nlive)},
+        )  # fmt: skip
+
+    def delete(self, ids: Any) -> UpdateReport:
+        """Forget records by id; the forest is then identical to a retrain without them.
+
+        Raises :class:`UnknownRecordError` (model unchanged) when an id is not live
+        (never seen, or already deleted), :class:`DuplicateRecordError` when an id is
+        named twice, ``ValueError`` when every live record would be deleted."""
+        self._check_fitted()
+        t0 = time.perf_counter()
+        rids = _as_ids(ids)
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        unknown = [i for i in rids.tolist() if i not in self._slot]
+        if unknown:
+            raise UnknownRecordError(unknown, "unknown or already deleted record id")
+        if len(rids) and len(rids) >= self._nlive:
+            raise ValueError("cannot delete every live record (a forest needs at least one)")
+        stats = {
+            "mode": "incremental", "subtrees_retrained": 0, "records_retrained": 0,
+            "nodes_touched": 0, "caches_recomputed": 0,
+        }  # fmt: skip
+        if len(rids) == 0:
+            return self._report("delete", rids, t0, stats)
+        if len(rids) > self._REFIT_FRACTION * self._nlive:
+            keep = [i for i in self._slot if i not in set(rids.tolist())]
+            self._refit(keep)
+            stats.update(mode="refit", subtrees_retrained=self._T, records_retrained=len(keep))
+            return self._report("delete", rids, t0, stats)
+        for i in rids.tolist():
+            r = self._slot.pop(i)
+            self._delete_one(r, stats)
+        self._drop_empty_classes()
+        return self._report("delete", rids, t0, stats)
+
+    def _refit(self, keep_ids: list[str]) -> None:
+        sl = np.array([self._slot[i] for i in keep_ids], dtype=np.int64)
+        ids = np.array(keep_ids, dtype=object)
+        X = self._X[:, sl].T.copy()
+        y = self.classes_[self._y[sl]]
+        self.fit(ids, X, y)
+
+    def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
+        """Learn new records; the forest is then identical to a retrain with them.
+
+        Labels never seen before are allowed (``classes_`` grows). Raises
+        :class:`DuplicateRecordError` for an id already live (or named twice) and
+        ``ValueError`` for a wrong shape or NaN/inf; the model is unchanged on any error."""
+        self._check_fitted()
+        t0 = time.perf_counter()
+        rids = _as_ids(ids)
+        dup = _duplicates(rids)
+        if dup:
+            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        live = [i for i in rids.tolist() if i in self._slot]
+        if live:
+            raise DuplicateRecordError(f"record id(s) already in the model: {live[:5]}")
+        Xa = self._check_X(X, len(rids), self.n_features_)
+        ya = self._check_y(y, len(rids))
+        try:
+            np.union1d(self.classes_, ya)
+        except TypeError:
+            raise ValueError(
+                f"labels {ya[:5].tolist()} cannot be compared with the model's classes "
+                f"{self.classes_[:5].tolist()}"
+            ) from None
+        stats = {
+            "mode": "incremental", "subtrees_retrained": 0, "records_retrained": 0,
+            "nodes_touched": 0, "caches_recomputed": 0,
+        }  # fmt: skip
+        m = len(rids)
+        if m == 0:
+            return self._report("add", rids, t0, stats)
+        if m > self._nlive:
+            keep = list(self._slot)
+            sl = np.array([self._slot[i] for i in keep], dtype=np.int64)
+            self.fit(
+                np.concatenate([np.array(keep, dtype=object), rids]),
+                np.concatenate([self._X[:, sl].T, Xa]),
+                np.concatenate([self.classes_[self._y[sl]], ya]),
+            )
+            stats.update(mode="refit", subtrees_retrained=self._T, records_retrained=self._nlive)
+            return self._report("add", rids, t0, stats)
+        self._add_records(rids, Xa, ya, stats)
+        return self._report("add", rids, t0, stats)
+
+    def _add_records(self, rids, Xa, ya, stats) -> None:
+        self._insert_classes(np.unique(ya))
+        m = len(rids)
+        slots = np.arange(self._nrec, self._nrec + m, dtype=np.int64)
+        self._grow_store(self._nrec + m)
+        self._X[:, slots] = Xa.T
+        yi = np.searchsorted(self.classes_, ya).astype(np.int32)
+        self._y[slots] = yi
+        self._ids[slots] = rids
+        self._nrec += m
+        remap = self._rerank()
+        self._remap_ranks(remap)
+        for i, sl in zip(rids.tolist(), slots.tolist(), strict=True):
+            self._slot[i] = sl
+        self._alive[slots] = True
+        self._nlive += m
+        if self._nlive >= 65_535 and self._eleft.dtype != np.int32:
+            self._eleft = self._eleft.astype(np.int32)
+        self._class_n += np.bincount(yi, minlength=len(self.classes_))
+        dom = np.zeros(0, dtype=np.int64)
+        if self._drmax > 0:
+            at = np.flatnonzero((np.abs(Xa) > self._absmax[None, :]).any(axis=0))
+            dom = self._update_domain(at)
+        pn, ptree, pdepth, prec = self._path_nodes(slots)
+        self._place(pn, ptree, prec, slots)
+        C = len(self.classes_)
+        u, inv = np.unique(pn, return_inverse=True)
+        add = np.bincount(inv * C + yi[prec], minlength=len(u) * C).reshape(len(u), C)
+        self._n_cnt[u] += add.astype(np.int32)
+        self._n_n[u] += add.sum(axis=1).astype(np.int32)
+        stats["nodes_touched"] += len(u)
+        # every node on the new records' paths is re-derived from its records
+        order = np.lexsort((self._n_depth[u], self._n_tree[u]))
+        u = u[order]
+        ut = self._n_tree[u].astype(np.int64)
+        ud = self._n_depth[u].astype(np.int64)
+        d = self._decide_nodes(u, np.ones(len(u), dtype=bool))
+        same = self._same(u, d)
+        flag = ~same
+        lf = same & (d.kind == LEAF)
+        self._n_why[u[lf]] = d.why[lf]
+        g = same & (d.kind == GREEDY) & (d.r2 != self._n_r2[u])
+        stats["caches_recomputed"] += int(d.cache_task.size)
+        # cached-ness follows the node's size; nodes that must drop their cache
+        was = self._n_cid[u] >= 0
+        inst_sel = np.flatnonzero(same[d.cache_task]) if d.cache_task.size else np.zeros(0, int)
+        inst_nodes = u[d.cache_task[inst_sel]] if d.cache_task.size else np.zeros(0, int)
+        has_new = np.zeros(len(u), dtype=bool)
+        if d.cache_task.size:
+            has_new[d.cache_task] = True
+        self._uncache(u[was & ~has_new & same])
+        extra = np.zeros(0, dtype=np.int64)
+        if dom.size:
+            used = np.flatnonzero(self._n_used & (self._n_kind == RANDOM))
+            extra = used[np.isin(self._n_attr[used], dom)]
+        self._resolve(
+            u, ut, ud, flag, u[g], d.r2[g], inst_nodes, d, inst_sel, extra, stats, False
+        )
+
+    def _remap_ranks(self, remap: list[np.ndarray] | None) -> None:
+        """After re-ranking, translate the ranks stored in nodes and caches."""
+        if remap is None:
+            return
+        flat = np.concatenate(remap)
+        base = np.concatenate([[0], np.cumsum([len(m) for m in remap])])
+        g = np.flatnonzero(self._n_used & (self._n_kind == GREEDY))
+        a = self._n_attr[g].astype(np.int64)
+        self._n_r1[g] = flat[base[a] + self._n_r1[g]]
+        self._n_r2[g] = flat[base[a] + self._n_r2[g]]
+        cids = np.flatnonzero((self._c_attr >= 0).any(axis=1))
+        if cids.size:
+            sa = self._c_attr[cids].ravel().astype(np.int64)
+            ln = self._c_len[cids].ravel().astype(np.int64)
+            E = _ranges(self._c_off[cids].ravel(), ln)
+            ea = np.repeat(sa, ln)
+            live = self._er1[E] >= 0
+            E, ea = E[live], ea[live]
+            self._er1[E] = flat[base[ea] + self._er1[E]]
+            self._er2[E] = flat[base[ea] + self._er2[E]]
+
+    def _place(self, pn, ptree, prec, slots) -> None:
+        """Put new records into free positions of their leaves' layout ranges."""
+        leaf = self._n_kind[pn] == LEAF
+        lt, ln_, lr = ptree[leaf], pn[leaf], prec[leaf]
+        for _attempt in range(2):
+            u, inv, cnt = np.unique(ln_, return_inverse=True, return_counts=True)
+            s = self._n_s[u].astype(np.int64)
+            w = self._n_e[u].astype(np.int64) - s
+            el = _ranges(s, w)
+            li = np.repeat(np.arange(len(u)), w)
+            free = self._samp[self._n_tree[u][li], el] < 0
+            nfree = np.bincount(li, weights=free, minlength=len(u)).astype(np.int64)
+            short = nfree < cnt
+            if not short.any():
+                fpos = el[free]
+                fo = np.cumsum(nfree) - nfree
+                order = np.argsort(inv, kind="stable")
+                k_in = np.arange(len(order)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+                target = np.empty(len(order), dtype=np.int64)
+                target[order] = fpos[fo[inv[order]] + k_in]
+                self._samp[lt, target] = slots[lr]
+                self._pos[lt, slots[lr]] = target
+                return
+            need = np.zeros(self._ncap, dtype=np.int64)
+            np.add.at(need, ln_, 1)
+            for t in np.unique(self._n_tree[u[short]]).tolist():
+                self._relayout(t, need)
+        raise RuntimeError("could not place new records")  # pragma: no cover
+
+    def _relayout(self, t: int, extra: np.ndarray) -> None:
+        """Re-lay tree t's records leaf by leaf, leaving room for extra[leaf] new ones."""
+        nodes = np.flatnonzero(self._n_used & (self._n_tree == t))
+        dep = self._n_depth[nodes].astype(np.int64)
+        dm = int(dep.max()) + 1
+        key = (self._n_path[nodes] - (np.int64(1) << dep)) << (dm - dep)
+        nodes = nodes[np.lexsort((dep, key))]
+        leaves = nodes[self._n_kind[nodes] == LEAF]
+        rows, off = self._node_rows(leaves)
+        cnt = np.diff(off)
+        width = cnt + extra[leaves] + np.maximum(2, cnt // 8)
+        total = int(width.sum())
+        if total > self._samp.shape[1]:
+            samp = np.full((self._T, max(total, self._samp.shape[1] * 5 // 4)), -1, np.int32)
+            samp[:, : self._samp.shape[1]] = self._samp
+            self._samp = samp
+        start = np.cumsum(width) - width
+        self._samp[t] = -1
+        q = _ranges(start, cnt)
+        self._samp[t, q] = rows
+        self._pos[t, rows] = q
+        self._n_s[leaves] = start
+        self._n_e[leaves] = start + width
+        inner = nodes[self._n_kind[nodes] != LEAF]
+        inner = inner[np.argsort(-self._n_depth[inner], kind="stable")]
+        for d in np.unique(self._n_depth[inner])[::-1].tolist():
+            nd = inner[self._n_depth[inner] == d]
+            self._n_s[nd] = self._n_s[self._n_left[nd]]
+            self._n_e[nd] = self._n_e[self._n_right[nd]]
+
+    # ================================================================== hashing / verify / io
+
+    def _canonical_nodes(self) -> np.ndarray:
+        nodes = np.flatnonzero(self._n_used)
+        dep = self._n_depth[nodes].astype(np.int64)
+        dm = int(dep.max()) + 1
+        key = (self._n_path[nodes] - (np.int64(1) << dep)) << (dm - dep)
+        return nodes[np.lexsort((dep, key, self._n_tree[nodes]))]
+
+    def _selected_candidates(self, nodes: np.ndarray):
+        """The k selected pairs of every cache slot of `nodes` (canonically ordered): per slot
+        (node index, slot, attribute, all-flag), per pair (slot index, v1, v2, left counts)."""
+        k = self._k
+        cached = np.flatnonzero(self._n_cid[nodes] >= 0)
+        cid = self._n_cid[nodes[cached]].astype(np.int64)
+        sa = self._c_attr[cid]
+        sn, ss = np.nonzero(sa >= 0)
+        a = sa[sn, ss].astype(np.int64)
+        ln = self._c_len[cid[sn], ss].astype(np.int64)
+        E = _ranges(self._c_off[cid[sn], ss], ln)
+        seg = np.repeat(np.arange(len(sn)), ln)
+        alive = self._er1[E] >= 0
+        ca = np.cumsum(alive)
+        before = np.concatenate([[0], ca])[np.cumsum(ln) - ln]
+        sel = alive & (ca - alive - np.repeat(before, ln) < k)
+        E, seg = E[sel], seg[sel]
+        ea = a[seg]
+        v1 = self._vals[self._voff[ea] + self._er1[E]]
+        v2 = self._vals[self._voff[ea] + self._er2[E]]
+        return (
+            cached[sn].astype(np.int64), ss.astype(np.int64), a, self._c_all[cid[sn], ss],
+            seg.astype(np.int64), v1, v2, self._eleft[:, E].T.astype(np.int64),
+        )  # fmt: skip
+
+    def content_hash(self) -> str:
+        """SHA-256 over everything that determines predictions and future updates."""
+        self._check_fitted()
+        nodes = self._canonical_nodes()
+        idx = np.full(self._ncap, -1, dtype=np.int64)
+        idx[nodes] = np.arange(len(nodes))
+        kind = self._n_kind[nodes]
+        g = kind == GREEDY
+        a = self._n_attr[nodes].astype(np.int64)
+        v1 = np.zeros(len(nodes))
+        v2 = np.zeros(len(nodes))
+        v1[g] = self._vals[self._voff[a[g]] + self._n_r1[nodes[g]]]
+        v2[g] = self._vals[self._voff[a[g]] + self._n_r2[nodes[g]]]
+        thr = np.where(kind != LEAF, self._n_thr[nodes], 0.0)
+        draw = np.where(kind == RANDOM, self._n_draw[nodes], -1).astype(np.int64)
+        struct = np.stack([
+            self._n_tree[nodes], self._n_depth[nodes], self._n_path[nodes], kind,
+            self._n_why[nodes], np.where(kind != LEAF, a, -1), draw, self._n_n[nodes],
+            idx[np.where(kind != LEAF, self._n_left[nodes], nodes)],
+            idx[np.where(kind != LEAF, self._n_right[nodes], nodes)],
+        ], axis=1).astype(np.int64)  # fmt: skip
+        cnt = self._n_cnt[nodes].astype(np.int64)
+        sel = self._selected_candidates(nodes)
+        # each leaf's records, by id: leaf index of every live record in every tree
+        live_ids = sorted(self._slot)
+        lslots = np.array([self._slot[i] for i in live_ids], dtype=np.int64)
+        leaves = nodes[kind == LEAF]
+        rows, off = self._node_rows(leaves)
+        owner = np.full((self._T, self._cap), -1, dtype=np.int64)
+        owner[np.repeat(self._n_tree[leaves], np.diff(off)), rows] = np.repeat(
+            idx[leaves], np.diff(off)
+        )
+        member = owner[:, lslots]
+        h = hashlib.sha256()
+        header = {
+            "format": FORMAT,
+            "params": {key: (v if not isinstance(v, np.integer) else int(v))
+                       for key, v in self.get_params(deep=False).items()},
+            "classes": [repr(c) for c in self.classes_.tolist()],
+            "n_features": self.n_features_,
+            "ids": live_ids,
+        }  # fmt: skip
+        h.update(json.dumps(header, sort_keys=True).encode())
+        for arr in (
+            struct, thr, v1, v2, cnt, sel[0], sel[1], sel[2], sel[4], sel[5], sel[6], sel[7],
+            member,
+            self._X[:, lslots], self._y[lslots].astype(np.int64),
+        ):
+            arr = np.ascontiguousarray(arr)
+            h.update(str(arr.dtype).encode())
+            h.update(repr(arr.shape).encode())
+            h.update(arr.tobytes())
+        return h.hexdigest()
+
+    def _live_data(self):
+        ids = sorted(self._slot)
+        sl = np.array([self._slot[i] for i in ids], dtype=np.int64)
+        return np.array(ids, dtype=object), self._X[:, sl].T.copy(), self.classes_[self._y[sl]]
+
+    def verify(self) -> VerifyReport:
+        """Retrain from scratch on the live records and compare content hashes."""
+        self._check_fitted()
+        t0 = time.perf_counter()
+        ids, X, y = self._live_data()
+        fresh = type(self)(**self.get_params(deep=False)).fit(ids, X, y)
+        served = self.content_hash()
+        retrained = fresh.content_hash()
+        return VerifyReport(
+            exact=served == retrained, served_hash=served, retrained_hash=retrained,
+            seconds=time.perf_counter() - t0,
+            detail={"n_records": len(ids), "n_trees": self._T},
+        )  # fmt: skip
+
+    _SAVED = (
+        "_y", "_alive", "_class_n", "_n_tree", "_n_depth", "_n_path", "_n_kind", "_n_why",
+        "_n_left", "_n_right", "_n_attr", "_n_thr", "_n_r1", "_n_r2", "_n_draw", "_n_n",
+        "_n_cnt", "_n_s", "_n_e", "_n_cid", "_n_used", "_nfree", "_c_attr", "_c_off", "_c_len",
+        "_c_all", "_c_cutp", "_c_cutv", "_cfree", "_er1", "_er2", "_eleft", "_samp", "_pos",
+        "_root",
+    )  # fmt: skip
+    _SCALARS = (
+        "_cap", "_nrec", "_nlive", "_ncap", "_nfree_n", "_ccap", "_cfree_n", "_ecap", "_eused",
+        "_egarb",
+    )  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path/meta.json`` (JSON) and ``path/arrays.npz`` (plain arrays, no pickle)."""
+        self._check_fitted()
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        arrays = {name.lstrip("_"): getattr(self, name) for name in self._SAVED}
+        arrays["X"] = self._X[:, : self._nrec]
+        arrays["ids"] = np.array(self._ids[: self._nrec].tolist(), dtype=str)
+        arrays["classes"] = np.asarray(self.classes_)
+        if arrays["classes"].dtype == object:
+            arrays["classes"] = arrays["classes"].astype(str)
+        meta = {
+            "format": FORMAT,
+            "params": {k: (int(v) if isinstance(v, np.integer) else v)
+                       for k, v in self.get_params(deep=False).items()},
+            "n_features": self.n_features_,
+            "scalars": {name: int(getattr(self, name)) for name in self._SCALARS},
+            "content_hash": self.content_hash(),
+        }  # fmt: skip
+        tmp_a = p / (_ARRAYS + ".tmp.npz")
+        tmp_m = p / (_META + ".tmp")
+        np.savez(tmp_a, **arrays)
+        tmp_m.write_text(json.dumps(meta, indent=1))
+        tmp_a.replace(p / _ARRAYS)
+        tmp_m.replace(p / _META)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DaREForest:
+        """Read a bundle written by :meth:`save`; checks its content hash."""
+        p = Path(path)
+        meta = json.loads((p / _META).read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{p} is not a DaRE bundle ({meta.get('format')!r})")
+        self = cls(**meta["params"])
+        self._validate_params()
+        with np.load(p / _ARRAYS, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        for name, v in meta["scalars"].items():
+            setattr(self, name, int(v))
+        for name in self._SAVED:
+            setattr(self, name, arrays[name.lstrip("_")].copy())
+        self.classes_ = arrays["classes"]
+        self.n_features_ = int(meta["n_features"])
+        pf = self.n_features_
+        self._P = max(1, int(math.isqrt(pf)))
+        self._tkeys = np.array(
+            [prf_u64(int(self.random_state), "dare-tree", t) for t in range(self._T)], dtype=_U64
+        )
+        self._attr_u64 = np.arange(pf, dtype=_U64)
+        self._tt = np.arange(self._T)
+        X = np.zeros((pf, self._cap), dtype=np.float64)
+        X[:, : self._nrec] = arrays["X"]
+        self._X = X
+        ids = np.empty(self._cap, dtype=object)
+        ids[: self._nrec] = arrays["ids"].tolist()
+        self._ids = ids
+        self._slot = {
+            ids[i]: i for i in np.flatnonzero(self._alive[: self._nrec]).tolist()
+        }
+        self._rerank()
+        self._update_domain()
+        got = self.content_hash()
+        if got != meta["content_hash"]:
+            raise ValueError(f"{p}: content hash mismatch after loading ({got} != "
+                             f"{meta['content_hash']})")
+        return self

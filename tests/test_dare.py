@@ -1,0 +1,344 @@
+"""DaRE forest: updates must equal a retrain bit for bit (content hash), in every corner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs.learners.base import DuplicateRecordError, UnknownRecordError
+from jobs.learners.dare import DaREForest
+
+SMALL = dict(n_estimators=5, max_depth=4, k=3)
+
+
+def variant(cache_min: int = 4, buffer: int = 1) -> type[DaREForest]:
+    """DaREForest with small cache thresholds, so small data exercises every update path
+    (cached nodes, uncached nodes, cache refills). verify() retrains with the same class."""
+    return type("DaRE", (DaREForest,), {"_CACHE_MIN": cache_min, "_BUFFER": buffer})
+
+
+def make_data(rng: np.random.Generator, n: int, p: int = 5, n_classes: int = 3, decimals=1):
+    X = rng.normal(size=(n, p))
+    if decimals is not None:
+        X = X.round(decimals)  # many duplicate values
+    score = X[:, 0] + 0.5 * X[:, min(1, p - 1)] + 0.7 * rng.normal(size=n)
+    y = np.digitize(score, np.quantile(score, np.linspace(0, 1, n_classes + 1)[1:-1]))
+    return X, y
+
+
+class World:
+    """The model under test plus the live training set it should equal."""
+
+    def __init__(self, cls, params, X, y, ids):
+        self.cls, self.params = cls, params
+        self.live = {i: (X[k], y[k]) for k, i in enumerate(ids)}
+        self.m = cls(**params).fit(ids, X, y)
+
+    def delete(self, ids):
+        rep = self.m.delete(ids)
+        for i in ids:
+            del self.live[i]
+        return rep
+
+    def add(self, ids, X, y):
+        rep = self.m.add(ids, X, y)
+        for k, i in enumerate(ids):
+            self.live[i] = (X[k], y[k])
+        return rep
+
+    def fresh(self):
+        ids = list(self.live)
+        X = np.array([self.live[i][0] for i in ids])
+        y = np.array([self.live[i][1] for i in ids])
+        return self.cls(**self.params).fit(ids, X, y)
+
+    def check(self):
+        assert self.m.content_hash() == self.fresh().content_hash()
+
+
+def world(seed=0, n=80, cls=None, decimals=1, n_classes=3, p=5, **params):
+    rng = np.random.default_rng(seed)
+    X, y = make_data(rng, n, p=p, n_classes=n_classes, decimals=decimals)
+    ids = [f"r{i}" for i in range(n)]
+    return World(cls or variant(), {**SMALL, **params}, X, y, ids), rng
+
+
+# ------------------------------------------------------------------ property-based sequences
+
+
+@st.composite
+def scenario(draw):
+    n = draw(st.integers(6, 70))
+    p = draw(st.integers(1, 5))
+    params = dict(
+        n_estimators=draw(st.integers(1, 4)),
+        max_depth=draw(st.integers(0, 5)),
+        k=draw(st.integers(1, 5)),
+        d_rmax=draw(st.integers(0, 3)),
+        criterion=draw(st.sampled_from(["gini", "entropy"])),
+        min_samples_leaf=draw(st.integers(1, 3)),
+        random_state=draw(st.integers(0, 2**31)),
+    )
+    cache_min = draw(st.sampled_from([2, 6, 10_000]))
+    buffer = draw(st.sampled_from([0, 1, 8]))
+    decimals = draw(st.sampled_from([0, 1, None]))
+    n_classes = draw(st.integers(2, 4))
+    ops = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["del", "add", "add_far", "add_new_class"]),
+                      st.integers(1, 4), st.integers(0, 2**31)),
+            min_size=1, max_size=7,
+        )
+    )  # fmt: skip
+    seed = draw(st.integers(0, 2**31))
+    return n, p, params, cache_min, buffer, decimals, n_classes, ops, seed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_random_update_sequences_equal_a_retrain(sc):
+    n, p, params, cache_min, buffer, decimals, n_classes, ops, seed = sc
+    rng = np.random.default_rng(seed)
+    X, y = make_data(rng, n + 40, p=p, n_classes=n_classes, decimals=decimals)
+    ids = [f"r{i}" for i in range(n)]
+    w = World(variant(cache_min, buffer), params, X[:n], y[:n], ids)
+    pool = list(range(n, n + 40))
+    for op, size, s in ops:
+        r = np.random.default_rng(s)
+        if op == "del":
+            size = min(size, len(w.live) - 1)
+            if size <= 0:
+                continue
+            w.delete(list(r.choice(sorted(w.live), size=size, replace=False)))
+        else:
+            take, pool = pool[:size], pool[size:]
+            if not take:
+                continue
+            Xn, yn = X[take].copy(), y[take].copy()
+            if op == "add_far":
+                Xn[0, r.integers(p)] = r.choice([-1e3, 1e3, 7.5])
+            if op == "add_new_class":
+                yn[0] = 9
+            w.add([f"r{i}" for i in take], Xn, yn)
+        w.check()
+    assert w.m.verify().exact
+
+
+# ------------------------------------------------------------------ focused edge cases
+
+
+@pytest.mark.parametrize("criterion", ["gini", "entropy"])
+@pytest.mark.parametrize("d_rmax", [0, 2])
+def test_single_deletions_stay_exact(criterion, d_rmax):
+    w, rng = world(seed=1, n=120, criterion=criterion, d_rmax=d_rmax)
+    for i in rng.permutation(sorted(w.live))[:25]:
+        rep = w.delete([i])
+        assert rep.guarantee == "exact" and rep.op == "delete"
+        w.check()
+    v = w.m.verify()
+    assert v.exact and v.served_hash == v.retrained_hash
+
+
+def test_multiclass_and_class_removal():
+    w, rng = world(seed=2, n=60, n_classes=4)
+    assert len(w.m.classes_) == 4
+    cls3 = [i for i, (_, yy) in w.live.items() if yy == 3]
+    w.delete(cls3[:-1])
+    w.check()
+    w.delete(cls3[-1:])  # the last record of class 3
+    assert w.m.classes_.tolist() == [0, 1, 2]
+    assert w.m.scores(np.zeros((2, 5))).shape == (2, 3)
+    w.check()
+    w.add(["z1"], np.zeros((1, 5)), np.array([3]))  # the class comes back
+    assert w.m.classes_.tolist() == [0, 1, 2, 3]
+    w.check()
+
+
+def test_string_labels_and_new_label_at_add():
+    rng = np.random.default_rng(3)
+    X, y = make_data(rng, 50, n_classes=2)
+    labels = np.array(["neg", "pos"])[y]
+    m = variant()(**SMALL).fit(np.arange(50), X, labels)
+    m.add([100, 101], X[:2] + 0.05, np.array(["maybe", "pos"]))
+    assert m.classes_.tolist() == ["maybe", "neg", "pos"]
+    assert m.predict(X[:3]).dtype.kind == "U"
+    assert m.verify().exact
+
+
+def test_delete_until_pure_then_one_record():
+    w, rng = world(seed=4, n=40, n_classes=2)
+    ones = [i for i, (_, yy) in w.live.items() if yy == 1]
+    for i in ones:  # every node becomes pure
+        w.delete([i])
+        w.check()
+    assert w.m.classes_.tolist() == [0]
+    rest = sorted(w.live)
+    for i in rest[:-1]:
+        w.delete([i])
+    w.check()
+    assert w.m.n_records_ == 1
+    assert np.allclose(w.m.scores(np.ones((3, 5))), 1.0)
+    with pytest.raises(ValueError):
+        w.m.delete(rest[-1:])
+
+
+def test_values_outside_the_seen_range_and_domain_changes():
+    w, rng = world(seed=5, n=60, d_rmax=3, max_depth=5)
+    far = np.zeros((3, 5))
+    far[0, 0], far[1, 1], far[2, 2] = 1e6, -3e3, 0.999e6
+    w.add(["f0", "f1", "f2"], far, np.array([0, 1, 2]))
+    w.check()
+    w.delete(["f0"])  # the random nodes' stream domain shrinks back
+    w.check()
+    w.delete(["f1", "f2"])
+    w.check()
+
+
+def test_extreme_feature_values():
+    w, rng = world(seed=12, n=40, d_rmax=2)
+    big = np.full((2, 5), 1e308)
+    big[1] *= -1
+    w.add(["b0", "b1"], big, np.array([0, 1]))
+    w.check()
+    w.delete(["b0"])
+    w.check()
+    assert np.isfinite(w.m.scores(big)).all()
+
+
+def test_duplicate_values_and_constant_attributes():
+    rng = np.random.default_rng(6)
+    X = rng.integers(0, 3, size=(70, 4)).astype(float)
+    X[:, 2] = 1.5  # constant attribute
+    y = (X[:, 0] + rng.integers(0, 2, 70) > 1).astype(int)
+    w = World(variant(), dict(SMALL, d_rmax=1), X, y, list(range(70)))
+    for i in rng.permutation(70)[:30]:
+        w.delete([int(i)])
+        w.check()
+    w.add(["n1", "n2"], np.array([[1, 1, 2.5, 0], [5, 0, 1.5, 2]]), np.array([1, 0]))
+    w.check()
+
+
+def test_all_attributes_constant():
+    X = np.ones((20, 3))
+    y = np.arange(20) % 2
+    w = World(variant(), SMALL, X, y, list(range(20)))
+    w.delete([0, 1, 2])
+    w.check()
+    w.add(["a"], np.array([[2.0, 1.0, 1.0]]), np.array([1]))  # now one attribute varies
+    w.check()
+
+
+def test_unknown_and_already_deleted_ids_change_nothing():
+    w, rng = world(seed=7, n=50)
+    w.delete(["r3"])
+    h = w.m.content_hash()
+    for bad in (["nope"], ["r3"], ["r4", "r3"], [12345]):
+        with pytest.raises(UnknownRecordError):
+            w.m.delete(bad)
+        assert w.m.content_hash() == h
+    with pytest.raises(DuplicateRecordError):
+        w.m.delete(["r4", "r4"])
+    with pytest.raises(DuplicateRecordError):
+        w.m.add(["r5"], np.zeros((1, 5)), np.array([0]))
+    with pytest.raises(ValueError):
+        w.m.add(["q"], np.zeros((1, 4)), np.array([0]))
+    with pytest.raises(ValueError):
+        w.m.add(["q"], np.full((1, 5), np.nan), np.array([0]))
+    with pytest.raises(ValueError):
+        w.m.scores(np.zeros((1, 6)))
+    with pytest.raises(ValueError):
+        w.m.delete(sorted(w.live))  # everything
+    assert w.m.content_hash() == h
+    w.check()
+
+
+def test_save_load_round_trip_then_updates_stay_exact(tmp_path):
+    w, rng = world(seed=8, n=90, d_rmax=1, criterion="entropy")
+    w.delete(["r1", "r2"])
+    w.add(["n0"], np.full((1, 5), 0.3), np.array([2]))
+    w.m.save(tmp_path / "m")
+    m2 = type(w.m).load(tmp_path / "m")
+    assert m2.content_hash() == w.m.content_hash()
+    np.testing.assert_array_equal(m2.scores(np.eye(5)), w.m.scores(np.eye(5)))
+    w.m = m2
+    for i in ["r10", "r11", "r12"]:
+        w.delete([i])
+        w.check()
+    w.add(["n1", "n2"], np.full((2, 5), -0.3), np.array([0, 1]))
+    w.check()
+    assert w.m.verify().exact
+
+
+def test_fit_is_order_invariant_and_ids_may_be_ints():
+    rng = np.random.default_rng(9)
+    X, y = make_data(rng, 60)
+    a = variant()(**SMALL).fit(np.arange(60), X, y)
+    perm = rng.permutation(60)
+    b = variant()(**SMALL).fit(perm, X[perm], y[perm])
+    assert a.content_hash() == b.content_hash()
+    c = variant()(**dict(SMALL, random_state=1)).fit(np.arange(60), X, y)
+    assert c.content_hash() != a.content_hash()
+
+
+def test_batch_deletion_and_refit_path_are_exact():
+    w, rng = world(seed=10, n=100)
+    rep = w.delete(list(rng.choice(sorted(w.live), 10, replace=False)))
+    assert rep.retrained["mode"] == "incremental"
+    w.check()
+    rep = w.delete(list(rng.choice(sorted(w.live), 40, replace=False)))
+    assert rep.retrained["mode"] == "refit"
+    w.check()
+
+
+def test_default_class_and_predictions():
+    rng = np.random.default_rng(11)
+    X, y = make_data(rng, 200, n_classes=2, decimals=None)
+    m = DaREForest(n_estimators=10, max_depth=5, k=5).fit(np.arange(150), X[:150], y[:150])
+    s = m.scores(X[150:])
+    assert s.shape == (50, 2) and np.allclose(s.sum(axis=1), 1.0)
+    assert (m.predict(X[150:]) == y[150:]).mean() > 0.7
+    rep = m.delete(np.arange(10))
+    assert rep.retrained["nodes_touched"] > 0 and rep.seconds >= 0
+    assert m.verify().exact
+
+
+def test_longer_mixed_stream_on_more_data():
+    """Deeper trees and more records: neighbour walks on the global order, cache refills
+    (tiny buffer) and new pairs entering caches all happen many times."""
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(n_samples=1400, n_features=9, n_informative=5, n_classes=3,
+                               random_state=3)
+    cls = variant(cache_min=16, buffer=2)
+    params = dict(n_estimators=3, max_depth=7, k=6, d_rmax=1, random_state=5)
+    live = list(range(1200))
+    m = cls(**params).fit(live, X[:1200], y[:1200])
+    rng = np.random.default_rng(0)
+    pool = list(range(1200, 1400))
+    for step in range(120):
+        if rng.random() < 0.85:
+            i = int(rng.choice(live))
+            m.delete([i])
+            live.remove(i)
+        else:
+            new, pool = pool[:3], pool[3:]
+            m.add(new, X[new], y[new])
+            live += new
+        if step % 40 == 39:
+            assert m.content_hash() == cls(**params).fit(live, X[live], y[live]).content_hash()
+
+
+def test_bad_parameters_and_unfitted():
+    from sklearn.exceptions import NotFittedError
+
+    with pytest.raises(NotFittedError):
+        DaREForest().scores(np.zeros((1, 2)))
+    for bad in (dict(criterion="mse"), dict(k=0), dict(max_depth=-1), dict(n_estimators=0)):
+        with pytest.raises(ValueError):
+            DaREForest(**bad).fit([0, 1], np.zeros((2, 2)), [0, 1])
+    with pytest.raises(ValueError):
+        DaREForest().fit([0, 1], np.array([[0.0], [np.inf]]), [0, 1])
+    with pytest.raises(DuplicateRecordError):
+        DaREForest().fit([0, 0], np.zeros((2, 1)), [0, 1])
