@@ -104,6 +104,36 @@ class Learner(abc.ABC):
         """SHA-256 over everything that determines predictions, bit for bit."""
 
 
+def as_ids(ids: Any, what: str = "ids") -> np.ndarray:
+    """Record ids as a 1-D object array of ``str`` (ints and strings are both accepted)."""
+    arr = np.asarray(ids, dtype=object)
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must be a 1-D sequence of record ids, got a scalar")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    out = np.empty(len(arr), dtype=object)
+    for k, v in enumerate(arr):
+        if v is None:
+            raise ValueError(f"{what}[{k}] is None; record ids must be strings or integers")
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, float | np.floating):
+            raise ValueError(f"{what}[{k}] = {v!r} is a float; record ids must be strings or ints")
+        out[k] = str(v)
+    return out
+
+
+def duplicate_ids(ids: np.ndarray) -> list[str]:
+    """Ids that occur more than once, in order of their second occurrence."""
+    seen: set[str] = set()
+    dup: list[str] = []
+    for i in ids:
+        if i in seen:
+            dup.append(i)
+        seen.add(i)
+    return dup
+
+
 def hash_arrays(*arrays: np.ndarray) -> str:
     """Content hash of arrays: dtype, shape and bytes all count."""
     h = hashlib.sha256()

@@ -97,6 +97,8 @@ from jobs.learners.base import (
     UnknownRecordError,
     UpdateReport,
     VerifyReport,
+    as_ids,
+    duplicate_ids,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many
 from jobs.learners.nets import (
@@ -116,35 +118,6 @@ _META = "meta.json"
 _STATE = "state.pt"
 
 State = dict[str, torch.Tensor]
-
-
-def _as_ids(ids: Any, what: str = "ids") -> np.ndarray:
-    """Record ids as a 1-D object array of ``str`` (ints and strings are both accepted)."""
-    arr = np.asarray(ids, dtype=object)
-    if arr.ndim == 0:
-        raise ValueError(f"{what} must be a 1-D sequence of record ids, got a scalar")
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    out = np.empty(len(arr), dtype=object)
-    for k, v in enumerate(arr):
-        if v is None:
-            raise ValueError(f"{what}[{k}] is None; record ids must be strings or integers")
-        if isinstance(v, bytes):
-            v = v.decode()
-        elif isinstance(v, float | np.floating):
-            raise ValueError(f"{what}[{k}] = {v!r} is a float; record ids must be strings or ints")
-        out[k] = str(v)
-    return out
-
-
-def _duplicates(ids: np.ndarray) -> list[str]:
-    seen: set[str] = set()
-    dup: list[str] = []
-    for i in ids:
-        if i in seen:
-            dup.append(i)
-        seen.add(i)
-    return dup
 
 
 class SISAEnsemble(Learner, BaseEstimator):
@@ -446,10 +419,10 @@ class SISAEnsemble(Learner, BaseEstimator):
             raise ValueError(f"random_state must be an int or None, got {type(rs).__name__}")
         else:
             seed = int(rs)
-        rids = _as_ids(ids)
+        rids = as_ids(ids)
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
-        dup = _duplicates(rids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         Xa = self._check_X(X, len(rids), None)
@@ -537,8 +510,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         """
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = _as_ids(ids)
-        dup = _duplicates(rids)
+        rids = as_ids(ids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         unknown = [i for i in rids.tolist() if i not in self._row]
@@ -565,8 +538,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         """
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = _as_ids(ids)
-        dup = _duplicates(rids)
+        rids = as_ids(ids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         live = [i for i in rids.tolist() if i in self._row]
@@ -756,7 +729,7 @@ class SISAEnsemble(Learner, BaseEstimator):
     def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """(shard, slice) of live records; :class:`UnknownRecordError` for ids not live."""
         self._check_fitted()
-        rids = _as_ids(ids)
+        rids = as_ids(ids)
         unknown = [i for i in rids.tolist() if i not in self._row]
         if unknown:
             raise UnknownRecordError(unknown, "unknown or already deleted record id")
