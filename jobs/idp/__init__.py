@@ -1,0 +1,13 @@
+"""The iDP guard's bound computation (LUCID, papers/NOTES.md section 1).
+
+* :mod:`jobs.idp.loo` -- the full network N and all leave-one-out networks N_{-x},
+  trained together with one masked, keyed schedule (bit-identical to single runs);
+* :mod:`jobs.idp.ibp` -- interval bound propagation for a network and for a
+  hyper-network, and the difference intervals of matching neurons;
+* :mod:`jobs.idp.milp` -- the MILP of LUCID's Eq. 3 (network + hyper-network);
+* :mod:`jobs.idp.solvers` -- HiGHS / Gurobi behind one interface (dual bounds);
+* :mod:`jobs.idp.bab` -- branch and bound over sets of LOO networks and
+  :func:`~jobs.idp.bab.compute_bounds`, the per-class bounds with a manifest;
+* :mod:`jobs.idp.search` -- a falsifier: sampling and gradient search for
+  leaking inputs (lower bounds on the true bound; used by tests and benchmarks).
+"""

@@ -1,0 +1,160 @@
+"""Guarded inference: the mechanism's law, the memo, noise-all, and the SISA vote rule."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from jobs.idp.guard import (
+    LabelGuard,
+    LRUMemo,
+    clip_unit,
+    lucid_certain,
+    mechanism_probabilities,
+    sisa_certain,
+    top_margin,
+    vote_winner,
+)
+
+
+@pytest.mark.parametrize(("n_classes", "epsilon"), [(2, 0.0), (2, 1.0), (3, 0.2), (5, 2.0)])
+def test_mechanism_frequencies_match_the_formula(n_classes: int, epsilon: float) -> None:
+    guard = LabelGuard(n_classes, epsilon=epsilon, memo_size=1, random_state=0)
+    guard.bind("v1", sound=False)
+    n = 20_000
+    X = np.arange(n, dtype=np.float32)[:, None]  # distinct queries: no memo replay
+    answers = guard.answer(X, np.ones(n, dtype=int), np.zeros(n, dtype=bool))
+    observed = np.bincount(answers, minlength=n_classes)
+    expected = mechanism_probabilities(1, n_classes, epsilon) * n
+    assert chisquare(observed, expected).pvalue > 1e-3
+    p = mechanism_probabilities(1, n_classes, epsilon)
+    assert p[1] / p[0] == pytest.approx(np.exp(epsilon / 2))
+
+
+def test_certain_queries_get_the_label_and_the_rest_are_memoised() -> None:
+    guard = LabelGuard(3, epsilon=0.0, memo_size=10, random_state=1)
+    guard.bind("v1", sound=True)
+    X = clip_unit(np.array([[0.2, 0.3], [0.5, 0.5], [1.7, -3.0]]))
+    assert X[2].tolist() == [1.0, 0.0]
+    labels = np.array([2, 1, 0])
+    first = guard.answer(X, labels, np.array([True, False, False]))
+    assert first[0] == 2
+    for _ in range(20):  # repeating a noised query returns the memoised answer
+        assert guard.answer(X, labels, np.array([True, False, False])).tolist() == first.tolist()
+    assert guard.counts.certain == 21 and guard.counts.memo_hits == 40
+
+
+def test_noise_all_mode_noises_even_confident_queries() -> None:
+    guard = LabelGuard(2, epsilon=0.0, memo_size=10_000, random_state=2)
+    guard.bind("v1", sound=False)
+    X = np.random.default_rng(0).random((2000, 3)).astype(np.float32)
+    answers = guard.answer(X, np.zeros(2000, dtype=int), np.ones(2000, dtype=bool))
+    assert guard.counts.certain == 0 and guard.counts.noised == 2000
+    assert 0.4 < answers.mean() < 0.6
+
+
+def test_a_new_model_version_starts_a_new_memo() -> None:
+    guard = LabelGuard(2, epsilon=0.0, memo_size=10, random_state=3)
+    guard.bind("v1", sound=False)
+    x = np.zeros((1, 2), dtype=np.float32)
+    guard.answer(x, np.array([0]), np.array([False]))
+    assert len(guard.memo) == 1
+    guard.bind("v1", sound=True)
+    assert len(guard.memo) == 1
+    guard.bind("v2", sound=False)
+    assert len(guard.memo) == 0
+
+
+def test_memo_evicts_the_oldest_and_counts() -> None:
+    memo = LRUMemo(2)
+    memo.put(b"a", 0)
+    memo.put(b"b", 1)
+    assert memo.get(b"a") == 0  # a is now the newest
+    memo.put(b"c", 1)
+    assert memo.get(b"b") is None and memo.evictions == 1 and len(memo) == 2
+
+
+def test_margin_equal_to_beta_is_not_certain() -> None:
+    scores = np.array([[1.0, 0.5], [0.0, 0.75], [0.0, 0.7]])
+    labels, certain = lucid_certain(scores, np.array([0.5, 0.7]))
+    assert labels.tolist() == [0, 1, 1]
+    assert certain.tolist() == [False, True, False]
+
+
+def test_top_margin_breaks_ties_towards_the_lowest_class() -> None:
+    labels, margins = top_margin(np.array([[0.3, 0.3, 0.1]]))
+    assert labels.tolist() == [0] and margins.tolist() == [0.0]
+
+
+def _brute_force_certain(votes_by_shard: list[int], fragile: list[bool], n_classes: int) -> bool:
+    """Every single-shard change of vote (or removal) that a deletion could cause."""
+    def winner(labels: list[int | None]) -> int:
+        v = np.zeros(n_classes, dtype=int)
+        for a in labels:
+            if a is not None:
+                v[a] += 1
+        return int(vote_winner(v))
+
+    base = winner(votes_by_shard)
+    for s in range(len(votes_by_shard)):
+        if not fragile[s]:
+            continue
+        for b in [*range(n_classes), None]:
+            changed = list(votes_by_shard)
+            changed[s] = b
+            if winner(changed) != base:
+                return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 4).flatmap(lambda c: st.tuples(
+    st.just(c), st.lists(st.tuples(st.integers(0, c - 1), st.booleans()), min_size=1,
+                         max_size=7))))
+def test_sisa_rule_matches_brute_force(case) -> None:
+    n_classes, shards = case
+    S = len(shards)
+    scores = np.zeros((S, 1, n_classes))
+    betas = np.zeros((S, n_classes))
+    for s, (a, fragile) in enumerate(shards):
+        scores[s, 0, a] = 1.0  # margin 1
+        betas[s, a] = 1.0 if fragile else 0.5
+    winner, certain = sisa_certain(scores, betas)
+    labels = [a for a, _ in shards]
+    assert winner[0] == vote_winner(np.bincount(labels, minlength=n_classes))
+    assert certain[0] == _brute_force_certain(labels, [f for _, f in shards], n_classes)
+
+
+def test_sisa_rule_ignores_inactive_shards_and_is_less_noisy_than_one_network() -> None:
+    rng = np.random.default_rng(0)
+    S, n, C = 7, 500, 3
+    scores = rng.normal(size=(S, n, C))
+    scores[:, :, 0] += 1.0
+    betas = np.full((S, C), 0.8)
+    winner, certain = sisa_certain(scores, betas)
+    assert certain.mean() > 0.3
+    # an inactive shard's vote does not count
+    w2, _ = sisa_certain(scores, betas, active=np.array([True] * 6 + [False]))
+    votes = np.zeros((n, C), dtype=int)
+    for s in range(6):
+        np.add.at(votes, (np.arange(n), np.argmax(scores[s], axis=1)), 1)
+    assert (w2 == vote_winner(votes)).all()
+    # a unanimous, all-fragile ensemble of 7 is still certain: one flip cannot win
+    unanimous = np.zeros((S, 1, C))
+    unanimous[:, 0, 1] = 1.0
+    assert sisa_certain(unanimous, np.full((S, C), 5.0))[1].tolist() == [True]
+
+
+def test_sisa_rule_two_shards_split_depends_on_the_tie_break() -> None:
+    """Votes 1:1 go to class 0; only the shard voting 0 can change that by flipping."""
+    scores = np.zeros((2, 1, 2))
+    scores[0, 0, 0] = scores[1, 0, 1] = 1.0
+    for fragile in itertools.product([False, True], repeat=2):
+        betas = np.array([[2.0 if fragile[0] else 0.0] * 2, [2.0 if fragile[1] else 0.0] * 2])
+        _, certain = sisa_certain(scores, betas)
+        assert certain[0] == (not fragile[0])
