@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +13,8 @@ from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.dare import DaREForest
 
 SMALL = dict(n_estimators=5, max_depth=4, k=3)
+#: hypothesis examples per property test (raise it for a long local run: DARE_EXAMPLES=2000)
+EXAMPLES = int(os.environ.get("DARE_EXAMPLES", "40"))
 
 
 def variant(cache_min: int = 4, buffer: int = 1) -> type[DaREForest]:
@@ -96,7 +100,7 @@ def scenario(draw):
     return n, p, params, cache_min, buffer, decimals, n_classes, ops, seed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_random_update_sequences_equal_a_retrain(sc):
     n, p, params, cache_min, buffer, decimals, n_classes, ops, seed = sc

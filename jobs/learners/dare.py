@@ -1688,7 +1688,19 @@ class DaREForest(Learner, BaseEstimator):
         stats["subtrees_retrained"] += len(roots)
         stats["records_retrained"] += self._rebuild(roots)
 
-    def _delete_one(self, r: int, stats: dict) -> None:
+    def _delete_apply(self, r: int, stats: dict, dirty: np.ndarray, extra: list) -> None:
+        """Remove record r from the counts and caches of every node on its paths, WITHOUT
+        retraining: each node on the paths is re-evaluated against its stored split and
+        dirty[node] is set to whether its canonical state now differs from the stored one
+        (the latest evaluation of a node wins). Random nodes whose stream domain changed are
+        appended to `extra` (sticky).
+
+        Deferring the retraining is exact: a node's counts, caches and layout range follow
+        its records, whatever happens to its subtree, and records are routed by the stored
+        splits. If a node's final state equals its stored one (a near-tie that flipped and
+        flipped back within a batch), every record that left it was routed by that split,
+        so its subtree's state is the one a retrain gives; otherwise the outermost changed
+        nodes are retrained from their live records once, at the end (:meth:`_finish`)."""
         c = int(self._y[r])
         self._alive[r] = False
         self._nlive -= 1
@@ -1728,18 +1740,13 @@ class DaREForest(Learner, BaseEstimator):
         cached = np.flatnonzero(grd & (self._n_cid[pn] >= 0))
         check = (grd & (self._n_cid[pn] < 0)) | (~internal & (self._n_why[pn] >= _W_CONST))
         wantc = np.zeros(len(pn), dtype=bool)
-        r2n, r2v = [], []
         if cached.size:
             st, nr2 = self._cached_delete(pn[cached], r, c)
             flag[cached[st == 2]] = True
             check[cached[st == 3]] = True
             wantc[cached[st == 3]] = True
-            r2n.append(pn[cached[st == 1]])
-            r2v.append(nr2[st == 1])
+            self._set_r2(pn[cached[st == 1]], nr2[st == 1])
             stats["caches_recomputed"] += int((st == 3).sum())
-        inst_nodes = np.zeros(0, dtype=np.int64)
-        d = None
-        inst_sel = np.zeros(0, dtype=np.int64)
         ck = np.flatnonzero(check)
         if ck.size:
             d = self._decide_nodes(pn[ck], wantc[ck])
@@ -1748,22 +1755,30 @@ class DaREForest(Learner, BaseEstimator):
             lf = same & (d.kind == LEAF)
             self._n_why[pn[ck[lf]]] = d.why[lf]
             g = same & (d.kind == GREEDY) & (d.r2 != self._n_r2[pn[ck]])
-            r2n.append(pn[ck[g]])
-            r2v.append(d.r2[g])
+            self._set_r2(pn[ck[g]], d.r2[g])
             if d.cache_task.size:
-                okc = same[d.cache_task]
-                inst_sel = np.flatnonzero(okc)
-                inst_nodes = pn[ck[d.cache_task[inst_sel]]]
-        extra = np.zeros(0, dtype=np.int64)
+                # a cache is a function of the node's records alone: install it on greedy nodes
+                # even where the split changed (the node stays correct if it flips back)
+                sel = np.flatnonzero(kind[ck[d.cache_task]] == GREEDY)
+                self._install_caches(pn[ck[d.cache_task[sel]]], d, sel)
+        dirty[pn] = flag
         if dom.size:
             used = np.flatnonzero(self._n_used & (self._n_kind == RANDOM))
-            extra = used[np.isin(self._n_attr[used], dom)]
-        self._resolve(
-            pn, ptree, pdepth, flag,
-            np.concatenate(r2n) if r2n else np.zeros(0, np.int64),
-            np.concatenate(r2v) if r2v else np.zeros(0, np.int64),
-            inst_nodes, d, inst_sel, extra, stats, True,
-        )  # fmt: skip
+            extra.append(used[np.isin(self._n_attr[used], dom)])
+
+    def _delete_slots(self, slots: list[int], stats: dict) -> None:
+        """Delete records (slots) one after the other from the counts and caches, then
+        retrain the outermost changed nodes once."""
+        dirty = np.zeros(self._ncap, dtype=bool)
+        extra: list[np.ndarray] = []
+        for r in slots:
+            self._delete_apply(r, stats, dirty, extra)
+        roots = np.flatnonzero(dirty)
+        if extra:
+            roots = np.concatenate([roots, *extra])
+        roots = self._outermost(roots)
+        stats["subtrees_retrained"] += len(roots)
+        stats["records_retrained"] += self._rebuild(roots)
 
     # ================================================================== classes
 
@@ -1837,9 +1852,7 @@ class DaREForest(Learner, BaseEstimator):
             self._refit(keep)
             stats.update(mode="refit", subtrees_retrained=self._T, records_retrained=len(keep))
             return self._report("delete", rids, t0, stats)
-        for i in rids.tolist():
-            r = self._slot.pop(i)
-            self._delete_one(r, stats)
+        self._delete_slots([self._slot.pop(i) for i in rids.tolist()], stats)
         self._drop_empty_classes()
         return self._report("delete", rids, t0, stats)
 

@@ -699,15 +699,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self._check_fitted()
         t0 = time.perf_counter()
         finals, detail = self._verify_shards(list(range(self._S)))
-        served = self.content_hash()
-        retrained = self._hash_of(finals, self.active_shards_)
-        exact = (
-            served == retrained
-            and not detail["mismatched_checkpoints"]
-            and not detail["served_differs_from_checkpoint"]
-            and detail["assignment_errors"] == 0
-        )
-        return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
+        return _verify_report(self.content_hash(), self._hash_of(finals, self.active_shards_),
+                              detail, t0)
 
     def verify_shard(self, s: int) -> VerifyReport:
         """Retrain only shard ``s`` from scratch and compare its checkpoints and weights."""
@@ -716,15 +709,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
         t0 = time.perf_counter()
         finals, detail = self._verify_shards([int(s)])
-        served = self.shard_hash(int(s))
-        retrained = hash_state(finals[0])
-        exact = (
-            served == retrained
-            and not detail["mismatched_checkpoints"]
-            and not detail["served_differs_from_checkpoint"]
-            and detail["assignment_errors"] == 0
-        )
-        return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
+        return _verify_report(self.shard_hash(int(s)), hash_state(finals[0]), detail, t0)
 
     def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """(shard, slice) of live records; :class:`UnknownRecordError` for ids not live."""
@@ -813,3 +798,12 @@ class SISAEnsemble(Learner, BaseEstimator):
         if self.content_hash() != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
         return self
+
+
+def _verify_report(served: str, retrained: str, detail: dict[str, Any],
+                   t0: float) -> VerifyReport:
+    """Exact only if the hashes agree AND every checkpoint and slice assignment did."""
+    exact = (served == retrained and not detail["mismatched_checkpoints"]
+             and not detail["served_differs_from_checkpoint"]
+             and detail["assignment_errors"] == 0)
+    return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
