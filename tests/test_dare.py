@@ -91,7 +91,7 @@ def scenario(draw):
     n_classes = draw(st.integers(2, 4))
     ops = draw(
         st.lists(
-            st.tuples(st.sampled_from(["del", "add", "add_far", "add_new_class"]),
+            st.tuples(st.sampled_from(["del", "del_many", "add", "add_far", "add_new_class"]),
                       st.integers(1, 4), st.integers(0, 2**31)),
             min_size=1, max_size=7,
         )
@@ -111,7 +111,9 @@ def test_random_update_sequences_equal_a_retrain(sc):
     pool = list(range(n, n + 40))
     for op, size, s in ops:
         r = np.random.default_rng(s)
-        if op == "del":
+        if op in ("del", "del_many"):
+            if op == "del_many":  # a batch of up to a quarter of the records (no refit)
+                size = max(1, len(w.live) * size // 16)
             size = min(size, len(w.live) - 1)
             if size <= 0:
                 continue
@@ -294,6 +296,32 @@ def test_batch_deletion_and_refit_path_are_exact():
     rep = w.delete(list(rng.choice(sorted(w.live), 40, replace=False)))
     assert rep.retrained["mode"] == "refit"
     w.check()
+
+
+@pytest.mark.parametrize("d_rmax", [0, 1])
+@pytest.mark.parametrize("criterion", ["gini", "entropy"])
+def test_batch_deletion_equals_one_by_one(d_rmax, criterion):
+    """A batch defers retraining to the end (a split that flips and flips back within the
+    batch is never retrained): it must still equal single deletions and a retrain."""
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(n_samples=900, n_features=6, n_informative=4, random_state=4)
+    X = X.round(1)
+    cls = variant(cache_min=8, buffer=1)
+    params = dict(n_estimators=4, max_depth=6, k=4, d_rmax=d_rmax, criterion=criterion)
+    a = cls(**params).fit(np.arange(900), X, y)
+    b = cls(**params).fit(np.arange(900), X, y)
+    rng = np.random.default_rng(d_rmax)
+    live = list(range(900))
+    for size in (2, 5, 30, 120):
+        gone = [int(i) for i in rng.choice(live, size, replace=False)]
+        rep = a.delete(gone)
+        assert rep.retrained["mode"] == "incremental"
+        for i in gone:
+            b.delete([i])
+            live.remove(i)
+        assert a.content_hash() == b.content_hash()
+    assert a.content_hash() == cls(**params).fit(live, X[live], y[live]).content_hash()
 
 
 def test_default_class_and_predictions():

@@ -62,6 +62,12 @@ cache: when a record in them changes, their best split is recomputed from their
 records. Additions re-derive every node on the new records' paths from its
 records (exact, but slower than deletions).
 
+A batch deletion applies the count and cache updates record by record, marking each
+node on the paths "dirty" when its canonical state no longer matches its stored split
+(the latest evaluation wins), and retrains only the outermost dirty nodes, once, at the
+end; a near-tie that flips and flips back within the batch costs nothing (see
+:meth:`DaREForest._delete_apply`). A single deletion is the batch of one.
+
 Exactness does not make flips cheap: when two candidates of a large node are
 nearly tied, successive deletions can flip the argmax back and forth, and each
 flip retrains the subtree, exactly as a retrain would choose; this, not the
@@ -92,6 +98,8 @@ from jobs.learners.base import (
     UnknownRecordError,
     UpdateReport,
     VerifyReport,
+    as_ids,
+    duplicate_ids,
 )
 from jobs.learners.keyed import prf_u64
 
@@ -156,35 +164,6 @@ def _midpoint(v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
     if bad.any():
         t = np.where(bad, v1, t)
     return t
-
-
-def _as_ids(ids: Any, what: str = "ids") -> np.ndarray:
-    """Record ids as a 1-D object array of ``str`` (ints and strings are both accepted)."""
-    arr = np.asarray(ids, dtype=object)
-    if arr.ndim == 0:
-        raise ValueError(f"{what} must be a 1-D sequence of record ids, got a scalar")
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    out = np.empty(len(arr), dtype=object)
-    for i, v in enumerate(arr):
-        if v is None:
-            raise ValueError(f"{what}[{i}] is None; record ids must be strings or integers")
-        if isinstance(v, bytes):
-            v = v.decode()
-        elif isinstance(v, float | np.floating):
-            raise ValueError(f"{what}[{i}] = {v!r} is a float; record ids must be strings or ints")
-        out[i] = str(v)
-    return out
-
-
-def _duplicates(ids: np.ndarray) -> list[str]:
-    seen: set[str] = set()
-    dup: list[str] = []
-    for i in ids.tolist():
-        if i in seen:
-            dup.append(i)
-        seen.add(i)
-    return dup
 
 
 _XLOGX: list[np.ndarray] = [np.zeros(1)]
@@ -657,7 +636,8 @@ class DaREForest(Learner, BaseEstimator):
     def _pairs(self, sa_task, sa_attr, rows, off):
         """Adjacent distinct-value pairs of every (task, attribute) segment.
 
-        Returns (npairs per segment, pair segment, r1, r2, valid, left counts (np, C))."""
+        Returns (pairs per segment, valid pairs per segment, and per VALID pair: its
+        segment, r1, r2 and left counts (nv, C)), valid pairs ordered by (segment, r1)."""
         C = len(self.classes_)
         nsa = len(sa_task)
         lens = (off[1:] - off[:-1])[sa_task]
@@ -693,10 +673,15 @@ class DaREForest(Learner, BaseEstimator):
         grk = kg & ((1 << b_rk) - 1)
         gf = lab[G]
         gl = lab[Gend]
-        pi = np.flatnonzero(gseg[1:] == gseg[:-1])
-        pj = pi + 1
+        same = gseg[1:] == gseg[:-1]
+        # gseg is sorted: a segment with g value groups has g - 1 adjacent pairs
+        gb = np.searchsorted(gseg, np.arange(nsa + 1, dtype=np.int64))
+        npairs = np.maximum(gb[1:] - gb[:-1] - 1, 0)
+        # valid pairs only: not (both groups pure with the same label)
         gpure = gf == gl
-        valid = ~(gpure[pi] & gpure[pj] & (gl[pi] == gf[pj]))
+        bad = same & gpure[:-1] & gpure[1:] & (gl[:-1] == gf[1:])
+        pi = np.flatnonzero(same & ~bad)
+        pj = pi + 1
         iel = Gend[pi]
         pseg = gseg[pi]
         segstart = (np.cumsum(lens) - lens)[pseg]
@@ -709,8 +694,9 @@ class DaREForest(Learner, BaseEstimator):
             left[:, c] = lc
             rest -= lc
         left[:, 0] = rest
-        npairs = np.bincount(pseg, minlength=nsa)
-        return npairs, pseg, grk[pi].astype(np.int32), grk[pj].astype(np.int32), valid, left
+        pb = np.searchsorted(pseg, np.arange(nsa + 1, dtype=np.int64))
+        nvalid = pb[1:] - pb[:-1]
+        return npairs, nvalid, pseg, grk[pi].astype(np.int32), grk[pj].astype(np.int32), left
 
     def _greedy(self, tree, path, n, cnt, rows, off, want_cache):
         """Greedy split of each task; caches (prefix of candidate pairs) where want_cache."""
@@ -730,7 +716,7 @@ class DaREForest(Learner, BaseEstimator):
             m = np.minimum(need[act], p - nxt[act])
             sa_task = np.repeat(act, m)
             sa_attr = order[sa_task, _ranges(nxt[act], m)]
-            npairs, pseg, r1, r2, valid, left = self._pairs(sa_task, sa_attr, rows, off)
+            npairs, nvalid, pseg, r1, r2, left = self._pairs(sa_task, sa_attr, rows, off)
             nonc = npairs > 0
             cnc = np.cumsum(nonc)
             first = np.cumsum(m) - m
@@ -741,9 +727,10 @@ class DaREForest(Learner, BaseEstimator):
             nch += got
             need -= got
             nxt[act] += m
-            parts.append((sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, valid, left))
+            parts.append((sa_task, sa_slot, sa_attr, nvalid, pseg, r1, r2, left))
+        # from here on, "pairs" are the valid pairs only
         if len(parts) == 1:
-            sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, valid, left = parts[0]
+            sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, left = parts[0]
             ptask, pslot, pattr = sa_task[pseg], sa_slot[pseg], sa_attr[pseg]
         else:  # make every task's pairs contiguous, slots in order
             ptask = np.concatenate([q[0][q[4]] for q in parts])
@@ -753,8 +740,7 @@ class DaREForest(Learner, BaseEstimator):
             ptask, pslot, pattr = ptask[o], pslot[o], pattr[o]
             r1 = np.concatenate([q[5] for q in parts])[o]
             r2 = np.concatenate([q[6] for q in parts])[o]
-            valid = np.concatenate([q[7] for q in parts])[o]
-            left = np.concatenate([q[8] for q in parts])[o]
+            left = np.concatenate([q[7] for q in parts])[o]
             sid = ptask * P + pslot
             news = np.empty(len(sid), dtype=bool)
             news[:1] = True
@@ -774,23 +760,32 @@ class DaREForest(Learner, BaseEstimator):
         dense = np.zeros(len(npairs), dtype=np.int64)
         dense[nz] = np.arange(len(nz))
         dseg = dense[pseg]
-        sfirst = (np.cumsum(npairs) - npairs)[nz]
+        nval = npairs[nz]
+        sfirst = np.cumsum(nval) - nval
         li = np.arange(npair, dtype=np.int64) - sfirst[dseg]
         cache_t = np.asarray(want_cache, dtype=bool)
         cache_p = cache_t[ptask]
-        need_pr = valid
-        prio = np.full(npair, -1, dtype=np.int64)
-        ii = np.flatnonzero(need_pr)
-        if ii.size:
-            sk = _h2(nk[ptask[sfirst]] ^ _TAG_THR, pattr[sfirst].astype(_U64))
-            v1 = self._vals[self._voff[pattr[ii]] + r1[ii]]
-            prio[ii] = (_h2(sk[dseg[ii]], v1.view(_U64)) >> _S32).astype(np.int64)
-        nval = np.add.reduceat(valid.astype(np.int64), sfirst)
-        sseg = cache_t[ptask[sfirst]] | (nval > k)  # segments that need a priority sort
-        sel = valid.copy()
+        sk = _h2(nk[ptask[sfirst]] ^ _TAG_THR, pattr[sfirst].astype(_U64))
+        v1 = self._vals[self._voff[pattr] + r1]
+        prio = (_h2(sk[dseg], v1.view(_U64)) >> _S32).astype(np.int64)
+        scache = cache_t[ptask[sfirst]]
+        sseg = scache | (nval > k)  # segments that need a priority sort
+        sel = ~sseg[dseg]  # segments with at most k valid pairs and no cache: all selected
         pre = np.zeros(npair, dtype=bool)
-        srt = np.flatnonzero(sseg[dseg] & need_pr)
+        srt = np.flatnonzero(sseg[dseg])
         if srt.size:
+            # only the first `want` pairs of a segment in (priority, v1) order matter: keep the
+            # pairs of priority below a threshold that leaves about 2 * want + 32 of them
+            # (all of them where fewer than `want` would remain), then sort those
+            want = np.where(scache, k + self._BUFFER, k)
+            tau = np.minimum((2 * want + 32) * (np.int64(1) << 32) // nval, np.int64(1) << 32)
+            below = srt[prio[srt] < tau[dseg[srt]]]
+            nb = np.bincount(dseg[below], minlength=len(nz))
+            short = nb < np.minimum(want, nval)
+            if short.any():
+                tau[short] = np.int64(1) << 32
+                below = srt[prio[srt] < tau[dseg[srt]]]
+            srt = below
             # order by (segment, priority, v1) with packed keys, in chunks of segments
             b_li = _bits(int(li.max()) + 1)
             per = 1 << max(1, 63 - 32 - b_li)
@@ -806,16 +801,14 @@ class DaREForest(Learner, BaseEstimator):
                 sorted_parts.append(sfirst[dd] + (key & ((1 << b_li) - 1)))
                 lo = hi
             perm = np.concatenate(sorted_parts)
-            vperm = valid[perm]
-            cs = np.cumsum(vperm)
             pd = dseg[perm]
             pnew = np.empty(len(perm), dtype=bool)
             pnew[:1] = True
             pnew[1:] = pd[1:] != pd[:-1]
-            plen = np.diff(np.append(np.flatnonzero(pnew), len(perm)))
-            base = np.repeat((cs - vperm)[pnew], plen)
-            vb = cs - vperm - base  # valid pairs strictly before, within the segment
-            sel[perm] = vperm & (vb < k)
+            pstart = np.flatnonzero(pnew)
+            plen = np.diff(np.append(pstart, len(perm)))
+            vb = np.arange(len(perm)) - np.repeat(pstart, plen)  # pairs before, in segment
+            sel[perm] = vb < k
             pre[perm] = vb < k + self._BUFFER
         # ---- score the selected candidates
         cand = np.flatnonzero(sel)
@@ -853,17 +846,18 @@ class DaREForest(Learner, BaseEstimator):
             P_ = P
             pos_t = np.full(ntask, -1, dtype=np.int64)
             pos_t[ctask] = np.arange(len(ctask))
-            keep = cache_p & pre & valid & ok[ptask]
+            keep = cache_p & pre & ok[ptask]
             # perm runs over segments in (task, slot) order, each by priority
             ent = perm[keep[perm]] if srt.size else np.zeros(0, np.int64)
             ek = pos_t[ptask[ent]] * P_ + pslot[ent]
             nct = len(ctask)
             elen = np.bincount(ek, minlength=nct * P_).reshape(nct, P_)
             eoff = (np.cumsum(elen.ravel()) - elen.ravel()).reshape(nct, P_)
-            cp = cache_p & ok[ptask]
-            segv = np.bincount(
-                pos_t[ptask[cp]] * P_ + pslot[cp], weights=valid[cp], minlength=nct * P_
-            )
+            # per (cached task, slot): number of valid pairs, from the segments
+            segv = np.zeros(nct * P_, dtype=np.int64)
+            fs = ptask[sfirst]
+            cs_ = np.flatnonzero(cache_t[fs] & ok[fs])
+            segv[pos_t[fs[cs_]] * P_ + pslot[sfirst[cs_]]] = nval[cs_]
             allf = (segv <= k + self._BUFFER).reshape(nct, P_)
             # cut-off: key (priority, v1) of the last stored pair of segments that are not "all"
             cutp = np.full(nct * P_, -1, dtype=np.int64)
@@ -1180,8 +1174,8 @@ class DaREForest(Learner, BaseEstimator):
             if name not in params:
                 delattr(self, name)
         self._validate_params()
-        rids = _as_ids(ids)
-        dup = _duplicates(rids)
+        rids = as_ids(ids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         if len(rids) == 0:
@@ -1274,7 +1268,7 @@ class DaREForest(Learner, BaseEstimator):
         el = _ranges(lo, ln)
         G = self._gorder.shape[1]
         sl = self._gorder.ravel()[np.repeat(attr * G, ln) + el].astype(np.int64)
-        ps = self._pos[np.repeat(tree, ln), sl]
+        ps = self._pos.ravel()[np.repeat(tree * self._pos.shape[1], ln) + sl]
         m = self._alive[sl] & (ps >= np.repeat(s, ln)) & (ps < np.repeat(e, ln))
         qi = np.repeat(np.arange(nq), ln)[m]
         return np.bincount(qi * C + self._y[sl[m]], minlength=nq * C).reshape(nq, C)
@@ -1285,7 +1279,7 @@ class DaREForest(Learner, BaseEstimator):
         nq = len(q)
         ln = e - s
         el = _ranges(s, ln)
-        sl = self._samp[np.repeat(tree, ln), el].astype(np.int64)
+        sl = self._samp.ravel()[np.repeat(tree * self._samp.shape[1], ln) + el].astype(np.int64)
         ok = sl >= 0
         sl = np.where(ok, sl, 0)
         rk = self._rank_of(np.repeat(attr, ln), sl)
@@ -1306,7 +1300,8 @@ class DaREForest(Learner, BaseEstimator):
         if q.size:  # scan the node's layout range
             ln = e[q] - s[q]
             el = _ranges(s[q], ln)
-            sl = self._samp[np.repeat(tree[q], ln), el].astype(np.int64)
+            sl = self._samp.ravel()[np.repeat(tree[q] * self._samp.shape[1], ln) + el]
+            sl = sl.astype(np.int64)
             ok = sl >= 0
             rk = self._rank_of(np.repeat(attr[q], ln), np.where(ok, sl, 0))
             w = np.repeat(wr[q], ln)
@@ -1332,7 +1327,7 @@ class DaREForest(Learner, BaseEstimator):
                 qi = np.repeat(np.arange(len(q)), L)
                 P_ = cur[qi] + j if up else cur[qi] - j
                 sl = go[a[qi] * G + P_].astype(np.int64)
-                ps = self._pos[t[qi], sl]
+                ps = self._pos.ravel()[(t * self._pos.shape[1])[qi] + sl]
                 mem = self._alive[sl] & (ps >= s_[qi]) & (ps < e_[qi])
                 hits = np.flatnonzero(mem)
                 hq = qi[hits]
@@ -1417,7 +1412,8 @@ class DaREForest(Learner, BaseEstimator):
         alive = r1 >= 0
         w = wr[seg]
         dec = alive & (r1 >= w)
-        self._eleft[c, E[dec]] -= 1
+        erow = self._eleft[c]
+        erow[E[dec]] -= 1
         A = np.full(ns, -1, dtype=np.int64)
         B = np.full(ns, -1, dtype=np.int64)
         ia = alive & (self._er2[E] == w)
@@ -1574,7 +1570,9 @@ class DaREForest(Learner, BaseEstimator):
         s = self._n_s[nodes].astype(np.int64)
         ln = self._n_e[nodes].astype(np.int64) - s
         el = _ranges(s, ln)
-        sl = self._samp[np.repeat(self._n_tree[nodes], ln), el].astype(np.int64)
+        S = self._samp.shape[1]
+        sl = self._samp.ravel()[np.repeat(self._n_tree[nodes].astype(np.int64) * S, ln) + el]
+        sl = sl.astype(np.int64)
         ok = sl >= 0
         cnt = np.bincount(np.repeat(np.arange(len(nodes)), ln)[ok], minlength=len(nodes))
         return sl[ok], np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
@@ -1832,8 +1830,8 @@ class DaREForest(Learner, BaseEstimator):
         named twice, ``ValueError`` when every live record would be deleted."""
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = _as_ids(ids)
-        dup = _duplicates(rids)
+        rids = as_ids(ids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         unknown = [i for i in rids.tolist() if i not in self._slot]
@@ -1871,8 +1869,8 @@ class DaREForest(Learner, BaseEstimator):
         ``ValueError`` for a wrong shape or NaN/inf; the model is unchanged on any error."""
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = _as_ids(ids)
-        dup = _duplicates(rids)
+        rids = as_ids(ids)
+        dup = duplicate_ids(rids)
         if dup:
             raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         live = [i for i in rids.tolist() if i in self._slot]
