@@ -9,5 +9,6 @@
 * :mod:`jobs.idp.bab` -- branch and bound over sets of LOO networks and
   :func:`~jobs.idp.bab.compute_bounds`, the per-class bounds with a manifest;
 * :mod:`jobs.idp.search` -- a falsifier: sampling and gradient search for
-  leaking inputs (lower bounds on the true bound; used by tests and benchmarks).
+  leaking inputs (lower bounds on the true bound; used by tests and benchmarks);
+* :mod:`jobs.idp.guard` -- the serving side (guarded label-only inference).
 """

@@ -1,0 +1,673 @@
+"""Leave-one-out training: the full network N and every N_{-x}, trained together.
+
+The training algorithm T
+------------------------
+``T(D; seed, hidden, epochs, batch_size, B, lr, weight_decay, tombstones)`` trains
+a ReLU MLP (:class:`jobs.learners.nets.MLP` architecture, inputs in [0, 1]^d)
+with plain SGD (no momentum; ``p <- p - lr * (grad + weight_decay * p)``), float32:
+
+* initial weights: :func:`jobs.learners.nets.init_net` from ``seed`` alone;
+* rows sorted by record id; per epoch ``e``, record ``r`` goes to mini-batch
+  ``mix64(prf(seed, "loo-batch", r) ^ prf(seed, "loo-epoch", e)) mod B``,
+  ordered within the batch by that hash (:func:`jobs.learners.nets.epoch_batches`);
+* ``B`` (the number of batches) is a hyper-parameter frozen from ``|D|`` of the
+  FULL set: ``B = max(1, ceil(|D| / batch_size))``. Removing a record therefore
+  removes it from one batch per epoch and moves no other record;
+* the loss of a batch is the MEAN cross-entropy over the batch's present
+  records: ``sum_{i present} CE_i / n_present``. A batch whose records are all
+  absent makes no optimiser step (no weight decay either) -- exactly like a
+  batch that is empty in the keyed schedule.
+
+N = T(D) and N_{-x} = T(D \\ {x}) with the same B: "retrain without x" is "the
+same schedule with x skipped". The LOO networks ARE the exactly-unlearned models.
+
+Mask normalisation (how "x skipped" is computed)
+------------------------------------------------
+Every network sees the same padded batch matrix; network ``m`` multiplies the
+per-row loss gradient by ``w_{m,i} = mask_{m,i} / max(1, sum_i mask_{m,i})``
+(``mask`` = 0 for the removed record, for tombstones and for padding rows). The
+count is an exact small integer in float32 and ``mask / count`` is one IEEE
+division, so the weights of the present rows are exactly ``1 / n_present`` --
+the mean above. A masked row's gradient is exactly zero, so its features never
+enter the weights (a single run may hold zeros in that slot: same bits).
+
+Why a batched network equals its single run, bit for bit
+--------------------------------------------------------
+Networks are stacked along a leading "slot" axis and trained with batched
+matrix products (``torch.bmm``) and element-wise ops; no op mixes slots. Two
+things can still make a slot's float32 result depend on how many slots there
+are and where it sits (measured on this machine, MKL, AVX-512): the gemm
+kernels pick code paths by the 64-byte alignment of each matrix, and vectorised
+element-wise loops run their tail elements through scalar code (``exp`` differs
+in the last ulp). Both are removed by construction. Batch rows are padded to a
+multiple of ``GRANULE`` = 32 floats (masked rows), so every per-slot block an
+element-wise op sees (activations, logits, masks) is a multiple of 32 floats:
+each slot starts 64-byte aligned and at a vector-loop boundary (AVX-512 loops
+step 2 x 16 floats). Hidden widths are padded to a multiple of
+``WIDTH_GRANULE`` = 16 floats (64 bytes), so every weight and gradient matrix
+of a slot is 64-byte aligned for the gemm kernels (padded units have zero
+weights and stay exactly zero). Inputs and classes are not padded (their
+products with the padded sizes are multiples already). The parameters of one
+slot live in one flat row of ``P`` floats (each block starting at a multiple
+of 32; ``P`` a multiple of 32), so the SGD step is a few element-wise ops on a
+(slots, P) matrix, each one IEEE operation (no fused multiply-add whose use
+could depend on the position). Without the padding, about half of the slots
+(the misaligned ones) differ from their single runs in the last bits here.
+Reductions over the batch are bmm's; sums over classes are explicit column adds.
+CPU work runs with a fixed thread count (default 1): multi-threaded element-wise
+loops split ranges at positions that depend on the total size.
+
+Under these rules a slot's arithmetic depends only on its own data and the
+shared batch, so :func:`train_single` runs the one network with ``slots = 1``
+through the same code and gets the same bits as slot ``i`` of :func:`train_loo`
+(tests/idp/test_loo.py checks every record of small sets, several chunk
+sizes). Bits are reproducible per device type, torch build, CPU capability and
+thread count; on CUDA the same code runs but slot independence of cuBLAS
+batched kernels is not verified here (compare with ``train_single(...,
+device=...)`` before relying on it).
+
+Tombstones: records deleted earlier can stay in the schedule as always-masked
+slots (``tombstones=``), so that after deleting x the new training set's full
+network equals the old N_{-x} (T with tombstone x and the old B).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jobs.learners.keyed import prf_u64, prf_u64_many
+from jobs.learners.nets import (
+    MLP,
+    deterministic,
+    epoch_batches,
+    init_net,
+    n_batches,
+    resolve_device,
+    torch_threads,
+)
+
+GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
+WIDTH_GRANULE = 16  # floats (64 bytes); hidden widths are padded to a multiple of this
+FORMAT_VERSION = 1
+
+
+def _round_up(n: int, g: int = GRANULE) -> int:
+    return max(g, -(-int(n) // g) * g)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LOOConfig:
+    """Hyper-parameters of T (everything the trained bits depend on, besides data)."""
+
+    n_features: int
+    n_classes: int
+    hidden: tuple[int, ...] = (50, 50)
+    epochs: int = 30
+    batch_size: int = 32
+    n_batches: int = 1
+    lr: float = 0.1
+    weight_decay: float = 1e-5
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden"] = list(self.hidden)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LOOConfig:
+        d = dict(d)
+        d["hidden"] = tuple(int(h) for h in d["hidden"])
+        return cls(**d)
+
+
+class _Layout:
+    """Padded flat layout of one network's parameters (one row of ``P`` floats)."""
+
+    def __init__(self, n_features: int, hidden: Sequence[int], n_classes: int) -> None:
+        true = [int(n_features), *(int(h) for h in hidden), int(n_classes)]
+        pad = [int(n_features), *(_round_up(h, WIDTH_GRANULE) for h in hidden), int(n_classes)]
+        self.true_widths = true
+        self.pad_widths = pad
+        self.layers: list[tuple[int, int, int, int, int, int]] = []
+        off = 0
+        for i in range(len(true) - 1):
+            o_t, i_t, o_p, i_p = true[i + 1], true[i], pad[i + 1], pad[i]
+            w_off = off
+            off += _round_up(o_p * i_p)
+            b_off = off
+            off += _round_up(o_p)
+            self.layers.append((o_t, i_t, o_p, i_p, w_off, b_off))
+        self.P = off
+
+    def pack(self, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray]) -> np.ndarray:
+        flat = np.zeros(self.P, dtype=np.float32)
+        for (o_t, i_t, o_p, i_p, w_off, b_off), W, b in zip(self.layers, weights, biases,
+                                                            strict=True):
+            Wp = np.zeros((o_p, i_p), dtype=np.float32)
+            Wp[:o_t, :i_t] = W
+            flat[w_off:w_off + o_p * i_p] = Wp.ravel()
+            flat[b_off:b_off + o_t] = b
+        return flat
+
+    def unpack(self, flat: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(M, P) -> unpadded weights [(M, out, in)] and biases [(M, out)] (copies)."""
+        M = flat.shape[0]
+        Ws, bs = [], []
+        for o_t, i_t, o_p, i_p, w_off, b_off in self.layers:
+            W = flat[:, w_off:w_off + o_p * i_p].reshape(M, o_p, i_p)[:, :o_t, :i_t]
+            Ws.append(np.ascontiguousarray(W))
+            bs.append(np.ascontiguousarray(flat[:, b_off:b_off + o_t]))
+        return Ws, bs
+
+    def views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        M = flat.shape[0]
+        out = []
+        for _o_t, _i_t, o_p, i_p, w_off, b_off in self.layers:
+            W = flat[:, w_off:w_off + o_p * i_p].view(M, o_p, i_p)
+            b = flat[:, b_off:b_off + o_p]
+            out.append((W, b))
+        return out
+
+
+# --------------------------------------------------------------------------- networks
+
+
+@dataclass
+class MLPParams:
+    """One network's float32 weights ``[(out, in)]`` and biases ``[(out,)]``."""
+
+    weights: list[np.ndarray]
+    biases: list[np.ndarray]
+
+    def logits(self, X: np.ndarray) -> np.ndarray:
+        """Logits in float64 (the real-arithmetic function the bounds talk about)."""
+        a = np.asarray(X, dtype=np.float64)
+        L = len(self.weights)
+        for i, (W, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            a = a @ W.astype(np.float64).T + b.astype(np.float64)
+            if i < L - 1:
+                a = np.maximum(a, 0.0)
+        return a
+
+    def equal(self, other: MLPParams) -> bool:
+        """Bitwise equality."""
+        if len(self.weights) != len(other.weights):
+            return False
+        for a, b in zip(self.weights + self.biases, other.weights + other.biases, strict=True):
+            if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
+                return False
+        return True
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256()
+        for a in self.weights + self.biases:
+            h.update(repr(a.shape).encode())
+            h.update(np.ascontiguousarray(a, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+    def to_module(self) -> MLP:
+        """A :class:`jobs.learners.nets.MLP` holding these weights."""
+        hidden = [W.shape[0] for W in self.weights[:-1]]
+        net = MLP(self.weights[0].shape[1], self.weights[-1].shape[0], hidden)
+        linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+        with torch.no_grad():
+            for lin, W, b in zip(linears, self.weights, self.biases, strict=True):
+                lin.weight.copy_(torch.from_numpy(W))
+                lin.bias.copy_(torch.from_numpy(b))
+        return net.eval()
+
+
+# --------------------------------------------------------------------------- data + schedule
+
+
+def _sorted_data(
+    X: np.ndarray, y: np.ndarray, ids: Sequence[object], tombstones: Iterable[object]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows sorted by id, tombstones inserted as zero rows; returns (X, y, ids, is_tomb)."""
+    X = np.asarray(X, dtype=np.float32)
+    y = np.asarray(y, dtype=np.int64)
+    ids_arr = np.asarray(list(ids))
+    if X.ndim != 2 or len(X) != len(y) or len(y) != len(ids_arr):
+        raise ValueError("X must be (n, d) and y, ids of length n")
+    tomb = [t for t in tombstones]
+    if tomb:
+        tomb_arr = np.asarray(tomb)
+        if np.isin(tomb_arr, ids_arr).any():
+            raise ValueError("a tombstone id is also a live record id")
+        ids_arr = np.concatenate([ids_arr, tomb_arr])
+        X = np.concatenate([X, np.zeros((len(tomb_arr), X.shape[1]), dtype=np.float32)])
+        y = np.concatenate([y, np.zeros(len(tomb_arr), dtype=np.int64)])
+    is_tomb = np.zeros(len(ids_arr), dtype=bool)
+    if tomb:
+        is_tomb[-len(tomb):] = True
+    if len(np.unique(ids_arr)) != len(ids_arr):
+        raise ValueError("record ids must be unique")
+    order = np.argsort(ids_arr, kind="stable")
+    return X[order], y[order], ids_arr[order], is_tomb[order]
+
+
+def _schedule(ids: np.ndarray, seed: int, epochs: int, B: int) -> list[list[np.ndarray]]:
+    keys = prf_u64_many(seed, "loo-batch", ids.tolist())
+    return [epoch_batches(keys, prf_u64(seed, "loo-epoch", e), B) for e in range(epochs)]
+
+
+def _init_flat(cfg: LOOConfig, layout: _Layout) -> np.ndarray:
+    net = init_net(MLP(cfg.n_features, cfg.n_classes, cfg.hidden), cfg.seed)
+    linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    Ws = [m.weight.detach().numpy().copy() for m in linears]
+    bs = [m.bias.detach().numpy().copy() for m in linears]
+    return layout.pack(Ws, bs)
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+def _train_slots(
+    flat: torch.Tensor,
+    excl: torch.Tensor,
+    Xp: torch.Tensor,
+    Yp: torch.Tensor,
+    schedule: list[list[np.ndarray]],
+    layout: _Layout,
+    lr: float,
+    wd: float,
+) -> torch.Tensor:
+    """Train the (M, P) slots in place of a copy; ``excl`` (M, k) = rows each slot skips.
+
+    ``Xp``/``Yp`` hold the sorted rows plus one trailing all-zero row used for padding.
+    """
+    device = flat.device
+    M = flat.shape[0]
+    n_pad_row = Xp.shape[0] - 1
+    C = Yp.shape[1]
+    L = len(layout.layers)
+    flat = flat.clone()
+    views = layout.views(flat)
+    grad = torch.zeros_like(flat)  # gaps between blocks stay exactly zero
+    ones_cache: dict[int, torch.Tensor] = {}
+    for batches in schedule:
+        for rows in batches:
+            b = len(rows)
+            bp = _round_up(b)
+            ridx = np.full(bp, -1, dtype=np.int64)
+            ridx[:b] = rows
+            take = torch.from_numpy(np.where(ridx >= 0, ridx, n_pad_row)).to(device)
+            ridx_t = torch.from_numpy(ridx).to(device)
+            xb = Xp.index_select(0, take)
+            yb = Yp.index_select(0, take)
+            present = (ridx_t >= 0)[None, :] & ~(ridx_t[None, :, None] == excl[:, None, :]).any(-1)
+            mask = present.to(torch.float32)  # (M, bp)
+            count = mask.sum(1, keepdim=True)  # exact small integers
+            w = mask / count.clamp_min(1.0)
+            # lr for slots with a present record, 0 (no step, no decay) otherwise
+            lr_slot = (count > 0).to(torch.float32) * lr  # (M, 1): exactly lr or 0
+
+            # forward
+            a = xb.expand(M, bp, xb.shape[1])
+            acts = [a]
+            pres = []
+            z = a
+            for li, (W, bias) in enumerate(views):
+                z = torch.bmm(a, W.transpose(1, 2)) + bias[:, None, :]
+                if li < L - 1:
+                    pres.append(z)
+                    a = torch.relu(z)
+                    acts.append(a)
+            # softmax over classes with explicit, position-independent sums
+            m = z[..., 0:1]
+            for c in range(1, C):
+                m = torch.maximum(m, z[..., c:c + 1])
+            e = torch.exp(z - m)
+            s = e[..., 0:1]
+            for c in range(1, C):
+                s = s + e[..., c:c + 1]
+            p = e / s
+            g = (p - yb) * w[:, :, None]  # d(mean CE)/d logits, (M, bp, C)
+
+            # backward
+            ones = ones_cache.get(bp)
+            if ones is None:
+                ones = ones_cache[bp] = torch.ones((M, 1, bp), dtype=torch.float32, device=device)
+            for li in range(L - 1, -1, -1):
+                _o_t, _i_t, o_p, i_p, w_off, b_off = layout.layers[li]
+                dW = torch.bmm(g.transpose(1, 2), acts[li])  # (M, out, in)
+                grad[:, w_off:w_off + o_p * i_p] = dW.reshape(M, -1)
+                grad[:, b_off:b_off + o_p] = torch.bmm(ones, g)[:, 0, :]
+                if li > 0:
+                    g = torch.bmm(g, views[li][0])  # (M, bp, in)
+                    g.mul_(pres[li - 1] > 0)  # ReLU'(z): exact 0/1 factors
+
+            # SGD with weight decay, one IEEE op at a time:
+            # p <- p - lr * (grad + wd * p)
+            u = grad + flat * wd
+            flat.sub_(u * lr_slot)
+    return flat
+
+
+def _run(
+    cfg: LOOConfig,
+    X: np.ndarray,
+    y: np.ndarray,
+    excl_rows: np.ndarray,
+    schedule: list[list[np.ndarray]],
+    *,
+    device: str | torch.device,
+    chunk_size: int,
+    cpu_threads: int | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P)."""
+    dev = resolve_device(device)
+    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    flat0 = _init_flat(cfg, layout)
+    M = excl_rows.shape[0]
+    out = np.empty((M, layout.P), dtype=np.float32)
+    Xp = np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)])
+    Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
+    Y1[np.arange(len(y)), y] = 1.0
+    threads = cpu_threads if dev.type == "cpu" else None
+    with torch_threads(threads), deterministic(), torch.no_grad():
+        Xt = torch.from_numpy(Xp).to(dev)
+        Yt = torch.from_numpy(Y1).to(dev)
+        for start in range(0, M, chunk_size):
+            stop = min(M, start + chunk_size)
+            flat = torch.from_numpy(np.tile(flat0, (stop - start, 1))).to(dev)
+            ex = torch.from_numpy(np.ascontiguousarray(excl_rows[start:stop])).to(dev)
+            res = _train_slots(flat, ex, Xt, Yt, schedule, layout, cfg.lr, cfg.weight_decay)
+            out[start:stop] = res.cpu().numpy()
+            if progress is not None:
+                progress(stop, M)
+    return out
+
+
+def _make_config(
+    X: np.ndarray, y: np.ndarray, n_total: int, *, n_classes: int | None, hidden, epochs,
+    batch_size, n_batches_, lr, weight_decay, seed,
+) -> LOOConfig:
+    C = int(n_classes) if n_classes is not None else int(y.max()) + 1 if len(y) else 1
+    if C < 2:
+        raise ValueError("need at least 2 classes")
+    if len(y) and (y.min() < 0 or y.max() >= C):
+        raise ValueError("labels must be integers in [0, n_classes)")
+    B = int(n_batches_) if n_batches_ is not None else n_batches(n_total, batch_size)
+    return LOOConfig(
+        n_features=int(X.shape[1]), n_classes=C, hidden=tuple(int(h) for h in hidden),
+        epochs=int(epochs), batch_size=int(batch_size), n_batches=B, lr=float(lr),
+        weight_decay=float(weight_decay), seed=int(seed),
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def train_loo(
+    X: np.ndarray,
+    y: np.ndarray,
+    ids: Sequence[object],
+    *,
+    n_classes: int | None = None,
+    hidden: Sequence[int] = (50, 50),
+    epochs: int = 30,
+    batch_size: int = 32,
+    lr: float = 0.1,
+    weight_decay: float = 1e-5,
+    seed: int = 0,
+    n_batches: int | None = None,
+    tombstones: Iterable[object] = (),
+    device: str | torch.device = "auto",
+    chunk_size: int = 512,
+    cpu_threads: int | None = 1,
+    classes: Sequence[object] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> LOOSet:
+    """Train N = T(D) and every N_{-x} = T(D \\ {x}) for x in D, batched.
+
+    ``y`` holds class indices in ``[0, n_classes)``; ``classes`` optionally names
+    them (stored, not used). ``n_batches`` defaults to ``ceil(|D| / batch_size)``
+    with ``|D|`` counting tombstones. ``chunk_size`` networks train at a time
+    (memory bound); the result does not depend on it. ``progress(done, total)``
+    is called after each chunk.
+    """
+    Xs, ys, ids_s, tomb = _sorted_data(X, y, ids, tombstones)
+    cfg = _make_config(Xs, ys[~tomb], len(ids_s), n_classes=n_classes, hidden=hidden,
+                       epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
+                       weight_decay=weight_decay, seed=seed)
+    live = np.flatnonzero(~tomb)
+    tomb_rows = np.flatnonzero(tomb)
+    n = len(live)
+    # row 0: the full network; row 1 + j: without live record j; every row skips tombstones
+    k = 1 + len(tomb_rows)
+    excl = np.full((n + 1, k), -1, dtype=np.int64)
+    excl[1:, 0] = live
+    excl[:, 1:] = tomb_rows[None, :]
+    schedule = _schedule(ids_s, cfg.seed, cfg.epochs, cfg.n_batches)
+    t0 = time.perf_counter()
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
+                cpu_threads=cpu_threads, progress=progress)
+    elapsed = time.perf_counter() - t0
+    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    Ws, bs = layout.unpack(flat)
+    dev = resolve_device(device)
+    meta = {
+        "train_seconds": elapsed,
+        "device": dev.type,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_threads": cpu_threads if dev.type == "cpu" else None,
+        "granule": [GRANULE, WIDTH_GRANULE],
+        "tombstones": [_jsonable_id(t) for t in ids_s[tomb].tolist()],
+    }
+    return LOOSet(cfg, ids_s[live], Ws, bs,
+                  classes=None if classes is None else np.asarray(list(classes)), meta=meta)
+
+
+def train_single(
+    X: np.ndarray,
+    y: np.ndarray,
+    ids: Sequence[object],
+    *,
+    exclude: object | Sequence[object] | None = None,
+    n_classes: int | None = None,
+    hidden: Sequence[int] = (50, 50),
+    epochs: int = 30,
+    batch_size: int = 32,
+    lr: float = 0.1,
+    weight_decay: float = 1e-5,
+    seed: int = 0,
+    n_batches: int | None = None,
+    tombstones: Iterable[object] = (),
+    device: str | torch.device = "auto",
+    cpu_threads: int | None = 1,
+) -> MLPParams:
+    """Train ONE network of the same schedule, without the record(s) ``exclude``.
+
+    ``exclude`` may name a record present in ``ids`` (its features are zeroed
+    before training: they must not matter) or an id that is not there (a
+    tombstone slot is inserted). ``B`` counts excluded records, so with the
+    same arguments this reproduces ``train_loo(...).loo(exclude)`` bit for bit
+    (pass ``n_classes`` when the excluded record is not in ``ids``).
+    """
+    if exclude is None:
+        ex_list: list[object] = []
+    elif isinstance(exclude, str | bytes | int | np.integer):
+        ex_list = [exclude]
+    else:
+        ex_list = list(exclude)
+    ids_list = list(ids)
+    X = np.asarray(X, dtype=np.float32).copy()
+    y = np.asarray(y, dtype=np.int64).copy()
+    if n_classes is None and len(y):  # as train_loo infers it: from every given label
+        n_classes = int(y.max()) + 1
+    present = {v: i for i, v in enumerate(ids_list)}
+    missing = []
+    for e in ex_list:
+        if e in present:
+            X[present[e]] = 0.0
+            y[present[e]] = 0
+        else:
+            missing.append(e)
+    Xs, ys, ids_s, tomb = _sorted_data(X, y, ids_list, list(tombstones) + missing)
+    ex_set = set(ex_list)
+    live_mask = ~tomb & np.array([v not in ex_set for v in ids_s.tolist()], dtype=bool)
+    cfg = _make_config(Xs, ys[live_mask], len(ids_s), n_classes=n_classes, hidden=hidden,
+                       epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
+                       weight_decay=weight_decay, seed=seed)
+    skip = np.flatnonzero(~live_mask)
+    excl = np.full((1, max(1, len(skip))), -1, dtype=np.int64)
+    excl[0, :len(skip)] = skip
+    schedule = _schedule(ids_s, cfg.seed, cfg.epochs, cfg.n_batches)
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1,
+                cpu_threads=cpu_threads)
+    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    Ws, bs = layout.unpack(flat)
+    return MLPParams([W[0] for W in Ws], [b[0] for b in bs])
+
+
+def _jsonable_id(v: object) -> object:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+@dataclass
+class LOOSet:
+    """Stacked networks: index 0 is N, index ``1 + j`` is N_{-record_ids[j]}.
+
+    ``weights[l]`` has shape ``(M, out_l, in_l)``, ``biases[l]`` ``(M, out_l)``,
+    float32, ``M = 1 + len(record_ids)``; ``record_ids`` sorted.
+    """
+
+    config: LOOConfig
+    record_ids: np.ndarray
+    weights: list[np.ndarray]
+    biases: list[np.ndarray]
+    classes: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)
+
+    # ---- shape
+    @property
+    def n_networks(self) -> int:
+        return int(self.weights[0].shape[0])
+
+    @property
+    def n_records(self) -> int:
+        return len(self.record_ids)
+
+    @property
+    def n_classes(self) -> int:
+        return int(self.weights[-1].shape[1])
+
+    def index_of(self, record_id: object) -> int:
+        """Network index of N_{-record_id}."""
+        pos = int(np.searchsorted(self.record_ids, record_id))
+        if pos >= len(self.record_ids) or self.record_ids[pos] != record_id:
+            raise KeyError(record_id)
+        return pos + 1
+
+    # ---- networks
+    def network(self, i: int) -> MLPParams:
+        return MLPParams([W[i].copy() for W in self.weights], [b[i].copy() for b in self.biases])
+
+    def full(self) -> MLPParams:
+        return self.network(0)
+
+    def loo(self, record_id: object) -> MLPParams:
+        return self.network(self.index_of(record_id))
+
+    def flat_params(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Flattened parameters ``(k, n_params)`` in float64 (for clustering)."""
+        idx = np.arange(self.n_networks) if indices is None else np.asarray(indices)
+        parts = [W[idx].reshape(len(idx), -1) for W in self.weights]
+        parts += [b[idx] for b in self.biases]
+        return np.concatenate(parts, axis=1).astype(np.float64)
+
+    def logits(
+        self, X: np.ndarray, indices: Sequence[int] | np.ndarray | None = None,
+        *, max_bytes: int = 64 << 20,
+    ) -> np.ndarray:
+        """Logits of networks ``indices`` (default all) at ``X``: ``(k, n, C)`` float64."""
+        X = np.asarray(X, dtype=np.float64)
+        idx = np.arange(self.n_networks) if indices is None else np.asarray(indices)
+        width = max([X.shape[1], *(W.shape[1] for W in self.weights)])
+        per_net = max(1, X.shape[0] * width * 8 * 2)
+        step = max(1, int(max_bytes // per_net))
+        out = np.empty((len(idx), X.shape[0], self.n_classes), dtype=np.float64)
+        L = len(self.weights)
+        for s in range(0, len(idx), step):
+            sel = idx[s:s + step]
+            a = np.broadcast_to(X, (len(sel), *X.shape))
+            for li, (W, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+                Wd = W[sel].astype(np.float64)
+                a = np.matmul(a, Wd.transpose(0, 2, 1)) + b[sel].astype(np.float64)[:, None, :]
+                if li < L - 1:
+                    a = np.maximum(a, 0.0)
+            out[s:s + step] = a
+        return out
+
+    # ---- persistence
+    def content_hash(self) -> str:
+        """SHA-256 over the config, record ids and every weight's bytes."""
+        h = hashlib.sha256()
+        h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        h.update(json.dumps([_jsonable_id(v) for v in self.record_ids.tolist()]).encode())
+        for a in self.weights + self.biases:
+            h.update(repr(a.shape).encode())
+            h.update(np.ascontiguousarray(a, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+    def save(self, path: str | Path) -> str:
+        """Write an ``.npz``; returns the content hash (stored inside too)."""
+        digest = self.content_hash()
+        header = {
+            "format": FORMAT_VERSION,
+            "config": self.config.to_dict(),
+            "meta": self.meta,
+            "hash": digest,
+            "record_ids": [_jsonable_id(v) for v in self.record_ids.tolist()],
+            "classes": None if self.classes is None
+            else [_jsonable_id(v) for v in self.classes.tolist()],
+        }
+        arrays = {f"W{i}": W for i, W in enumerate(self.weights)}
+        arrays.update({f"b{i}": b for i, b in enumerate(self.biases)})
+        with open(path, "wb") as fh:
+            np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+                     **arrays)
+        return digest
+
+    @classmethod
+    def load(cls, path: str | Path, *, verify: bool = True) -> LOOSet:
+        with np.load(path, allow_pickle=False) as z:
+            header = json.loads(z["header"].tobytes().decode())
+            if header.get("format") != FORMAT_VERSION:
+                raise ValueError(f"unsupported LOO set format {header.get('format')!r}")
+            L = len([k for k in z.files if k.startswith("W")])
+            Ws = [z[f"W{i}"] for i in range(L)]
+            bs = [z[f"b{i}"] for i in range(L)]
+        obj = cls(LOOConfig.from_dict(header["config"]), np.asarray(header["record_ids"]), Ws, bs,
+                  classes=None if header["classes"] is None else np.asarray(header["classes"]),
+                  meta=header["meta"])
+        if verify and obj.content_hash() != header["hash"]:
+            raise ValueError(f"{path}: content hash mismatch")
+        return obj
+
+
+__all__ = [
+    "GRANULE",
+    "WIDTH_GRANULE",
+    "LOOConfig",
+    "LOOSet",
+    "MLPParams",
+    "train_loo",
+    "train_single",
+]
+
