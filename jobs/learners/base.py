@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -132,6 +133,33 @@ def duplicate_ids(ids: np.ndarray) -> list[str]:
             dup.append(i)
         seen.add(i)
     return dup
+
+
+def unique_ids(ids: Any) -> np.ndarray:
+    """`as_ids`, refusing an id named twice."""
+    rids = as_ids(ids)
+    dup = duplicate_ids(rids)
+    if dup:
+        raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+    return rids
+
+
+def ids_to_delete(ids: Any, live: Container[str]) -> np.ndarray:
+    """Ids a delete may name: unique, and each one live in the model."""
+    rids = unique_ids(ids)
+    unknown = [i for i in rids.tolist() if i not in live]
+    if unknown:
+        raise UnknownRecordError(unknown, "unknown or already deleted record id")
+    return rids
+
+
+def ids_to_add(ids: Any, live: Container[str]) -> np.ndarray:
+    """Ids an add may name: unique, and none of them live in the model already."""
+    rids = unique_ids(ids)
+    clash = [i for i in rids.tolist() if i in live]
+    if clash:
+        raise DuplicateRecordError(f"record id(s) already in the model: {clash[:5]}")
+    return rids
 
 
 def hash_arrays(*arrays: np.ndarray) -> str:

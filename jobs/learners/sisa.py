@@ -92,13 +92,14 @@ from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
 from jobs.learners.base import (
-    DuplicateRecordError,
     Learner,
     UnknownRecordError,
     UpdateReport,
     VerifyReport,
     as_ids,
-    duplicate_ids,
+    ids_to_add,
+    ids_to_delete,
+    unique_ids,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many
 from jobs.learners.nets import (
@@ -419,12 +420,9 @@ class SISAEnsemble(Learner, BaseEstimator):
             raise ValueError(f"random_state must be an int or None, got {type(rs).__name__}")
         else:
             seed = int(rs)
-        rids = as_ids(ids)
+        rids = unique_ids(ids)
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
         Xa = self._check_X(X, len(rids), None)
         if cfg["model"] == "cnn":
             build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # raises if not a square image
@@ -510,13 +508,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         """
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = as_ids(ids)
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
-        unknown = [i for i in rids.tolist() if i not in self._row]
-        if unknown:
-            raise UnknownRecordError(unknown, "unknown or already deleted record id")
+        rids = ids_to_delete(ids, self._row)
         rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
         from_slice: dict[int, int] = {}
         for s, r in zip(self.shard_of_[rows].tolist(), self.slice_of_[rows].tolist(), strict=True):
@@ -538,13 +530,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         """
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = as_ids(ids)
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
-        live = [i for i in rids.tolist() if i in self._row]
-        if live:
-            raise DuplicateRecordError(f"record id(s) already in the model: {live[:5]}")
+        rids = ids_to_add(ids, self._row)
         Xa = self._check_X(X, len(rids), self.n_features_in_)
         yi = self._encode_y(y, len(rids))
         if len(rids) == 0:
