@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -144,7 +145,6 @@ def _solve_highs_once(m: MILP, time_limit: float, mip_gap: float, threads: int, 
                       extra: dict) -> SolveResult:
     import highspy
 
-    inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(max(time_limit, 1e-3)))
@@ -154,19 +154,7 @@ def _solve_highs_once(m: MILP, time_limit: float, mip_gap: float, threads: int, 
     # different count once it exists (another caller may have set it)
     for k, v in extra.items():
         h.setOptionValue(k, v)
-    lp = highspy.HighsLp()
-    lp.num_col_ = m.n_vars
-    lp.num_row_ = m.n_rows
-    lp.col_cost_ = np.asarray(m.obj, dtype=np.float64)
-    lp.col_lower_ = np.where(np.isfinite(m.lb), m.lb, -inf).astype(np.float64)
-    lp.col_upper_ = np.where(np.isfinite(m.ub), m.ub, inf).astype(np.float64)
-    lp.row_lower_ = np.where(np.isfinite(m.row_lo), m.row_lo, -inf).astype(np.float64)
-    lp.row_upper_ = np.where(np.isfinite(m.row_hi), m.row_hi, inf).astype(np.float64)
-    A = m.A.tocsr()
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = A.indices.astype(np.int32)
-    lp.a_matrix_.value_ = A.data.astype(np.float64)
+    lp = _highs_lp(m, np.asarray(m.obj, dtype=np.float64))
     lp.sense_ = highspy.ObjSense.kMaximize
     is_mip = m.n_int > 0
     if is_mip:
@@ -211,23 +199,9 @@ def lp_ranges(m: MILP, objectives: np.ndarray, *, time_limit: float = 10.0,
     """
     import highspy
 
-    inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    lp = highspy.HighsLp()
-    lp.num_col_ = m.n_vars
-    lp.num_row_ = m.n_rows
-    lp.col_cost_ = np.zeros(m.n_vars)
-    lp.col_lower_ = np.where(np.isfinite(m.lb), m.lb, -inf).astype(np.float64)
-    lp.col_upper_ = np.where(np.isfinite(m.ub), m.ub, inf).astype(np.float64)
-    lp.row_lower_ = np.where(np.isfinite(m.row_lo), m.row_lo, -inf).astype(np.float64)
-    lp.row_upper_ = np.where(np.isfinite(m.row_hi), m.row_hi, inf).astype(np.float64)
-    A = m.A.tocsr()
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = A.indices.astype(np.int32)
-    lp.a_matrix_.value_ = A.data.astype(np.float64)
-    h.passModel(lp)
+    h.passModel(_highs_lp(m, np.zeros(m.n_vars)))
     k = objectives.shape[0]
     lo = np.full(k, -np.inf)
     hi = np.full(k, np.inf)
@@ -377,3 +351,24 @@ def solve(m: MILP, *, solver: str = "highs", time_limit: float = 60.0, mip_gap: 
 
 __all__ = ["GUROBI_SIZE_LIMIT", "MILP", "SolveResult", "gurobi_available", "jsonable_float",
            "lp_ranges", "solve"]
+
+
+def _highs_lp(m: MILP, cost: np.ndarray) -> Any:
+    """The model's rows, columns and bounds as a HiGHS LP (`highspy.HighsLp`) with `cost`."""
+    import highspy
+
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = m.n_vars
+    lp.num_row_ = m.n_rows
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.where(np.isfinite(m.lb), m.lb, -inf).astype(np.float64)
+    lp.col_upper_ = np.where(np.isfinite(m.ub), m.ub, inf).astype(np.float64)
+    lp.row_lower_ = np.where(np.isfinite(m.row_lo), m.row_lo, -inf).astype(np.float64)
+    lp.row_upper_ = np.where(np.isfinite(m.row_hi), m.row_hi, inf).astype(np.float64)
+    A = m.A.tocsr()
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = A.indices.astype(np.int32)
+    lp.a_matrix_.value_ = A.data.astype(np.float64)
+    return lp
