@@ -101,6 +101,7 @@ from jobs.learners.base import (
     as_ids,
     duplicate_ids,
 )
+from jobs.learners import dare_kernels as _kern
 from jobs.learners.keyed import prf_u64
 
 FORMAT = "obliviate.dare/1"
@@ -699,6 +700,36 @@ class DaREForest(Learner, BaseEstimator):
         return npairs, nvalid, pseg, grk[pi].astype(np.int32), grk[pj].astype(np.int32), left
 
     def _greedy(self, tree, path, n, cnt, rows, off, want_cache):
+        """Greedy split of each task; caches (prefix of candidate pairs) where want_cache
+        (compiled kernel :func:`dare_kernels.greedy_tasks`)."""
+        ntask = len(tree)
+        nk = self._nodekey(tree, path)
+        wc = np.ascontiguousarray(want_cache, dtype=bool)
+        (ok, attr, r1, r2, slot_attr, allf, cutp, cutv, elen, e_r1, e_r2,
+         e_left) = _kern.greedy_tasks(
+            nk, n.astype(np.int64), np.ascontiguousarray(cnt, dtype=np.int64),
+            rows.astype(np.int64), off.astype(np.int64), wc, self._rank, self._y, self._vals,
+            self._vals.view(_U64), self._voff, self._P, self._k, self._BUFFER, self._msl,
+            self.criterion == "gini", self._tab(int(n.max(initial=0)) + 2),
+            self._nvals_max,
+        )  # fmt: skip
+        ctask = np.flatnonzero(wc & ok)
+        cache = None
+        if ctask.size:
+            ln = elen[ctask]
+            eoff = (np.cumsum(ln.ravel()) - ln.ravel()).reshape(ln.shape)
+            cache = (
+                ctask, slot_attr[ctask], allf[ctask], cutp[ctask], cutv[ctask], eoff, ln,
+                e_r1, e_r2, e_left,
+            )  # fmt: skip
+        del ntask
+        return ok, attr, r1, r2, cache
+
+    def _tab(self, n: int) -> np.ndarray:
+        """x log x table for entropy scores (a dummy for Gini)."""
+        return _xlogx(n) if self.criterion == "entropy" else _XLOGX[0][:1]
+
+    def _greedy_np(self, tree, path, n, cnt, rows, off, want_cache):
         """Greedy split of each task; caches (prefix of candidate pairs) where want_cache."""
         ntask = len(tree)
         P, p, k, C = self._P, self.n_features_, self._k, len(self.classes_)
@@ -919,6 +950,14 @@ class DaREForest(Learner, BaseEstimator):
         sum x log x over classes from a fixed table. Equal integer inputs give equal bits
         whatever the caller, and a class column of zeros changes nothing. Every candidate
         pair has records on both sides, so n_l, n_r >= 1."""
+        Lm = np.stack(Ls, axis=1) if Ls else np.zeros((0, 0), np.int64)
+        Rm = np.stack(Rs, axis=1) if Rs else np.zeros((0, 0), np.int64)
+        return _kern.score_many(
+            np.ascontiguousarray(Lm, dtype=np.int64), np.ascontiguousarray(Rm, dtype=np.int64),
+            np.asarray(nl, dtype=np.int64), np.asarray(nr, dtype=np.int64),
+            self.criterion == "gini",
+            self._tab(int(max(nl.max(initial=0), nr.max(initial=0))) + 2),
+        )
         if self.criterion == "gini":
             sl = Ls[0] * Ls[0]
             sr = Rs[0] * Rs[0]
@@ -1029,7 +1068,7 @@ class DaREForest(Learner, BaseEstimator):
                 wc = n[grd] >= self._CACHE_MIN
             else:
                 wc = want_cache[grd] & (n[grd] >= self._CACHE_MIN)
-            ok, a, q1, q2, cache = self._greedy_chunked(
+            ok, a, q1, q2, cache = self._greedy(
                 tree[grd], path[grd], n[grd], cnt[grd], rows[el], soff, wc
             )
             okg, bad = grd[ok], grd[~ok]
