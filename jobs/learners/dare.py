@@ -92,16 +92,15 @@ import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
+from jobs.learners import dare_kernels as _kern
 from jobs.learners.base import (
-    DuplicateRecordError,
     Learner,
-    UnknownRecordError,
     UpdateReport,
     VerifyReport,
-    as_ids,
-    duplicate_ids,
+    ids_to_add,
+    ids_to_delete,
+    unique_ids,
 )
-from jobs.learners import dare_kernels as _kern
 from jobs.learners.keyed import prf_u64
 
 FORMAT = "obliviate.dare/1"
@@ -152,10 +151,6 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lens), lens) + np.arange(
         tot, dtype=np.int64
     )
-
-
-def _bits(x: int) -> int:
-    return max(1, int(x).bit_length())
 
 
 def _midpoint(v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
@@ -383,6 +378,7 @@ class DaREForest(Learner, BaseEstimator):
             rstart.append(rs)
             roff.append(roff[-1] + len(u) + 1)
         self._vals = np.concatenate(vals) if vals else np.zeros(0)
+        self._vmix = _mix(self._vals.view(_U64) + _GOLD)  # value half of the pair priority
         self._voff = np.array(voff, dtype=np.int64)
         self._gorder = gorder
         self._rstart = np.concatenate(rstart)
@@ -634,82 +630,16 @@ class DaREForest(Learner, BaseEstimator):
 
     # ================================================================== split kernels
 
-    def _pairs(self, sa_task, sa_attr, rows, off):
-        """Adjacent distinct-value pairs of every (task, attribute) segment.
-
-        Returns (pairs per segment, valid pairs per segment, and per VALID pair: its
-        segment, r1, r2 and left counts (nv, C)), valid pairs ordered by (segment, r1)."""
-        C = len(self.classes_)
-        nsa = len(sa_task)
-        lens = (off[1:] - off[:-1])[sa_task]
-        E = int(lens.sum())
-        el = _ranges(off[sa_task], lens)
-        er = rows[el]
-        stride = np.repeat(sa_attr.astype(np.int64) * self._rank.shape[1], lens)
-        rk = self._rank.ravel()[stride + er]
-        lab = self._y[er]
-        seg = np.repeat(np.arange(nsa, dtype=np.int64), lens)
-        b_lab = _bits(C - 1)
-        b_rk = _bits(self._nvals_max)
-        b_seg = _bits(nsa)
-        if b_seg + b_rk + b_lab <= 63:
-            key = (seg << (b_rk + b_lab)) | (rk.astype(np.int64) << b_lab) | lab
-            key.sort()
-            kk = key >> b_lab  # (segment, rank)
-            lab = key & ((1 << b_lab) - 1)
-        else:  # pragma: no cover - enormous batches only
-            o = np.lexsort((lab, rk, seg))
-            kk = (seg[o] << b_rk) | rk[o].astype(np.int64)
-            lab = lab[o].astype(np.int64)
-            b_lab = 0
-        newg = np.empty(E, dtype=bool)
-        newg[:1] = True
-        np.not_equal(kk[1:], kk[:-1], out=newg[1:])
-        G = np.flatnonzero(newg)
-        Gend = np.empty(len(G), dtype=np.int64)
-        Gend[:-1] = G[1:] - 1
-        Gend[-1:] = E - 1
-        kg = kk[G]
-        gseg = kg >> b_rk
-        grk = kg & ((1 << b_rk) - 1)
-        gf = lab[G]
-        gl = lab[Gend]
-        same = gseg[1:] == gseg[:-1]
-        # gseg is sorted: a segment with g value groups has g - 1 adjacent pairs
-        gb = np.searchsorted(gseg, np.arange(nsa + 1, dtype=np.int64))
-        npairs = np.maximum(gb[1:] - gb[:-1] - 1, 0)
-        # valid pairs only: not (both groups pure with the same label)
-        gpure = gf == gl
-        bad = same & gpure[:-1] & gpure[1:] & (gl[:-1] == gf[1:])
-        pi = np.flatnonzero(same & ~bad)
-        pj = pi + 1
-        iel = Gend[pi]
-        pseg = gseg[pi]
-        segstart = (np.cumsum(lens) - lens)[pseg]
-        left = np.empty((len(pi), C), dtype=np.int32)
-        rest = (iel - segstart + 1).astype(np.int32)
-        for c in range(1, C):
-            cum = np.zeros(E + 1, dtype=np.int32)
-            np.cumsum(lab == c if C > 2 else lab, out=cum[1:])
-            lc = cum[iel + 1] - cum[segstart]
-            left[:, c] = lc
-            rest -= lc
-        left[:, 0] = rest
-        pb = np.searchsorted(pseg, np.arange(nsa + 1, dtype=np.int64))
-        nvalid = pb[1:] - pb[:-1]
-        return npairs, nvalid, pseg, grk[pi].astype(np.int32), grk[pj].astype(np.int32), left
-
     def _greedy(self, tree, path, n, cnt, rows, off, want_cache):
         """Greedy split of each task; caches (prefix of candidate pairs) where want_cache
         (compiled kernel :func:`dare_kernels.greedy_tasks`)."""
-        ntask = len(tree)
         nk = self._nodekey(tree, path)
         wc = np.ascontiguousarray(want_cache, dtype=bool)
         (ok, attr, r1, r2, slot_attr, allf, cutp, cutv, elen, e_r1, e_r2,
          e_left) = _kern.greedy_tasks(
             nk, n.astype(np.int64), np.ascontiguousarray(cnt, dtype=np.int64),
             rows.astype(np.int64), off.astype(np.int64), wc, self._rank, self._y, self._vals,
-            self._vals.view(_U64), self._voff, self._P, self._k, self._BUFFER, self._msl,
+            self._vmix, self._voff, self._P, self._k, self._BUFFER, self._msl,
             self.criterion == "gini", self._tab(int(n.max(initial=0)) + 2),
             self._nvals_max,
         )  # fmt: skip
@@ -722,256 +652,11 @@ class DaREForest(Learner, BaseEstimator):
                 ctask, slot_attr[ctask], allf[ctask], cutp[ctask], cutv[ctask], eoff, ln,
                 e_r1, e_r2, e_left,
             )  # fmt: skip
-        del ntask
         return ok, attr, r1, r2, cache
 
     def _tab(self, n: int) -> np.ndarray:
         """x log x table for entropy scores (a dummy for Gini)."""
         return _xlogx(n) if self.criterion == "entropy" else _XLOGX[0][:1]
-
-    def _greedy_np(self, tree, path, n, cnt, rows, off, want_cache):
-        """Greedy split of each task; caches (prefix of candidate pairs) where want_cache."""
-        ntask = len(tree)
-        P, p, k, C = self._P, self.n_features_, self._k, len(self.classes_)
-        nk = self._nodekey(tree, path)
-        order = self._attr_order(nk, _TAG_GATTR)
-        need = np.full(ntask, min(P, p), dtype=np.int64)
-        nxt = np.zeros(ntask, dtype=np.int64)
-        nch = np.zeros(ntask, dtype=np.int64)
-        slot_attr = np.full((ntask, P), -1, dtype=np.int32)
-        parts = []
-        while True:
-            act = np.flatnonzero((need > 0) & (nxt < p))
-            if act.size == 0:
-                break
-            m = np.minimum(need[act], p - nxt[act])
-            sa_task = np.repeat(act, m)
-            sa_attr = order[sa_task, _ranges(nxt[act], m)]
-            npairs, nvalid, pseg, r1, r2, left = self._pairs(sa_task, sa_attr, rows, off)
-            nonc = npairs > 0
-            cnc = np.cumsum(nonc)
-            first = np.cumsum(m) - m
-            before = np.concatenate([[0], cnc])[first]
-            sa_slot = np.where(nonc, nch[sa_task] + cnc - 1 - np.repeat(before, m), -1)
-            slot_attr[sa_task[nonc], sa_slot[nonc]] = sa_attr[nonc]
-            got = np.bincount(sa_task[nonc], minlength=ntask)
-            nch += got
-            need -= got
-            nxt[act] += m
-            parts.append((sa_task, sa_slot, sa_attr, nvalid, pseg, r1, r2, left))
-        # from here on, "pairs" are the valid pairs only
-        if len(parts) == 1:
-            sa_task, sa_slot, sa_attr, npairs, pseg, r1, r2, left = parts[0]
-            ptask, pslot, pattr = sa_task[pseg], sa_slot[pseg], sa_attr[pseg]
-        else:  # make every task's pairs contiguous, slots in order
-            ptask = np.concatenate([q[0][q[4]] for q in parts])
-            pslot = np.concatenate([q[1][q[4]] for q in parts])
-            pattr = np.concatenate([q[2][q[4]] for q in parts])
-            o = np.argsort(ptask * P + pslot, kind="stable")
-            ptask, pslot, pattr = ptask[o], pslot[o], pattr[o]
-            r1 = np.concatenate([q[5] for q in parts])[o]
-            r2 = np.concatenate([q[6] for q in parts])[o]
-            left = np.concatenate([q[7] for q in parts])[o]
-            sid = ptask * P + pslot
-            news = np.empty(len(sid), dtype=bool)
-            news[:1] = True
-            news[1:] = sid[1:] != sid[:-1]
-            pseg = np.cumsum(news) - 1
-            npairs = np.bincount(pseg)
-        ptask = ptask.astype(np.int64)
-        pslot = pslot.astype(np.int64)
-        pattr = pattr.astype(np.int64)
-        npair = len(ptask)
-        if npair == 0:
-            none = np.full(ntask, -1, dtype=np.int64)
-            return np.zeros(ntask, dtype=bool), none, none, none, None
-        # segment = (task, slot); its pairs are contiguous and sorted by r1. Segment ids come
-        # from _pairs (constant attributes give empty segments); keep the non-empty ones.
-        nz = np.flatnonzero(npairs)
-        dense = np.zeros(len(npairs), dtype=np.int64)
-        dense[nz] = np.arange(len(nz))
-        dseg = dense[pseg]
-        nval = npairs[nz]
-        sfirst = np.cumsum(nval) - nval
-        li = np.arange(npair, dtype=np.int64) - sfirst[dseg]
-        cache_t = np.asarray(want_cache, dtype=bool)
-        cache_p = cache_t[ptask]
-        sk = _h2(nk[ptask[sfirst]] ^ _TAG_THR, pattr[sfirst].astype(_U64))
-        v1 = self._vals[self._voff[pattr] + r1]
-        prio = (_h2(sk[dseg], v1.view(_U64)) >> _S32).astype(np.int64)
-        scache = cache_t[ptask[sfirst]]
-        sseg = scache | (nval > k)  # segments that need a priority sort
-        sel = ~sseg[dseg]  # segments with at most k valid pairs and no cache: all selected
-        pre = np.zeros(npair, dtype=bool)
-        srt = np.flatnonzero(sseg[dseg])
-        if srt.size:
-            # only the first `want` pairs of a segment in (priority, v1) order matter: keep the
-            # pairs of priority below a threshold that leaves about 2 * want + 32 of them
-            # (all of them where fewer than `want` would remain), then sort those
-            want = np.where(scache, k + self._BUFFER, k)
-            tau = np.minimum((2 * want + 32) * (np.int64(1) << 32) // nval, np.int64(1) << 32)
-            below = srt[prio[srt] < tau[dseg[srt]]]
-            nb = np.bincount(dseg[below], minlength=len(nz))
-            short = nb < np.minimum(want, nval)
-            if short.any():
-                tau[short] = np.int64(1) << 32
-                below = srt[prio[srt] < tau[dseg[srt]]]
-            srt = below
-            # order by (segment, priority, v1) with packed keys, in chunks of segments
-            b_li = _bits(int(li.max()) + 1)
-            per = 1 << max(1, 63 - 32 - b_li)
-            ds = dseg[srt]
-            sorted_parts = []
-            lo = 0
-            while lo < len(srt):
-                hi = int(np.searchsorted(ds, ds[lo] + per - 1, side="right"))
-                s_ = srt[lo:hi]
-                key = ((ds[lo:hi] - ds[lo]) << (32 + b_li)) | (prio[s_] << b_li) | li[s_]
-                key.sort()
-                dd = (key >> (32 + b_li)) + ds[lo]
-                sorted_parts.append(sfirst[dd] + (key & ((1 << b_li) - 1)))
-                lo = hi
-            perm = np.concatenate(sorted_parts)
-            pd = dseg[perm]
-            pnew = np.empty(len(perm), dtype=bool)
-            pnew[:1] = True
-            pnew[1:] = pd[1:] != pd[:-1]
-            pstart = np.flatnonzero(pnew)
-            plen = np.diff(np.append(pstart, len(perm)))
-            vb = np.arange(len(perm)) - np.repeat(pstart, plen)  # pairs before, in segment
-            sel[perm] = vb < k
-            pre[perm] = vb < k + self._BUFFER
-        # ---- score the selected candidates
-        cand = np.flatnonzero(sel)
-        ct = ptask[cand]
-        Ls = [left[cand, c].astype(np.int64) for c in range(C)]
-        Rs = [cnt[ct, c].astype(np.int64) - Ls[c] for c in range(C)]
-        nl = sum(Ls[1:], Ls[0])
-        nr = n[ct] - nl
-        score = self._score(Ls, Rs, nl, nr)
-        ok_c = (nl >= self._msl) & (nr >= self._msl)
-        best = np.full(ntask, -1, dtype=np.int64)
-        if cand.size:
-            tb_ = np.flatnonzero(np.append(True, ct[1:] != ct[:-1]))  # task blocks of cand
-            tl = np.diff(np.append(tb_, len(cand)))
-            ms = np.maximum.reduceat(np.where(ok_c, score, -np.inf), tb_)
-            tie = ok_c & (score == np.repeat(ms, tl))
-            b_li = _bits(int(li.max()) + 1)
-            tkey = (pslot[cand] << (32 + b_li)) | (prio[cand] << b_li) | li[cand]
-            big = np.iinfo(np.int64).max
-            tbk = np.minimum.reduceat(np.where(tie, tkey, big), tb_)
-            win = tie & (tkey == np.repeat(tbk, tl))
-            best[ct[win]] = cand[win]
-        ok = best >= 0
-        bi = best[ok]
-        out_attr = np.full(ntask, -1, dtype=np.int64)
-        out_r1 = np.full(ntask, -1, dtype=np.int64)
-        out_r2 = np.full(ntask, -1, dtype=np.int64)
-        out_attr[ok] = pattr[bi]
-        out_r1[ok] = r1[bi]
-        out_r2[ok] = r2[bi]
-        # ---- caches: the first k + _BUFFER valid pairs of each slot, in priority order
-        cache = None
-        ctask = np.flatnonzero(cache_t & ok)
-        if ctask.size:
-            P_ = P
-            pos_t = np.full(ntask, -1, dtype=np.int64)
-            pos_t[ctask] = np.arange(len(ctask))
-            keep = cache_p & pre & ok[ptask]
-            # perm runs over segments in (task, slot) order, each by priority
-            ent = perm[keep[perm]] if srt.size else np.zeros(0, np.int64)
-            ek = pos_t[ptask[ent]] * P_ + pslot[ent]
-            nct = len(ctask)
-            elen = np.bincount(ek, minlength=nct * P_).reshape(nct, P_)
-            eoff = (np.cumsum(elen.ravel()) - elen.ravel()).reshape(nct, P_)
-            # per (cached task, slot): number of valid pairs, from the segments
-            segv = np.zeros(nct * P_, dtype=np.int64)
-            fs = ptask[sfirst]
-            cs_ = np.flatnonzero(cache_t[fs] & ok[fs])
-            segv[pos_t[fs[cs_]] * P_ + pslot[sfirst[cs_]]] = nval[cs_]
-            allf = (segv <= k + self._BUFFER).reshape(nct, P_)
-            # cut-off: key (priority, v1) of the last stored pair of segments that are not "all"
-            cutp = np.full(nct * P_, -1, dtype=np.int64)
-            cutv = np.zeros(nct * P_, dtype=np.float64)
-            if len(ent):
-                last = np.flatnonzero(np.append(ek[1:] != ek[:-1], True))
-                le = ent[last]
-                cutp[ek[last]] = prio[le]
-                cutv[ek[last]] = self._vals[self._voff[pattr[le]] + r1[le]]
-            cache = (
-                ctask, slot_attr[ctask], allf, cutp.reshape(nct, P_), cutv.reshape(nct, P_),
-                eoff, elen, r1[ent], r2[ent], left[ent],
-            )  # fmt: skip
-        return ok, out_attr, out_r1, out_r2, cache
-
-    #: elements (records x sampled attributes) per kernel call: keeps temporaries cache-sized
-    _CHUNK = 1 << 15
-
-    def _greedy_chunked(self, tree, path, n, cnt, rows, off, want_cache):
-        """_greedy over groups of tasks of bounded total size, results concatenated."""
-        ntask = len(tree)
-        w = n * min(self._P, self.n_features_)
-        if ntask <= 1 or int(w.sum()) <= self._CHUNK:
-            return self._greedy(tree, path, n, cnt, rows, off, want_cache)
-        cw = np.cumsum(w)
-        cuts = [0]
-        while cuts[-1] < ntask:
-            base = cw[cuts[-1] - 1] if cuts[-1] else 0
-            j = int(np.searchsorted(cw, base + self._CHUNK, side="right"))
-            cuts.append(min(ntask, max(j, cuts[-1] + 1)))
-        ok = np.zeros(ntask, dtype=bool)
-        at = np.full(ntask, -1, dtype=np.int64)
-        q1 = np.full(ntask, -1, dtype=np.int64)
-        q2 = np.full(ntask, -1, dtype=np.int64)
-        caches = []
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-            r0, r1_ = off[lo], off[hi]
-            o, a, b1, b2, c = self._greedy(
-                tree[lo:hi], path[lo:hi], n[lo:hi], cnt[lo:hi], rows[r0:r1_],
-                off[lo : hi + 1] - r0, want_cache[lo:hi],
-            )  # fmt: skip
-            ok[lo:hi], at[lo:hi], q1[lo:hi], q2[lo:hi] = o, a, b1, b2
-            if c is not None:
-                caches.append((lo, c))
-        if not caches:
-            return ok, at, q1, q2, None
-        shift = 0
-        parts = []
-        for lo, c in caches:
-            parts.append((c[0] + lo, *c[1:5], c[5] + shift, *c[6:]))
-            shift += len(c[7])
-        merged = tuple(np.concatenate([q[i] for q in parts]) for i in range(10))
-        return ok, at, q1, q2, merged
-
-    def _score(self, Ls, Rs, nl, nr):
-        """Split score to maximise, from per-class left/right counts (lists of int64 arrays).
-
-        Gini: sum L_c^2 / n_l + sum R_c^2 / n_r, with exact integer numerators; entropy:
-        sum x log x over classes from a fixed table. Equal integer inputs give equal bits
-        whatever the caller, and a class column of zeros changes nothing. Every candidate
-        pair has records on both sides, so n_l, n_r >= 1."""
-        Lm = np.stack(Ls, axis=1) if Ls else np.zeros((0, 0), np.int64)
-        Rm = np.stack(Rs, axis=1) if Rs else np.zeros((0, 0), np.int64)
-        return _kern.score_many(
-            np.ascontiguousarray(Lm, dtype=np.int64), np.ascontiguousarray(Rm, dtype=np.int64),
-            np.asarray(nl, dtype=np.int64), np.asarray(nr, dtype=np.int64),
-            self.criterion == "gini",
-            self._tab(int(max(nl.max(initial=0), nr.max(initial=0))) + 2),
-        )
-        if self.criterion == "gini":
-            sl = Ls[0] * Ls[0]
-            sr = Rs[0] * Rs[0]
-            for c in range(1, len(Ls)):
-                sl = sl + Ls[c] * Ls[c]
-                sr = sr + Rs[c] * Rs[c]
-            return sl / nl + sr / nr
-        f = _xlogx(int(max(nl.max(initial=0), nr.max(initial=0))) + 2)
-        sl = f[Ls[0]]
-        sr = f[Rs[0]]
-        for c in range(1, len(Ls)):
-            sl = sl + f[Ls[c]]
-            sr = sr + f[Rs[c]]
-        return (sl - f[nl]) + (sr - f[nr])
 
     def _random(self, tree, path, rows, off):
         """Random split of each task: first non-constant attribute in keyed order, first keyed
@@ -1213,10 +898,7 @@ class DaREForest(Learner, BaseEstimator):
             if name not in params:
                 delattr(self, name)
         self._validate_params()
-        rids = as_ids(ids)
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+        rids = unique_ids(ids)
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
         Xa = self._check_X(X, len(rids), None)
@@ -1295,106 +977,6 @@ class DaREForest(Learner, BaseEstimator):
     def _rank_of(self, attr: np.ndarray, slots: np.ndarray) -> np.ndarray:
         return self._rank.ravel()[attr * self._rank.shape[1] + slots].astype(np.int64)
 
-    def _group_counts(self, tree, s, e, attr, q):
-        """Class counts of the node's live records whose `attr` value has rank q."""
-        C = len(self.classes_)
-        nq = len(q)
-        if nq == 0:
-            return np.zeros((0, C), dtype=np.int64)
-        ro = self._roff[attr] + q
-        lo = self._rstart[ro]
-        ln = self._rstart[ro + 1] - lo
-        el = _ranges(lo, ln)
-        G = self._gorder.shape[1]
-        sl = self._gorder.ravel()[np.repeat(attr * G, ln) + el].astype(np.int64)
-        ps = self._pos.ravel()[np.repeat(tree * self._pos.shape[1], ln) + sl]
-        m = self._alive[sl] & (ps >= np.repeat(s, ln)) & (ps < np.repeat(e, ln))
-        qi = np.repeat(np.arange(nq), ln)[m]
-        return np.bincount(qi * C + self._y[sl[m]], minlength=nq * C).reshape(nq, C)
-
-    def _left_counts(self, tree, s, e, attr, q):
-        """Class counts of the node's live records whose `attr` value has rank <= q."""
-        C = len(self.classes_)
-        nq = len(q)
-        ln = e - s
-        el = _ranges(s, ln)
-        sl = self._samp.ravel()[np.repeat(tree * self._samp.shape[1], ln) + el].astype(np.int64)
-        ok = sl >= 0
-        sl = np.where(ok, sl, 0)
-        rk = self._rank_of(np.repeat(attr, ln), sl)
-        m = ok & (rk <= np.repeat(q, ln))
-        qi = np.repeat(np.arange(nq), ln)[m]
-        return np.bincount(qi * C + self._y[sl[m]], minlength=nq * C).reshape(nq, C)
-
-    def _neighbour(self, tree, s, e, n, attr, wr, up: bool):
-        """Rank of the nearest value of `attr` among the node's live records strictly above
-        (up) or below wr; -1 if there is none."""
-        nq = len(wr)
-        res = np.full(nq, -1, dtype=np.int64)
-        if nq == 0:
-            return res
-        G = self._gorder.shape[1]
-        scan = (e - s) <= 2 * G // np.maximum(n, 1) + 16  # the cheaper of the two walks
-        q = np.flatnonzero(scan)
-        if q.size:  # scan the node's layout range
-            ln = e[q] - s[q]
-            el = _ranges(s[q], ln)
-            sl = self._samp.ravel()[np.repeat(tree[q] * self._samp.shape[1], ln) + el]
-            sl = sl.astype(np.int64)
-            ok = sl >= 0
-            rk = self._rank_of(np.repeat(attr[q], ln), np.where(ok, sl, 0))
-            w = np.repeat(wr[q], ln)
-            so = np.cumsum(ln) - ln
-            if up:
-                big = np.iinfo(np.int64).max
-                v = np.minimum.reduceat(np.where(ok & (rk > w), rk, big), so)
-                res[q] = np.where(v == big, -1, v)
-            else:
-                res[q] = np.maximum.reduceat(np.where(ok & (rk < w), rk, -1), so)
-        q = np.flatnonzero(~scan)
-        if q.size:  # walk the attribute's global order outwards from wr
-            a = attr[q]
-            ro = self._roff[a] + wr[q]
-            cur = self._rstart[ro + 1] if up else self._rstart[ro] - 1
-            t, s_, e_ = tree[q], s[q], e[q]
-            step = np.minimum(G // np.maximum(n[q], 1) + 4, 1 << 14)
-            go = self._gorder.ravel()
-            while q.size:
-                room = G - cur if up else cur + 1
-                L = np.minimum(step, room)
-                j = _ranges(np.zeros(len(q), dtype=np.int64), L)
-                qi = np.repeat(np.arange(len(q)), L)
-                P_ = cur[qi] + j if up else cur[qi] - j
-                sl = go[a[qi] * G + P_].astype(np.int64)
-                ps = self._pos.ravel()[(t * self._pos.shape[1])[qi] + sl]
-                mem = self._alive[sl] & (ps >= s_[qi]) & (ps < e_[qi])
-                hits = np.flatnonzero(mem)
-                hq = qi[hits]
-                first = np.append(True, hq[1:] != hq[:-1]) if hits.size else hits.astype(bool)
-                fq = hq[first]
-                res[q[fq]] = self._rank_of(a[fq], sl[hits[first]])
-                found = np.zeros(len(q), dtype=bool)
-                found[fq] = True
-                more = ~found & (room > L)
-                q, a, t, s_, e_ = q[more], a[more], t[more], s_[more], e_[more]
-                cur = (cur + L if up else cur - L)[more]
-                step = step[more] * 4
-        return res
-
-    @staticmethod
-    def _valid_pair(g1: np.ndarray, g2: np.ndarray) -> np.ndarray:
-        """A pair of adjacent value groups is valid unless both are pure with the same label."""
-        p1 = (g1 > 0).sum(axis=1) == 1
-        p2 = (g2 > 0).sum(axis=1) == 1
-        return ~(p1 & p2 & (g1.argmax(axis=1) == g2.argmax(axis=1)))
-
-    def _prio(self, nodes: np.ndarray, attr: np.ndarray, r: np.ndarray):
-        """(priority, v1) of the pairs keyed by value rank r of attr at the given nodes."""
-        v = self._vals[self._voff[attr] + r]
-        nk = self._nodekey(self._n_tree[nodes], self._n_path[nodes])
-        h = _h2(_h2(nk ^ _TAG_THR, attr.astype(_U64)), v.view(_U64))
-        return (h >> _S32).astype(np.int64), v
-
     # ================================================================== deletion
 
     def _path_nodes(self, slots: np.ndarray):
@@ -1424,185 +1006,27 @@ class DaREForest(Learner, BaseEstimator):
         return P[tt, rr, dd].astype(np.int64), tt, dd, rr
 
     def _cached_delete(self, nodes: np.ndarray, r: int, c: int):
-        """Incremental update of cached greedy nodes after record r (class c) left them.
+        """Incremental update of cached greedy nodes after record r (class c) left them
+        (compiled kernel :func:`dare_kernels.cached_delete`).
 
         Returns per node a status (0 same, 1 same split with a new v2, 2 best split
         changed, 3 cache must be recomputed) and the new r2 for status 1."""
-        C, k = len(self.classes_), self._k
-        nn = len(nodes)
-        cid = self._n_cid[nodes].astype(np.int64)
-        sa = self._c_attr[cid]
-        sn, ss = np.nonzero(sa >= 0)
-        a = sa[sn, ss].astype(np.int64)
-        cs = cid[sn]
-        nd = nodes[sn]
-        tree = self._n_tree[nd].astype(np.int64)
-        s = self._n_s[nd].astype(np.int64)
-        e = self._n_e[nd].astype(np.int64)
-        n = self._n_n[nd].astype(np.int64)
-        allf = self._c_all[cs, ss]
-        ns = len(sn)
-        off = self._c_off[cs, ss]
-        ln = self._c_len[cs, ss].astype(np.int64)
-        wr = self._rank_of(a, np.full(ns, r, dtype=np.int64))
-        E = _ranges(off, ln)
-        seg = np.repeat(np.arange(ns), ln)
-        r1 = self._er1[E]
-        alive = r1 >= 0
-        w = wr[seg]
-        dec = alive & (r1 >= w)
-        erow = self._eleft[c]
-        erow[E[dec]] -= 1
-        A = np.full(ns, -1, dtype=np.int64)
-        B = np.full(ns, -1, dtype=np.int64)
-        ia = alive & (self._er2[E] == w)
-        A[seg[ia]] = E[ia]
-        ib = alive & (r1 == w)
-        B[seg[ib]] = E[ib]
-        ro = self._roff[a] + wr
-        gw = np.zeros((ns, C), dtype=np.int64)
-        multi = np.flatnonzero(self._rstart[ro + 1] - self._rstart[ro] > 1)
-        if multi.size:
-            gw[multi] = self._group_counts(tree[multi], s[multi], e[multi], a[multi], wr[multi])
-        van = gw.sum(axis=1) == 0
-        # ---- the value group of w survives: pairs touching it can only become invalid
-        j = np.flatnonzero(~van & (A >= 0))
-        if j.size:
-            gp = self._group_counts(tree[j], s[j], e[j], a[j], self._er1[A[j]].astype(np.int64))
-            bad = ~self._valid_pair(gp, gw[j])
-            self._er1[A[j[bad]]] = -1
-        j = np.flatnonzero(~van & (B >= 0))
-        if j.size:
-            gn = self._group_counts(tree[j], s[j], e[j], a[j], self._er2[B[j]].astype(np.int64))
-            bad = ~self._valid_pair(gw[j], gn)
-            self._er1[B[j[bad]]] = -1
-        # ---- w's group vanished: (prev, w) becomes (prev, next); (w, next) disappears
-        bnext = np.where(B >= 0, self._er2[np.maximum(B, 0)], -1).astype(np.int64)
-        kill_b = np.flatnonzero(van & (B >= 0))
-        self._er1[B[kill_b]] = -1
-        ja = np.flatnonzero(van & (A >= 0))
-        if ja.size:
-            nxt = bnext[ja].copy()
-            q = np.flatnonzero(nxt < 0)
-            if q.size:
-                jq = ja[q]
-                nxt[q] = self._neighbour(tree[jq], s[jq], e[jq], n[jq], a[jq], wr[jq], True)
-            prev = self._er1[A[ja]].astype(np.int64)
-            has = nxt >= 0
-            self._er1[A[ja[~has]]] = -1
-            jh = ja[has]
-            if jh.size:
-                gp = self._group_counts(tree[jh], s[jh], e[jh], a[jh], prev[has])
-                gn = self._group_counts(tree[jh], s[jh], e[jh], a[jh], nxt[has])
-                ok = self._valid_pair(gp, gn)
-                self._er2[A[jh[ok]]] = nxt[has][ok]
-                self._er1[A[jh[~ok]]] = -1
-        jp = np.flatnonzero(van & (A < 0) & (~allf | (B >= 0)))
-        if jp.size:
-            prev = self._neighbour(tree[jp], s[jp], e[jp], n[jp], a[jp], wr[jp], False)
-            hp = prev >= 0
-            jp, prev = jp[hp], prev[hp]
-            if jp.size:
-                h, v = self._prio(nd[jp], a[jp], prev)
-                cp = self._c_cutp[cs[jp], ss[jp]]
-                cv = self._c_cutv[cs[jp], ss[jp]]
-                cand = allf[jp] | (h < cp) | ((h == cp) & (v <= cv))
-                jp, prev, h, v = jp[cand], prev[cand], h[cand], v[cand]
-            if jp.size:
-                nxt = bnext[jp].copy()
-                q = np.flatnonzero(nxt < 0)
-                if q.size:
-                    jq = jp[q]
-                    nxt[q] = self._neighbour(tree[jq], s[jq], e[jq], n[jq], a[jq], wr[jq], True)
-                hn = nxt >= 0
-                jp, prev, nxt, h, v = jp[hn], prev[hn], nxt[hn], h[hn], v[hn]
-            if jp.size:
-                gp = self._group_counts(tree[jp], s[jp], e[jp], a[jp], prev)
-                gn = self._group_counts(tree[jp], s[jp], e[jp], a[jp], nxt)
-                ok = self._valid_pair(gp, gn)
-                jp, prev, nxt, h, v = jp[ok], prev[ok], nxt[ok], h[ok], v[ok]
-            if jp.size:
-                left = np.zeros((len(jp), C), dtype=np.int64)
-                hb = B[jp] >= 0
-                left[hb] = self._eleft[:, B[jp[hb]]].T
-                q = np.flatnonzero(~hb)
-                if q.size:
-                    jq = jp[q]
-                    left[q] = self._left_counts(tree[jq], s[jq], e[jq], a[jq], prev[q])
-                self._insert_entries(nd[jp], cs[jp], ss[jp], a[jp], prev, nxt, h, v, left)
-        # ---- select the first k live pairs of each slot and score them
-        off = self._c_off[cs, ss]
-        ln = self._c_len[cs, ss].astype(np.int64)
-        E = _ranges(off, ln)
-        seg = np.repeat(np.arange(ns), ln)
-        alive = self._er1[E] >= 0
-        ca = np.cumsum(alive)
-        before = np.concatenate([[0], ca])[np.cumsum(ln) - ln]
-        rank_in = ca - alive - np.repeat(before, ln)
-        nval = np.bincount(seg, weights=alive, minlength=ns).astype(np.int64)
-        need = ((nval < k) & ~allf) | (nval == 0)
-        status = np.zeros(nn, dtype=np.int64)
-        status[sn[need]] = 3
-        sel = alive & (rank_in < k) & (status[sn[seg]] != 3)
-        ce = E[sel]
-        cseg = seg[sel]
-        cnode = sn[cseg]
-        ncnt = self._n_cnt[nodes].astype(np.int64)
-        Ls = [self._eleft[c][ce].astype(np.int64) for c in range(C)]
-        Rs = [ncnt[cnode, c] - Ls[c] for c in range(C)]
-        nl = sum(Ls[1:], Ls[0])
-        nr = self._n_n[nodes].astype(np.int64)[cnode] - nl
-        score = self._score(Ls, Rs, nl, nr)
-        okc = (nl >= self._msl) & (nr >= self._msl)
-        best = np.full(nn, -1, dtype=np.int64)
-        battr = np.full(nn, -1, dtype=np.int64)
-        if len(ce):
-            blk = np.flatnonzero(np.append(True, cnode[1:] != cnode[:-1]))
-            bl = np.diff(np.append(blk, len(ce)))
-            ms = np.maximum.reduceat(np.where(okc, score, -np.inf), blk)
-            tie = okc & (score == np.repeat(ms, bl))
-            tkey = (ss[cseg] << 40) | (ce - off[cseg])
-            big = np.iinfo(np.int64).max
-            tb = np.minimum.reduceat(np.where(tie, tkey, big), blk)
-            win = tie & (tkey == np.repeat(tb, bl))
-            best[cnode[win]] = ce[win]
-            battr[cnode[win]] = a[cseg[win]]
-        b0 = np.maximum(best, 0)
-        same = (best >= 0) & (battr == self._n_attr[nodes]) & (self._er1[b0] == self._n_r1[nodes])
-        newr2 = self._er2[b0].astype(np.int64)
-        st = np.where(same, np.where(newr2 != self._n_r2[nodes], 1, 0), 2)
-        status = np.where(status == 3, 3, st)
+        cid = self._n_cid[nodes]
+        # each slot may move its live entries plus one new pair to the end of the pool
+        self._reserve_entries(int(self._c_len[cid].sum()) + self._P * len(nodes))
+        nk = self._nodekey(self._n_tree[nodes], self._n_path[nodes])
+        status, newr2, eused, garb = _kern.cached_delete(
+            nodes, nk, r, c, self._n_cid, self._n_tree, self._n_s, self._n_e, self._n_n,
+            self._n_cnt, self._n_attr, self._n_r1, self._n_r2, self._c_attr, self._c_off,
+            self._c_len, self._c_all, self._c_cutp, self._c_cutv, self._er1, self._er2,
+            self._eleft, self._eused, self._rank, self._roff, self._rstart, self._gorder,
+            self._pos, self._alive, self._samp, self._y, self._vals, self._vmix, self._voff,
+            self._k, self._msl, self.criterion == "gini",
+            self._tab(int(self._n_n[nodes].max(initial=0)) + 2),
+        )  # fmt: skip
+        self._eused = int(eused)
+        self._egarb += int(garb)
         return status, newr2
-
-    def _insert_entries(self, nodes, cids, slots, attr, r1, r2, h, v, left) -> None:
-        """Insert one new valid pair into each given cache slot at its priority position."""
-        m = len(nodes)
-        self._reserve_entries(int(self._c_len[cids, slots].sum()) + m)
-        off = self._c_off[cids, slots]
-        ln = self._c_len[cids, slots].astype(np.int64)
-        E = _ranges(off, ln)
-        seg = np.repeat(np.arange(m), ln)
-        keep = self._er1[E] >= 0
-        E, seg = E[keep], seg[keep]
-        eh, ev = self._prio(nodes[seg], attr[seg], self._er1[E].astype(np.int64))
-        before = (eh < h[seg]) | ((eh == h[seg]) & (ev < v[seg]))
-        cnt = np.bincount(seg, minlength=m).astype(np.int64)
-        nb = np.bincount(seg, weights=before, minlength=m).astype(np.int64)
-        newlen = cnt + 1
-        start = self._alloc_entries(int(newlen.sum()))
-        noff = start + np.cumsum(newlen) - newlen
-        local = np.arange(len(E)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        dst = noff[seg] + local + (local >= nb[seg])
-        self._er1[dst] = self._er1[E]
-        self._er2[dst] = self._er2[E]
-        self._eleft[:, dst] = self._eleft[:, E]
-        di = noff + nb
-        self._er1[di] = r1
-        self._er2[di] = r2
-        self._eleft[:, di] = left.T
-        self._egarb += int(ln.sum())
-        self._c_off[cids, slots] = noff
-        self._c_len[cids, slots] = newlen
 
     def _node_rows(self, nodes: np.ndarray):
         """Live records of each node (CSR rows, off), from the layout ranges."""
@@ -1869,13 +1293,7 @@ class DaREForest(Learner, BaseEstimator):
         named twice, ``ValueError`` when every live record would be deleted."""
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = as_ids(ids)
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
-        unknown = [i for i in rids.tolist() if i not in self._slot]
-        if unknown:
-            raise UnknownRecordError(unknown, "unknown or already deleted record id")
+        rids = ids_to_delete(ids, self._slot)
         if len(rids) and len(rids) >= self._nlive:
             raise ValueError("cannot delete every live record (a forest needs at least one)")
         stats = {
@@ -1908,13 +1326,7 @@ class DaREForest(Learner, BaseEstimator):
         ``ValueError`` for a wrong shape or NaN/inf; the model is unchanged on any error."""
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = as_ids(ids)
-        dup = duplicate_ids(rids)
-        if dup:
-            raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
-        live = [i for i in rids.tolist() if i in self._slot]
-        if live:
-            raise DuplicateRecordError(f"record id(s) already in the model: {live[:5]}")
+        rids = ids_to_add(ids, self._slot)
         Xa = self._check_X(X, len(rids), self.n_features_)
         ya = self._check_y(y, len(rids))
         try:
