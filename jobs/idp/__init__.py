@@ -1,4 +1,4 @@
-"""The iDP guard's bound computation (LUCID, papers/NOTES.md section 1).
+"""The iDP guard (LUCID, papers/NOTES.md section 1, and what goes beyond it).
 
 * :mod:`jobs.idp.loo` -- the full network N and all leave-one-out networks N_{-x},
   trained together with one masked, keyed schedule (bit-identical to single runs);
@@ -10,5 +10,9 @@
   :func:`~jobs.idp.bab.compute_bounds`, the per-class bounds with a manifest;
 * :mod:`jobs.idp.search` -- a falsifier: sampling and gradient search for
   leaking inputs (lower bounds on the true bound; used by tests and benchmarks);
-* :mod:`jobs.idp.guard` -- the serving side (guarded label-only inference).
+* :mod:`jobs.idp.guard` -- guarded label-only answers: the certainty rules
+  (one network; SISA's vote rule), the exponential mechanism, the memo;
+* :mod:`jobs.idp.guarded` -- a served network with its bound bound to its hash,
+  noise-all without one, and the instant swap to N_{-x} after a deletion;
+* :mod:`jobs.idp.sisa_bounds` -- per-shard LOO sets and bounds for an ensemble.
 """

@@ -21,8 +21,12 @@ import numpy as np
 
 
 def clip_unit(X: np.ndarray) -> np.ndarray:
-    """Queries are clipped to [0, 1]^d, the box the bound was verified over."""
-    return np.clip(np.asarray(X, dtype=np.float32), 0.0, 1.0)
+    """Queries are clipped to [0, 1]^d, the box the bound was verified over.
+
+    Adding +0.0 turns -0.0 into 0.0: the memo keys on bytes, and a query must not
+    get fresh noise by flipping the sign of a zero coordinate.
+    """
+    return np.clip(np.asarray(X, dtype=np.float32), 0.0, 1.0) + np.float32(0.0)
 
 
 def mechanism_probabilities(label: int, n_classes: int, epsilon: float) -> np.ndarray:

@@ -158,3 +158,11 @@ def test_sisa_rule_two_shards_split_depends_on_the_tie_break() -> None:
         betas = np.array([[2.0 if fragile[0] else 0.0] * 2, [2.0 if fragile[1] else 0.0] * 2])
         _, certain = sisa_certain(scores, betas)
         assert certain[0] == (not fragile[0])
+
+
+def test_negative_zero_does_not_buy_fresh_noise() -> None:
+    guard = LabelGuard(2, epsilon=0.0, memo_size=10, random_state=4)
+    guard.bind("v1", sound=False)
+    X = clip_unit(np.array([[0.0, 0.5], [-0.0, 0.5], [-1e-9, 0.5]]))
+    guard.answer(X, np.zeros(3, dtype=int), np.zeros(3, dtype=bool))
+    assert len(guard.memo) == 1 and guard.counts.memo_hits == 2

@@ -1,0 +1,371 @@
+"""iDP guard benchmark: accuracy through the guard, bounds, access time, tightness, SISA.
+
+    python tests/bench/bench_guard.py [--quick] [--data moons,cancer,wine]
+        [--budget S] [--gurobi auto|yes|no] [--no-sisa] [--reps R]
+
+Data (min-max scaled to [0, 1]^d over the whole set; stratified 75/25
+train/test split, seed 0), model = MLP 2 x hidden, SGD lr 0.1, weight decay
+1e-5, 30 epochs (LUCID's settings), batch 16 (SISA shards: batch 4), one CPU
+thread; hidden width 16 for moons, 8 for breast cancer and wine (2x16 on
+wine ran out of a 600 s bound budget here, 2 shared cores):
+
+* ``moons``  -- make_moons, 400 points, noise 0.25 (2-D, 2 classes);
+* ``cancer`` -- scikit-learn breast cancer, 569 x 30 (2 classes);
+* ``wine``   -- scikit-learn wine, 178 x 13 (3 classes).
+
+``--quick``: 160 moons points, breast cancer 200 records x 10 features, wine
+as is, hidden 8, a 20 s bound budget per network (anytime, still sound),
+fewer queries, the SISA part on moons only, no Gurobi.
+
+Per data set:
+
+1. ``train_loo``: N and every N_{-x}; ``acc`` = N's test accuracy (no privacy);
+2. ``compute_bounds`` with HiGHS (``bound_s``; per-class ``beta``); with Gurobi
+   too when its size-limited licence accepts the MILPs (printed as a GUROBI
+   line: time, betas and which solver really ran; its fallback is HiGHS);
+3. accuracy through :class:`~jobs.idp.guarded.GuardedNetwork` at eps 0, 0.2
+   and 1 on the test split: the mean over ``--reps`` fresh guards (fresh memo
+   and noise); the exact expectation is printed beside it;
+4. access time per query in process (one query per call, median over many
+   distinct uniform queries, model already loaded): the guard, and naive iDP
+   (all |D| + 1 networks per query, answer the label iff they all agree, else
+   the memoised mechanism) on the same queries in the same run;
+5. falsifier: leaking inputs from 20,000 uniform samples + the training and
+   test points + jitter around each class's MILP witness + the gradient search
+   of :func:`jobs.idp.search.find_leaking`; ``tightness`` = beta_c / the largest
+   leaking margin found (per class; "-" when no leaking input exists),
+   ``violations`` = found inputs whose margin exceeds beta_c (must be 0).
+
+SISA-aware guard (``model=sisa``): S = 5 shards by ``prf_u64(seed, "shard", id) % S``;
+each shard's networks from ``train_loo`` on its records
+(:mod:`jobs.idp.sisa_bounds`), per-shard HiGHS bounds; on the test split, the
+fraction of queries answered as certain under :func:`jobs.idp.guard.sisa_certain`
+and under the naive rule "every shard's margin above its bound", and the
+accuracy at eps 0 and 1 under each (mean over ``--reps``).
+
+Reference (LUCID Table 1): accuracy decrease 1.4 points at eps 0, 1.1 at
+eps 1; access 0.16 ms per query.
+
+The last lines are, per data set,
+
+    RESULT data=... model=mlp acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=b0/b1 \
+bound_s=... access_ms=... naive_ms=... tightness=t0/t1 violations=0
+    RESULT data=... model=sisa shards=5 certain_sisa=... certain_naive=... \
+acc_eps0_sisa=... acc_eps0_naive=... acc=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.datasets import load_breast_cancer, load_wine, make_moons
+from sklearn.model_selection import train_test_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from jobs.idp.bab import BoundReport, compute_bounds  # noqa: E402
+from jobs.idp.guard import (  # noqa: E402
+    LabelGuard,
+    clip_unit,
+    lucid_certain,
+    mechanism_probabilities,
+)
+from jobs.idp.guarded import GuardedNetwork  # noqa: E402
+from jobs.idp.loo import LOOSet, train_loo  # noqa: E402
+from jobs.idp.search import find_leaking, margins  # noqa: E402
+from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo  # noqa: E402
+from jobs.idp.solvers import gurobi_available  # noqa: E402
+
+EPSILONS = (0.0, 0.2, 1.0)
+SHARD_BATCH = 4  # shards hold |D|/5 records: smaller batches give them enough SGD steps
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Data:
+    name: str
+    Xtr: np.ndarray
+    ytr: np.ndarray
+    Xte: np.ndarray
+    yte: np.ndarray
+    ids: list[str]
+    note: str
+
+
+def _scale(X: np.ndarray) -> np.ndarray:
+    span = X.max(0) - X.min(0)
+    return (X - X.min(0)) / np.where(span > 0, span, 1.0)
+
+
+def load(name: str, quick: bool) -> Data:
+    if name == "moons":
+        n = 160 if quick else 400
+        X, y = make_moons(n, noise=0.25, random_state=0)
+        X, note = _scale(X), f"make_moons n={n} noise=0.25 d=2"
+    elif name == "cancer":
+        d = load_breast_cancer()
+        X, y = _scale(d.data), d.target
+        note = "breast cancer 569x30"
+        if quick:
+            idx = np.random.default_rng(0).choice(len(y), 200, replace=False)
+            X, y = X[idx][:, :10], y[idx]
+            note = "breast cancer 200 random records x first 10 features"
+    elif name == "wine":
+        d = load_wine()
+        X, y, note = _scale(d.data), d.target, "wine 178x13 (3 classes)"
+    else:
+        raise SystemExit(f"unknown data set {name!r}")
+    Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
+    ids = [f"{name}{i:04d}" for i in range(len(ytr))]
+    return Data(name, Xtr, ytr, Xte, yte, ids, note)
+
+
+# --------------------------------------------------------------------------- naive iDP
+
+
+class NaiveIDP:
+    """Naive iDP: run N and all N_{-x} on the query; the label iff all agree, else the
+    memoised mechanism. Weights pre-stacked in float64 (a fair, vectorised baseline)."""
+
+    def __init__(self, loo: LOOSet, epsilon: float, random_state: int = 0) -> None:
+        self.Ws = [np.ascontiguousarray(W.astype(np.float64).transpose(0, 2, 1))
+                   for W in loo.weights]
+        self.bs = [b.astype(np.float64)[:, None, :] for b in loo.biases]
+        self.guard = LabelGuard(loo.n_classes, epsilon, random_state=random_state)
+        self.guard.bind("naive", sound=True)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        Xc = clip_unit(X)
+        a = np.broadcast_to(Xc.astype(np.float64), (self.Ws[0].shape[0], *Xc.shape))
+        last = len(self.Ws) - 1
+        for i, (W, b) in enumerate(zip(self.Ws, self.bs, strict=True)):
+            a = np.matmul(a, W) + b
+            if i < last:
+                a = np.maximum(a, 0.0)
+        labels = a.argmax(2)  # (M, n)
+        agree = (labels == labels[0][None, :]).all(0)
+        return self.guard.answer(Xc, labels[0], agree)
+
+
+def median_ms(fn, Q: np.ndarray) -> float:
+    times = np.empty(len(Q))
+    for i in range(len(Q)):
+        q = Q[i:i + 1]
+        t0 = time.perf_counter()
+        fn(q)
+        times[i] = time.perf_counter() - t0
+    return float(np.median(times) * 1e3)
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def guard_accuracy(loo: LOOSet, rep: BoundReport, d: Data, eps: float, reps: int
+                   ) -> tuple[float, float, float]:
+    """(mean accuracy over fresh guards, exact expectation, certain fraction)."""
+    accs = []
+    for r in range(reps):
+        gn = GuardedNetwork(loo, rep, epsilon=eps, random_state=1000 + r)
+        accs.append(float((gn.predict(d.Xte) == d.yte).mean()))
+    betas = np.array([rep.serving_beta()[c] for c in range(loo.n_classes)])
+    labels, cert = lucid_certain(loo.logits(clip_unit(d.Xte), [0])[0], betas)
+    return float(np.mean(accs)), expected_accuracy(labels, cert, d.yte, loo.n_classes, eps), \
+        float(cert.mean())
+
+
+def expected_accuracy(labels: np.ndarray, cert: np.ndarray, y: np.ndarray, C: int,
+                      eps: float) -> float:
+    p = mechanism_probabilities(0, C, eps)
+    right = labels == y
+    per = np.where(cert, right.astype(float), np.where(right, p[0], p[1]))
+    return float(per.mean())
+
+
+def falsify(loo: LOOSet, rep: BoundReport, d: Data, quick: bool
+            ) -> tuple[list[float], int, list[str]]:
+    """Largest leaking margin found per class, violation count, a line per class."""
+    rng = np.random.default_rng(11)
+    dim = d.Xtr.shape[1]
+    pts = [rng.random((5000 if quick else 20000, dim)), d.Xtr, d.Xte]
+    for cb in rep.per_class.values():
+        if cb.witness is not None:
+            w = np.asarray(cb.witness["x"])
+            for s in (1e-4, 1e-3, 1e-2):
+                pts.append(np.clip(w + rng.normal(0, s, (200, dim)), 0, 1))
+    P = np.concatenate(pts)
+    lg = loo.logits(P)
+    found, violations, lines = [], 0, []
+    for c in range(loo.n_classes):
+        beta = rep.beta[c]
+        mN = margins(lg[0], c)
+        leak = margins(lg[1:], c).min(0) <= 0
+        best = float(mN[leak].max()) if leak.any() else -np.inf
+        violations += int((mN[leak] > beta).sum())
+        s = find_leaking(loo, c, n_samples=2000, n_starts=16 if quick else 64,
+                         steps=100 if quick else 300, seed=c)
+        if s.best_margin > beta:
+            violations += 1
+        w = rep.per_class[c].witness
+        if w is not None and w["leaking"]:
+            violations += int(w["n_margin"] > beta)
+            best = max(best, w["n_margin"])
+        best = max(best, s.best_margin)
+        found.append(best)
+        lines.append(f"  class {c}: beta {beta:.5f}, largest leaking margin found {best:.5f} "
+                     f"(samples {float(mN[leak].max()) if leak.any() else float('-inf'):.5f}, "
+                     f"gradient {s.gradient_best:.5f}, witness "
+                     f"{w['n_margin'] if w else float('nan'):.5f}); exact={rep.per_class[c].exact}")
+    return found, violations, lines
+
+
+def fmt_beta(rep: BoundReport, C: int) -> str:
+    return "/".join(f"{rep.beta[c]:.4f}" if np.isfinite(rep.beta[c]) else str(rep.beta[c])
+                    for c in range(C))
+
+
+def bench_mlp(d: Data, args: argparse.Namespace, hidden: int) -> tuple[str, float]:
+    kw = dict(hidden=(hidden, hidden), epochs=30, batch_size=16, lr=0.1, weight_decay=1e-5,
+              seed=0)
+    t0 = time.perf_counter()
+    loo = train_loo(d.Xtr, d.ytr, d.ids, **kw)
+    train_s = time.perf_counter() - t0
+    C = loo.n_classes
+    acc = float((loo.logits(d.Xte, [0])[0].argmax(1) == d.yte).mean())
+    print(f"[{d.name}] {d.note}; train {len(d.ytr)} / test {len(d.yte)}; MLP 2x{hidden}; "
+          f"LOO training {loo.n_networks} networks {train_s:.1f}s; test accuracy {acc:.4f}",
+          flush=True)
+
+    t0 = time.perf_counter()
+    rep = compute_bounds(loo, args.budget, "highs")
+    bound_s = time.perf_counter() - t0
+    man = rep.manifest()
+    print(f"[{d.name}] HiGHS bounds {bound_s:.1f}s: beta {fmt_beta(rep, C)} "
+          f"({man['n_milps']} MILPs, exact {man['exact']}, stop "
+          f"{[cb.stop_reason for cb in rep.per_class.values()]})", flush=True)
+    want_gurobi = args.gurobi == "yes" or (args.gurobi == "auto" and gurobi_available())
+    if want_gurobi:
+        t0 = time.perf_counter()
+        g = compute_bounds(loo, args.budget, "gurobi")
+        gm = g.manifest()
+        notes = {m.get("note") for cb in g.per_class.values() for m in cb.milps
+                 if m.get("note")}
+        print(f"GUROBI data={d.name} bound_s={time.perf_counter() - t0:.1f} beta="
+              f"{fmt_beta(g, C)} solvers_used={','.join(gm['solvers_used'])}"
+              + (f" note={sorted(notes)[0][:90]!r}" if notes else ""), flush=True)
+
+    accs = {}
+    for eps in EPSILONS:
+        mean, expect, cert = guard_accuracy(loo, rep, d, eps, args.reps)
+        accs[eps] = mean
+        print(f"[{d.name}] eps {eps}: guard accuracy {mean:.4f} (expected {expect:.4f}; "
+              f"{cert:.3f} of test queries certain; drop {100 * (acc - mean):.2f} points)",
+              flush=True)
+
+    rng = np.random.default_rng(5)
+    nq = 500 if args.quick else 2000
+    Q = rng.random((nq, d.Xtr.shape[1])).astype(np.float32)
+    gn = GuardedNetwork(loo, rep, epsilon=1.0, random_state=0)
+    naive = NaiveIDP(loo, 1.0)
+    gn.predict(Q[:10])
+    naive.predict(Q[:10])  # warm-up
+    access = median_ms(gn.predict, Q)
+    naive_ms = median_ms(naive.predict, Q[: nq // 4])
+    print(f"[{d.name}] access per query: guard {access:.4f} ms, naive iDP "
+          f"({loo.n_networks} networks) {naive_ms:.4f} ms; counters {gn.counters()}",
+          flush=True)
+
+    t0 = time.perf_counter()
+    found, violations, lines = falsify(loo, rep, d, args.quick)
+    print(f"[{d.name}] falsifier {time.perf_counter() - t0:.1f}s", flush=True)
+    for line in lines:
+        print(line)
+    tight = "/".join(f"{rep.beta[c] / found[c]:.4f}" if found[c] > 0 and np.isfinite(
+        rep.beta[c]) else "-" for c in range(C))
+    return (f"RESULT data={d.name} model=mlp acc={acc:.4f} acc_eps0={accs[0.0]:.4f} "
+            f"acc_eps02={accs[0.2]:.4f} acc_eps1={accs[1.0]:.4f} beta={fmt_beta(rep, C)} "
+            f"bound_s={bound_s:.1f} access_ms={access:.4f} naive_ms={naive_ms:.4f} "
+            f"tightness={tight} violations={violations}"), acc
+
+
+def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) -> str:
+    t0 = time.perf_counter()
+    sh = train_sharded_loo(d.Xtr, d.ytr, d.ids, n_shards=shards, seed=0,
+                           n_classes=int(d.ytr.max()) + 1, hidden=(hidden, hidden), epochs=30,
+                           batch_size=SHARD_BATCH, lr=0.1, weight_decay=1e-5)
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compute_shard_bounds(sh, args.budget / shards, "highs")
+    bound_s = time.perf_counter() - t0
+    sizes = [0 if s is None else s.n_records for s in sh.shards]
+    betas = sh.shard_betas()
+    print(f"[{d.name}] SISA {shards} shards, sizes {sizes}; train {train_s:.1f}s, bounds "
+          f"{bound_s:.1f}s; betas per shard "
+          f"{[[round(float(b), 3) for b in row] for row in betas]}", flush=True)
+    winner, cert_sisa = sh.certain(d.Xte, "sisa")
+    _, cert_naive = sh.certain(d.Xte, "naive")
+    acc = float((winner == d.yte).mean())
+    C = sh.n_classes
+    Xc = clip_unit(d.Xte)
+    res = {}
+    for rule, cert in (("sisa", cert_sisa), ("naive", cert_naive)):
+        for eps in (0.0, 1.0):
+            accs = []
+            for r in range(args.reps):
+                g = LabelGuard(C, eps, random_state=2000 + r)
+                g.bind("sisa", sound=True)
+                accs.append(float((g.answer(Xc, winner, cert) == d.yte).mean()))
+            res[rule, eps] = float(np.mean(accs))
+            print(f"[{d.name}] SISA rule {rule}: certain {cert.mean():.3f}, eps {eps}: "
+                  f"accuracy {res[rule, eps]:.4f} (expected "
+                  f"{expected_accuracy(winner, cert, d.yte, C, eps):.4f})", flush=True)
+    return (f"RESULT data={d.name} model=sisa shards={shards} "
+            f"certain_sisa={cert_sisa.mean():.4f} certain_naive={cert_naive.mean():.4f} "
+            f"acc_eps0_sisa={res['sisa', 0.0]:.4f} acc_eps0_naive={res['naive', 0.0]:.4f} "
+            f"acc={acc:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--data", default="moons,cancer,wine")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="bound time budget per network (seconds); default 600 (quick 20)")
+    ap.add_argument("--gurobi", choices=["auto", "yes", "no"], default=None,
+                    help="also time Gurobi (default: auto; quick: no)")
+    ap.add_argument("--no-sisa", action="store_true")
+    ap.add_argument("--reps", type=int, default=None, help="guards per accuracy (default 50)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="hidden width (default: moons 16, cancer 8, wine 8; quick 8)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    args.budget = args.budget or (20.0 if args.quick else 600.0)
+    args.gurobi = args.gurobi or ("no" if args.quick else "auto")
+    args.reps = args.reps or (20 if args.quick else 50)
+    hidden_default = {"moons": 16, "cancer": 8, "wine": 8}
+    t_start = time.perf_counter()
+    results, sisa_results = [], []
+    names = [n for n in args.data.split(",") if n]
+    for i, name in enumerate(names):
+        d = load(name, args.quick)
+        hidden = args.hidden or (8 if args.quick else hidden_default.get(name, 8))
+        line, _acc = bench_mlp(d, args, hidden)
+        results.append(line)
+        if not args.no_sisa and (not args.quick or i == 0):
+            sisa_results.append(bench_sisa(d, args, hidden))
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    for line in results + sisa_results:
+        print(line)
+    bad = [r for r in results if not r.endswith("violations=0")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
