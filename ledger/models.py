@@ -9,13 +9,12 @@ is announced by an event.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Text
 from sqlmodel import Field, SQLModel
 
-REQUEST_STATUSES = ("received", "claimed", "applied", "verified", "failed")
-RECORD_STATES = ("pending", "live", "purged")
+# A request's status is the kind of its latest lifecycle event.
+REQUEST_STATUSES = frozenset({"received", "claimed", "applied", "verified", "failed"})
 
 
 class Request(SQLModel, table=True):
@@ -62,7 +61,10 @@ class Event(SQLModel, table=True):
 
 
 class TrainingRecord(SQLModel, table=True):
-    """A training record. Purging clears features and label; the keyed hash stays."""
+    """A training record: `pending` (an add not yet applied), `live`, or `purged`.
+
+    Purging clears features and label; the keyed fingerprint stays.
+    """
 
     __tablename__ = "training_records"
 
@@ -113,6 +115,3 @@ class DatasetSchema(SQLModel, table=True):
     name: str = Field(max_length=128)
     n_features: int
     classes: list[int] = Field(sa_column=Column(JSON, nullable=False))
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "n_features": self.n_features, "classes": self.classes}

@@ -32,6 +32,7 @@ from ledger.chain import (
 )
 from ledger.db import among, create_tables, insert_rows, make_engine, writing
 from ledger.models import (
+    REQUEST_STATUSES,
     Checkpoint,
     DatasetSchema,
     Event,
@@ -392,7 +393,7 @@ class Ledger:
                 if root is not None and root != frontier.root().hex():
                     problems.append(Problem(f"checkpoint {frontier.size}", "Merkle root does not "
                                             "match the events it covers", frontier.size))
-                if e.request_id and e.kind in _LIFECYCLE:
+                if e.request_id and e.kind in REQUEST_STATUSES:
                     last_kind[e.request_id] = e.kind
             n_events = frontier.size
             for size in sorted(s for s in checkpoints if s > n_events):
@@ -486,9 +487,6 @@ class Ledger:
             "tree_size": size, "root_hash": frontier.root().hex(), "created_at": iso(utc_now()),
             "frontier": [h.hex() for h in frontier.state()[1]],
         })
-
-
-_LIFECYCLE = frozenset({"received", "claimed", "applied", "verified", "failed"})
 
 
 def _event_dict(row: Any) -> dict[str, Any]:
