@@ -971,6 +971,61 @@ class DaREForest(Learner, BaseEstimator):
             out += (cnt / nn[..., None]).sum(axis=0)
         return out / self._T
 
+    def leaf_nodes(self, X: Any) -> np.ndarray:
+        """Read-only: the leaf node id reached by every query in every tree, shape (T, n).
+
+        Node ids index the rows of :meth:`leaves` (``leaves()["node"]``); they are pool slots,
+        valid only until the forest is next updated."""
+        self._check_fitted()
+        Xq = self._check_X(X, None, self.n_features_)
+        return self._leaf_of(Xq, np.arange(self._T)).astype(np.int64)
+
+    def leaves(self) -> dict[str, np.ndarray]:
+        """Read-only: every leaf of every tree with its cell of the input space.
+
+        Returns arrays with one row per leaf: ``node`` (pool id, as :meth:`leaf_nodes`),
+        ``tree``, ``path`` (heap path, root 1), ``depth``, ``counts`` (class counts, shape
+        (L, n_classes)), ``n`` (records) and ``lo``, ``hi`` (shape (L, n_features)): a query q
+        reaches the leaf iff ``lo < q <= hi`` in every coordinate (routing is ``x <= thr`` to
+        the left), with -inf / +inf where no split bounds the coordinate. A leaf's class
+        probabilities in :meth:`scores` are ``counts / max(n, 1)``."""
+        self._check_fitted()
+        p = self.n_features_
+        cur = self._root[: self._T].astype(np.int64)
+        lo = np.full((len(cur), p), -np.inf)
+        hi = np.full((len(cur), p), np.inf)
+        out_n, out_lo, out_hi = [], [], []
+        while cur.size:
+            leaf = self._n_kind[cur] == LEAF
+            out_n.append(cur[leaf])
+            out_lo.append(lo[leaf])
+            out_hi.append(hi[leaf])
+            cur, lo, hi = cur[~leaf], lo[~leaf], hi[~leaf]
+            if not cur.size:
+                break
+            a = self._n_attr[cur].astype(np.int64)
+            thr = self._n_thr[cur]
+            r = np.arange(len(cur))
+            lhi = hi.copy()
+            lhi[r, a] = np.minimum(hi[r, a], thr)
+            rlo = lo.copy()
+            rlo[r, a] = np.maximum(lo[r, a], thr)
+            cur = np.concatenate([self._n_left[cur], self._n_right[cur]]).astype(np.int64)
+            lo = np.concatenate([lo, rlo])
+            hi = np.concatenate([lhi, hi])
+        node = np.concatenate(out_n)
+        order = np.lexsort((self._n_path[node], self._n_tree[node]))
+        node = node[order]
+        return {
+            "node": node,
+            "tree": self._n_tree[node].astype(np.int64),
+            "path": self._n_path[node].astype(np.int64),
+            "depth": self._n_depth[node].astype(np.int64),
+            "counts": self._n_cnt[node].astype(np.int64),
+            "n": self._n_n[node].astype(np.int64),
+            "lo": np.concatenate(out_lo)[order],
+            "hi": np.concatenate(out_hi)[order],
+        }
 
     # ================================================================== neighbourhood queries
 

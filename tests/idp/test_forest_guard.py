@@ -1,0 +1,147 @@
+"""Soundness of the DaRE forest guard against ALL leave-one-out forests, computed exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_breast_cancer, make_classification
+
+from jobs.idp.forest_guard import NOISE_ALL, SOUND, ForestGuard
+from jobs.learners.dare import DaREForest
+
+
+def _two_d(rng):
+    X = rng.random((160, 2))
+    y = ((X[:, 0] + 0.3 * np.sin(6 * X[:, 1]) > 0.6) ^ (rng.random(160) < 0.1)).astype(int)
+    return X, y
+
+
+def _cancer(rng):
+    X, y = load_breast_cancer(return_X_y=True)
+    idx = rng.permutation(len(y))[:200]
+    X = X[idx]
+    X = (X - X.min(axis=0)) / (X.max(axis=0) - X.min(axis=0) + 1e-12)
+    return X, y[idx]
+
+
+def _three(rng):
+    X, y = make_classification(
+        n_samples=180, n_features=5, n_informative=3, n_redundant=0, n_classes=3,
+        n_clusters_per_class=1, class_sep=1.2, random_state=int(rng.integers(1000)),
+    )  # fmt: skip
+    return X, np.array(["a", "b", "c"])[y]
+
+
+CASES = {
+    # name: (data, n_train, forest params)
+    "2d": (_two_d, 100, dict(n_estimators=15, max_depth=5, k=5, d_rmax=1)),
+    "cancer": (_cancer, 120, dict(n_estimators=15, max_depth=4, k=5)),
+    "3class": (_three, 120, dict(n_estimators=12, max_depth=6, k=5, d_rmax=2)),
+}
+
+
+def _queries(rng, forest, Xtr, n_random=3000):
+    lo, hi = Xtr.min(axis=0), Xtr.max(axis=0)
+    span = hi - lo
+    Q = [lo - 0.1 * span + rng.random((n_random, Xtr.shape[1])) * 1.2 * span, Xtr]
+    L = forest.leaves()
+    thr = [(j, v) for j in range(Xtr.shape[1])
+           for v in np.unique(np.concatenate([L["lo"][:, j], L["hi"][:, j]]))
+           if np.isfinite(v)]  # fmt: skip
+    base = Xtr[rng.integers(len(Xtr), size=len(thr) * 3)]
+    near = base.copy()
+    for i, (j, v) in enumerate(thr):
+        for k, w in enumerate((v, np.nextafter(v, np.inf), np.nextafter(v, -np.inf))):
+            near[3 * i + k, j] = w
+    Q.append(near)
+    return np.concatenate(Q)
+
+
+def _loo_scores(forest, Q):
+    """Scores of every LOO forest in the served class space: (n_records, n_q, C)."""
+    C = forest.n_classes_
+    index = {c: i for i, c in enumerate(forest.classes_.tolist())}
+    out = []
+    for rid in forest.record_ids_.tolist():
+        g = copy.deepcopy(forest)
+        g.delete([rid])
+        s = np.zeros((len(Q), C))
+        s[:, [index[c] for c in g.classes_.tolist()]] = g.scores(Q)
+        out.append(s)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sound_against_all_loo_forests(name):
+    rng = np.random.default_rng(7)
+    make, n_train, params = CASES[name]
+    X, y = make(rng)
+    Xtr, ytr, Xte, yte = X[:n_train], y[:n_train], X[n_train:], y[n_train:]
+    ids = np.array([f"r{i}" for i in range(n_train)])
+    forest = DaREForest(random_state=3, **params).fit(ids, Xtr, ytr)
+    h0 = forest.content_hash()
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    assert forest.content_hash() == h0
+    rep = guard.fit_report
+
+    Q = _queries(rng, forest, Xtr)
+    scores, delta, H = guard.bounds(Q)
+    labels, certain = guard.certain(Q)
+    assert np.array_equal(labels, np.argmax(forest.scores(Q), axis=1))
+    loo = _loo_scores(forest, Q)
+    # delta(q) bounds the true largest change of any class probability
+    true_change = np.abs(loo - scores[None]).max(axis=(0, 2))
+    assert (delta >= true_change - 1e-12).all()
+    # H bounds how far any class gains on any other
+    d = loo - scores[None]
+    gain = (d[:, :, None, :] - d[:, :, :, None]).max(axis=0)
+    assert (gain <= H + 1e-12).all()
+    # every certified query is predicted identically by every LOO forest (argmax ties low)
+    loo_pred = np.argmax(loo, axis=2)
+    agree = (loo_pred == labels[None]).all(axis=0)
+    assert agree[certain].all()
+    # certain implies the weaker "margin > 2 delta" can fail, never the converse
+    top = np.sort(scores, axis=1)
+    margin = top[:, -1] - top[:, -2]
+    assert certain[margin > 2 * delta + guard.tol].all()
+
+    # accuracy at eps = 0 (uncertain answers uniform) vs the plain forest
+    plain = forest.predict(Xte)
+    answered = guard.answer(Xte)
+    _, cte = guard.certain(Xte)
+    assert np.array_equal(answered[cte], plain[cte])
+    print(
+        f"\n[{name}] fit {rep.seconds:.2f}s, {rep.n_records} records x {rep.n_trees} trees, "
+        f"{rep.changed_trees} (record, tree) pairs with changed cells; "
+        f"certain {certain.mean():.3f} of {len(Q)} queries (LOO-stable {agree.mean():.3f}), "
+        f"margin>2delta {np.mean(margin > 2 * delta + guard.tol):.3f}; "
+        f"test: certain {cte.mean():.3f}, acc plain {np.mean(plain == yte):.3f}, "
+        f"acc guarded eps=0 {np.mean(answered == yte):.3f}"
+    )
+
+
+def test_hash_mismatch_is_noise_all_until_refit():
+    rng = np.random.default_rng(1)
+    X, y = _two_d(rng)
+    ids = np.array([f"r{i}" for i in range(60)])
+    forest = DaREForest(n_estimators=8, max_depth=4, k=5, random_state=0).fit(ids, X[:60], y[:60])
+    guard = ForestGuard.fit(forest, epsilon=1.0, random_state=0)
+    assert guard.mode == SOUND
+    Q = rng.random((500, 2))
+    _, c0 = guard.certain(Q)
+    assert c0.any()
+    forest.delete(["r3"])
+    assert guard.mode == NOISE_ALL
+    labels, c1 = guard.certain(Q)
+    assert not c1.any()
+    assert np.array_equal(labels, np.argmax(forest.scores(Q), axis=1))
+    guard.answer(Q[:10])
+    assert guard.guard.sound is False and guard.guard.counts.certain == 0
+    with pytest.raises(RuntimeError):
+        guard.bounds(Q)
+    guard.refit()
+    assert guard.mode == SOUND
+    _, c2 = guard.certain(Q)
+    assert c2.any()
