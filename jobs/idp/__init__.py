@@ -14,5 +14,7 @@
   (one network; SISA's vote rule), the exponential mechanism, the memo;
 * :mod:`jobs.idp.guarded` -- a served network with its bound bound to its hash,
   noise-all without one, and the instant swap to N_{-x} after a deletion;
-* :mod:`jobs.idp.sisa_bounds` -- per-shard LOO sets and bounds for an ensemble.
+* :mod:`jobs.idp.sisa_bounds` -- per-shard LOO sets and bounds for an ensemble;
+* :mod:`jobs.idp.forest_guard` -- the same guard for DaRE forests, from exact
+  leave-one-out forests.
 """
