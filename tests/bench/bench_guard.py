@@ -1,7 +1,7 @@
 """iDP guard benchmark: accuracy through the guard, bounds, access time, tightness, SISA.
 
     python tests/bench/bench_guard.py [--quick] [--data moons,cancer,wine]
-        [--budget S] [--gurobi auto|yes|no] [--no-sisa] [--reps R]
+        [--models mlp,sisa,dare] [--budget S] [--gurobi auto|yes|no] [--no-sisa] [--reps R]
 
 Data (min-max scaled to [0, 1]^d over the whole set; stratified 75/25
 train/test split, seed 0), model = MLP 2 x hidden, SGD lr 0.1, weight decay
@@ -43,6 +43,22 @@ fraction of queries answered as certain under :func:`jobs.idp.guard.sisa_certain
 and under the naive rule "every shard's margin above its bound", and the
 accuracy at eps 0 and 1 under each (mean over ``--reps``).
 
+DaRE forest guard (``model=dare``): same data and split; a
+:class:`~jobs.learners.dare.DaREForest` (full: 50 trees, max_depth 8, k 10, d_rmax 1;
+``--quick``: 20 trees, max_depth 6), record ids = the training ids, random_state 0, and
+:class:`~jobs.idp.forest_guard.ForestGuard` (``bound_s`` = its fit time: one exact
+deletion per record + the tables). ``acc_eps*``: mean over ``--reps`` fresh
+:class:`~jobs.idp.guard.LabelGuard` s installed as ``ForestGuard.guard`` and answered
+through ``ForestGuard.answer``. Every LOO forest F_{-x} is built exactly (deep copy +
+``delete([x])``, all records); ``naive_ms`` = all |D| + 1 forests per query (label iff
+all agree, else the memoised mechanism). Forests have no per-class beta: ``beta`` is the
+median over test queries of the certified threshold 2*delta(q) (delta(q) = the guard's
+bound on the largest change of any class probability under one deletion; the guard's
+pairwise test is at least as tight). ``tightness`` = mean over test queries with a
+nonzero true change of delta(q) / max_{x,c} |p_{-x,c}(q) - p_c(q)| (exact LOO forests).
+``violations`` = queries certified certain where some exact LOO forest predicts a
+different class, over the test split and the uniform access queries (must be 0).
+
 Reference (LUCID Table 1): accuracy decrease 1.4 points at eps 0, 1.1 at
 eps 1; access 0.16 ms per query.
 
@@ -52,11 +68,14 @@ The last lines are, per data set,
 bound_s=... access_ms=... naive_ms=... tightness=t0/t1 violations=0
     RESULT data=... model=sisa shards=5 certain_sisa=... certain_naive=... \
 acc_eps0_sisa=... acc_eps0_naive=... acc=...
+    RESULT data=... model=dare acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=... \
+bound_s=... access_ms=... naive_ms=... tightness=... violations=0
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -70,6 +89,7 @@ from sklearn.model_selection import train_test_split
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from jobs.idp.bab import BoundReport, compute_bounds  # noqa: E402
+from jobs.idp.forest_guard import ForestGuard  # noqa: E402
 from jobs.idp.guard import (  # noqa: E402
     LabelGuard,
     clip_unit,
@@ -81,8 +101,13 @@ from jobs.idp.loo import LOOSet, train_loo  # noqa: E402
 from jobs.idp.search import find_leaking, margins  # noqa: E402
 from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo  # noqa: E402
 from jobs.idp.solvers import gurobi_available  # noqa: E402
+from jobs.learners.dare import DaREForest  # noqa: E402
 
 EPSILONS = (0.0, 0.2, 1.0)
+MODELS = ("mlp", "sisa", "dare")
+#: DaRE forest settings (full, --quick)
+DARE_FULL = dict(n_estimators=50, max_depth=8, k=10, d_rmax=1)
+DARE_QUICK = dict(n_estimators=20, max_depth=6, k=10, d_rmax=1)
 SHARD_BATCH = 4  # shards hold |D|/5 records: smaller batches give them enough SGD steps
 
 
@@ -332,6 +357,115 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
             f"acc={acc:.4f}")
 
 
+class NaiveForestIDP:
+    """Naive iDP for a forest: the served forest and every exact LOO forest on the query;
+    the label iff all agree (argmax, lowest index on ties, in the served class space), else
+    the memoised mechanism."""
+
+    def __init__(self, forest: DaREForest, loo: list[DaREForest], epsilon: float,
+                 random_state: int = 0) -> None:
+        self.forest, self.loo = forest, loo
+        index = {c: i for i, c in enumerate(forest.classes_.tolist())}
+        self.cols = [np.array([index[c] for c in g.classes_.tolist()]) for g in loo]
+        self.guard = LabelGuard(max(2, forest.n_classes_), epsilon, random_state=random_state)
+        self.guard.bind("naive", sound=True)
+
+    def scores(self, X: np.ndarray) -> np.ndarray:
+        """(1 + |D|, n, C) scores: the served forest first, then the LOO forests."""
+        C = self.forest.n_classes_
+        out = np.zeros((1 + len(self.loo), len(X), C))
+        out[0] = self.forest.scores(X)
+        for i, (g, col) in enumerate(zip(self.loo, self.cols, strict=True)):
+            out[1 + i][:, col] = g.scores(X)
+        return out
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        labels = self.scores(X).argmax(2)
+        agree = (labels == labels[0][None, :]).all(0)
+        return self.guard.answer(X, labels[0], agree)
+
+
+def bench_dare(d: Data, args: argparse.Namespace) -> str:
+    params = DARE_QUICK if args.quick else DARE_FULL
+    ids = np.array(d.ids)
+    t0 = time.perf_counter()
+    forest = DaREForest(random_state=0, **params).fit(ids, d.Xtr, d.ytr)
+    train_s = time.perf_counter() - t0
+    C = forest.n_classes_
+    acc = float((forest.predict(d.Xte) == d.yte).mean())
+    print(f"[{d.name}] DaRE {params}; train {train_s:.2f}s; test accuracy {acc:.4f}", flush=True)
+
+    fg = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    rep = fg.fit_report
+    bound_s = rep.seconds
+    print(f"[{d.name}] ForestGuard fit {bound_s:.2f}s: {rep.n_records} deletions, "
+          f"{rep.n_leaves} leaves, {rep.changed_trees} (record, tree) pairs with changed "
+          f"cells, {rep.detail.get('boxes', 0)} boxes", flush=True)
+
+    t0 = time.perf_counter()
+    loo = []
+    for rid in ids.tolist():
+        g = copy.deepcopy(forest)
+        g.delete([rid])
+        loo.append(g)
+    print(f"[{d.name}] {len(loo)} exact LOO forests (copy + delete) "
+          f"{time.perf_counter() - t0:.2f}s", flush=True)
+    naive = NaiveForestIDP(forest, loo, 1.0)
+
+    # accuracy through the guard: fresh LabelGuards answering via ForestGuard.answer
+    labels, cert = fg.certain(d.Xte)
+    accs = {}
+    for eps in EPSILONS:
+        vals = []
+        for r in range(args.reps):
+            fg.guard = LabelGuard(max(2, C), eps, random_state=1000 + r)
+            vals.append(float((fg.answer(d.Xte) == d.yte).mean()))
+        accs[eps] = float(np.mean(vals))
+        print(f"[{d.name}] eps {eps}: guard accuracy {accs[eps]:.4f} (expected "
+              f"{expected_accuracy(labels, cert, d.yte, C, eps):.4f}; {cert.mean():.3f} of "
+              f"test queries certain; drop {100 * (acc - accs[eps]):.2f} points)", flush=True)
+
+    # bounds vs the exact LOO forests at the test queries
+    scores, delta, _ = fg.bounds(d.Xte)
+    loo_s = naive.scores(d.Xte)
+    true = np.abs(loo_s[1:] - loo_s[0][None]).max(axis=(0, 2))
+    if (delta < true - 1e-12).any():
+        print(f"[{d.name}] WARNING: delta below the true change at "
+              f"{int((delta < true - 1e-12).sum())} test queries", flush=True)
+    nz = true > 0
+    tight = f"{float(np.mean(delta[nz] / true[nz])):.4f}" if nz.any() else "n/a"
+    beta = float(np.median(2 * delta))
+
+    # violations: certified queries where some exact LOO forest predicts otherwise
+    rng = np.random.default_rng(5)
+    nq = 200 if args.quick else 1000
+    Q = rng.random((nq, d.Xtr.shape[1]))
+    violations, lines = 0, []
+    for what, X in (("test", d.Xte), ("uniform", Q)):
+        lab, c = fg.certain(X)
+        pred = naive.scores(X).argmax(2)
+        agree = (pred == lab[None]).all(0)
+        v = int((c & ~agree).sum())
+        violations += v
+        lines.append(f"{what}: certain {c.mean():.3f}, LOO-stable {agree.mean():.3f}, "
+                     f"violations {v}")
+    print(f"[{d.name}] " + "; ".join(lines), flush=True)
+
+    # access per query in process (fitted guard; naive on a quarter of the queries)
+    fg.guard = LabelGuard(max(2, C), 1.0, random_state=0)
+    fg.answer(Q[:10])
+    naive.predict(Q[:10])  # warm-up
+    access = median_ms(fg.answer, Q)
+    naive_ms = median_ms(naive.predict, Q[: max(20, nq // 10)])
+    print(f"[{d.name}] access per query: ForestGuard {access:.4f} ms, naive iDP "
+          f"({len(loo) + 1} forests) {naive_ms:.4f} ms; beta (median 2 delta) {beta:.4f}, "
+          f"tightness (mean delta / true) {tight}", flush=True)
+    return (f"RESULT data={d.name} model=dare acc={acc:.4f} acc_eps0={accs[0.0]:.4f} "
+            f"acc_eps02={accs[0.2]:.4f} acc_eps1={accs[1.0]:.4f} beta={beta:.4f} "
+            f"bound_s={bound_s:.1f} access_ms={access:.4f} naive_ms={naive_ms:.4f} "
+            f"tightness={tight} violations={violations}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -340,30 +474,40 @@ def main(argv: list[str] | None = None) -> int:
                     help="bound time budget per network (seconds); default 600 (quick 20)")
     ap.add_argument("--gurobi", choices=["auto", "yes", "no"], default=None,
                     help="also time Gurobi (default: auto; quick: no)")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated subset of mlp,sisa,dare (default: all)")
     ap.add_argument("--no-sisa", action="store_true")
     ap.add_argument("--reps", type=int, default=None, help="guards per accuracy (default 50)")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden width (default: moons 16, cancer 8, wine 8; quick 8)")
     args = ap.parse_args(argv)
+    models = {m for m in args.models.split(",") if m}
+    if models - set(MODELS):
+        ap.error(f"unknown models {sorted(models - set(MODELS))}; choose from {MODELS}")
+    if args.no_sisa:
+        models.discard("sisa")
     torch.set_num_threads(1)
     args.budget = args.budget or (20.0 if args.quick else 600.0)
     args.gurobi = args.gurobi or ("no" if args.quick else "auto")
     args.reps = args.reps or (20 if args.quick else 50)
     hidden_default = {"moons": 16, "cancer": 8, "wine": 8}
     t_start = time.perf_counter()
-    results, sisa_results = [], []
+    results, sisa_results, dare_results = [], [], []
     names = [n for n in args.data.split(",") if n]
     for i, name in enumerate(names):
         d = load(name, args.quick)
         hidden = args.hidden or (8 if args.quick else hidden_default.get(name, 8))
-        line, _acc = bench_mlp(d, args, hidden)
-        results.append(line)
-        if not args.no_sisa and (not args.quick or i == 0):
+        if "mlp" in models:
+            line, _acc = bench_mlp(d, args, hidden)
+            results.append(line)
+        if "sisa" in models and (not args.quick or i == 0):
             sisa_results.append(bench_sisa(d, args, hidden))
+        if "dare" in models:
+            dare_results.append(bench_dare(d, args))
     print(f"total {time.perf_counter() - t_start:.0f}s")
-    for line in results + sisa_results:
+    for line in results + sisa_results + dare_results:
         print(line)
-    bad = [r for r in results if not r.endswith("violations=0")]
+    bad = [r for r in results + dare_results if not r.endswith("violations=0")]
     return 1 if bad else 0
 
 
