@@ -198,13 +198,24 @@ def _tree_bounds(forest: DaREForest):
 
 @dataclass
 class _Boxes:
-    """Pieces of split leaves: leaf row, cell lo < q <= hi, and the change on the piece."""
+    """Pieces of split leaves: leaf row, cell lo < q <= hi, and the change on the piece.
+
+    Sorted by row; `rows`, `start`, `stop` index each row's run so that a query
+    only looks at the pieces of the leaves it reaches.
+    """
 
     row: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     D: np.ndarray
     H: np.ndarray
+
+    def __post_init__(self) -> None:
+        order = np.argsort(self.row, kind="stable")
+        self.row, self.lo, self.hi = self.row[order], self.lo[order], self.hi[order]
+        self.D, self.H = self.D[order], self.H[order]
+        self.rows, self.start = np.unique(self.row, return_index=True)
+        self.stop = np.append(self.start[1:], len(self.row))
 
 
 class ForestGuard:
@@ -224,7 +235,7 @@ class ForestGuard:
         self._tree = self._path = None
         self._D = self._H = None
         self._boxes: _Boxes | None = None
-        self._node_cache: tuple[str, np.ndarray, np.ndarray] | None = None
+        self._node_cache: tuple[int, np.ndarray] | None = None  # (generation, rows)
 
     @classmethod
     def fit(cls, forest: DaREForest, epsilon: float = 1.0, memo_size: int = 100_000,
@@ -253,7 +264,13 @@ class ForestGuard:
     # ---------------------------------------------------------------- binding
 
     def _rows(self) -> np.ndarray | None:
-        """Node id -> row of the tables for the served forest, or None on a hash mismatch."""
+        """Node id -> row of the tables for the served forest, or None on a hash mismatch.
+
+        The forest is re-hashed only when its `generation_` moved since the last check.
+        """
+        if self._node_cache is not None and self._node_cache[0] == self.forest.generation_:
+            self.guard.bind(self.forest_hash, True)  # cheap; also binds a replaced LabelGuard
+            return self._node_cache[1]
         h = self.forest.content_hash()
         if self.forest_hash is None or h != self.forest_hash:
             self.guard.bind(h, False)
@@ -261,15 +278,13 @@ class ForestGuard:
         self.guard.bind(h, True)
         L = self.forest.leaves()
         node = L["node"]
-        if self._node_cache is not None and np.array_equal(self._node_cache[1], node):
-            return self._node_cache[2]
         # equal hashes imply equal (tree, path) leaf lists; pool ids may differ
         if not (np.array_equal(L["tree"], self._tree) and np.array_equal(L["path"], self._path)):
             self.guard.bind(h, False)  # pragma: no cover - defensive
             return None
         rows = np.full(int(node.max()) + 1, -1, dtype=np.int64)
         rows[node] = np.arange(len(node))
-        self._node_cache = (h, node.copy(), rows)
+        self._node_cache = (self.forest.generation_, rows)
         return rows
 
     @property
@@ -289,13 +304,14 @@ class ForestGuard:
             flat = r.ravel()
             order = np.argsort(flat, kind="stable")
             fs = flat[order]
-            for row in np.unique(b.row).tolist():
+            reached = np.unique(fs)
+            k = np.searchsorted(b.rows, reached)
+            k = k[(k < len(b.rows)) & (b.rows[np.minimum(k, len(b.rows) - 1)] == reached)]
+            for j in k.tolist():
+                row, sel = b.rows[j], slice(b.start[j], b.stop[j])
                 lo_i, hi_i = np.searchsorted(fs, [row, row + 1])
-                if lo_i == hi_i:
-                    continue
                 cells = order[lo_i:hi_i]  # flat (t, q) positions in this leaf
                 q = cells % n
-                sel = np.flatnonzero(b.row == row)
                 inside = ((b.lo[sel][None] < Q[q][:, None]) & (Q[q][:, None] <= b.hi[sel][None])
                           ).all(axis=2)  # (m, boxes)
                 dv = np.where(inside, b.D[sel][None], 0.0).max(axis=1)

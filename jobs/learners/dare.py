@@ -82,6 +82,7 @@ the order of updates, memory layout or record slots.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -161,6 +162,10 @@ def _midpoint(v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
         t = np.where(bad, v1, t)
     return t
 
+
+# Process-wide: `generation_` names the forest's current state, so a guard can tell
+# cheaply that the forest it certified has not changed since (no re-hashing per query).
+_GENERATIONS = itertools.count(1)
 
 _XLOGX: list[np.ndarray] = [np.zeros(1)]
 
@@ -924,6 +929,7 @@ class DaREForest(Learner, BaseEstimator):
         )  # fmt: skip
         self._build_trees(np.arange(self._T))
         self._trim_pools()
+        self.generation_ = next(_GENERATIONS)
         return self
 
     def _build_trees(self, trees: np.ndarray) -> None:
@@ -1334,6 +1340,7 @@ class DaREForest(Learner, BaseEstimator):
     # ================================================================== public updates
 
     def _report(self, op, rids, t0, stats) -> UpdateReport:
+        self.generation_ = next(_GENERATIONS)
         return UpdateReport(
             op=op, record_ids=list(rids.tolist()), guarantee=self.guarantee,
             seconds=time.perf_counter() - t0, retrained=dict(stats),
@@ -1734,4 +1741,5 @@ class DaREForest(Learner, BaseEstimator):
         if got != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch after loading ({got} != "
                              f"{meta['content_hash']})")
+        self.generation_ = next(_GENERATIONS)
         return self

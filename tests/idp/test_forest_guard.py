@@ -6,7 +6,7 @@ import copy
 
 import numpy as np
 import pytest
-from sklearn.datasets import load_breast_cancer, make_classification
+from sklearn.datasets import load_breast_cancer, make_classification, make_moons
 
 from jobs.idp.forest_guard import NOISE_ALL, SOUND, ForestGuard
 from jobs.learners.dare import DaREForest
@@ -145,3 +145,20 @@ def test_hash_mismatch_is_noise_all_until_refit():
     assert guard.mode == SOUND
     _, c2 = guard.certain(Q)
     assert c2.any()
+
+
+def test_guard_notices_every_change_without_rehashing_each_query() -> None:
+    """The generation check is what makes serving cheap; it must still see a deletion."""
+    X, y = make_moons(60, noise=0.2, random_state=0)
+    X = (X - X.min(0)) / (X.max(0) - X.min(0))
+    ids = [f"m{i}" for i in range(60)]
+    forest = DaREForest(n_estimators=5, max_depth=4, k=5, random_state=0).fit(ids, X, y)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    assert guard.mode == SOUND
+    before = forest.generation_
+    forest.delete(["m3"])
+    assert forest.generation_ != before
+    assert guard.mode == NOISE_ALL
+    assert not guard.certain(X)[1].any()
+    guard.refit()
+    assert guard.mode == SOUND and np.isfinite(guard.bounds(X)[1]).all()
