@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Container
+import json
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -160,6 +161,34 @@ def ids_to_add(ids: Any, live: Container[str]) -> np.ndarray:
     if clash:
         raise DuplicateRecordError(f"record id(s) already in the model: {clash[:5]}")
     return rids
+
+
+META_FILE = "meta.json"
+
+
+def write_bundle(path: str | Path, meta: dict[str, Any], payload_name: str,
+                 write_payload: Callable[[BinaryIO], None]) -> None:
+    """Write a model directory: the payload, then `meta.json`, each via a temp file.
+
+    Each file appears whole or not at all, and `meta.json` (which names the content
+    hash) is replaced last.
+    """
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    tmp_payload, tmp_meta = p / (payload_name + ".tmp"), p / (META_FILE + ".tmp")
+    with open(tmp_payload, "wb") as fh:
+        write_payload(fh)
+    tmp_meta.write_text(json.dumps(meta, indent=1))
+    tmp_payload.replace(p / payload_name)
+    tmp_meta.replace(p / META_FILE)
+
+
+def read_bundle_meta(path: str | Path, fmt: str, what: str) -> dict[str, Any]:
+    """`meta.json` of a model directory, refusing one written for another format."""
+    meta = json.loads((Path(path) / META_FILE).read_text())
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path} is not a {what} bundle ({meta.get('format')!r})")
+    return meta
 
 
 def hash_arrays(*arrays: np.ndarray) -> str:

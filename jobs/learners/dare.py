@@ -100,12 +100,13 @@ from jobs.learners.base import (
     VerifyReport,
     ids_to_add,
     ids_to_delete,
+    read_bundle_meta,
     unique_ids,
+    write_bundle,
 )
 from jobs.learners.keyed import prf_u64
 
 FORMAT = "obliviate.dare/1"
-_META = "meta.json"
 _ARRAYS = "arrays.npz"
 
 # ----------------------------------------------------------------------------- keyed mixing
@@ -1680,7 +1681,6 @@ class DaREForest(Learner, BaseEstimator):
         """Write ``path/meta.json`` (JSON) and ``path/arrays.npz`` (plain arrays, no pickle)."""
         self._check_fitted()
         p = Path(path)
-        p.mkdir(parents=True, exist_ok=True)
         arrays = {name.lstrip("_"): getattr(self, name) for name in self._SAVED}
         arrays["X"] = self._X[:, : self._nrec]
         arrays["ids"] = np.array(self._ids[: self._nrec].tolist(), dtype=str)
@@ -1695,20 +1695,13 @@ class DaREForest(Learner, BaseEstimator):
             "scalars": {name: int(getattr(self, name)) for name in self._SCALARS},
             "content_hash": self.content_hash(),
         }  # fmt: skip
-        tmp_a = p / (_ARRAYS + ".tmp.npz")
-        tmp_m = p / (_META + ".tmp")
-        np.savez(tmp_a, **arrays)
-        tmp_m.write_text(json.dumps(meta, indent=1))
-        tmp_a.replace(p / _ARRAYS)
-        tmp_m.replace(p / _META)
+        write_bundle(p, meta, _ARRAYS, lambda fh: np.savez(fh, **arrays))
 
     @classmethod
     def load(cls, path: str | Path) -> DaREForest:
         """Read a bundle written by :meth:`save`; checks its content hash."""
         p = Path(path)
-        meta = json.loads((p / _META).read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{p} is not a DaRE bundle ({meta.get('format')!r})")
+        meta = read_bundle_meta(p, FORMAT, "DaRE")
         self = cls(**meta["params"])
         self._validate_params()
         with np.load(p / _ARRAYS, allow_pickle=False) as z:

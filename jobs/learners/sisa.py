@@ -99,7 +99,9 @@ from jobs.learners.base import (
     as_ids,
     ids_to_add,
     ids_to_delete,
+    read_bundle_meta,
     unique_ids,
+    write_bundle,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many
 from jobs.learners.nets import (
@@ -115,7 +117,6 @@ from jobs.learners.nets import (
 )
 
 FORMAT = "obliviate.sisa/1"
-_META = "meta.json"
 _STATE = "state.pt"
 
 State = dict[str, torch.Tensor]
@@ -713,7 +714,6 @@ class SISAEnsemble(Learner, BaseEstimator):
         """Write ``path/meta.json`` (JSON) and ``path/state.pt`` (tensors only)."""
         self._check_fitted()
         p = Path(path)
-        p.mkdir(parents=True, exist_ok=True)
         params = self.get_params(deep=False)
         params["hidden"] = list(params["hidden"])
         if params["classes"] is not None:
@@ -736,20 +736,13 @@ class SISAEnsemble(Learner, BaseEstimator):
             "added": torch.from_numpy(self.added_),
             "checkpoints": self.checkpoints_,
         }
-        tmp_state = p / (_STATE + ".tmp")
-        tmp_meta = p / (_META + ".tmp")
-        torch.save(state, tmp_state)
-        tmp_meta.write_text(json.dumps(meta, indent=1))
-        tmp_state.replace(p / _STATE)
-        tmp_meta.replace(p / _META)
+        write_bundle(p, meta, _STATE, lambda fh: torch.save(state, fh))
 
     @classmethod
     def load(cls, path: str | Path) -> SISAEnsemble:
         """Read a bundle written by :meth:`save`; checks the content hash."""
         p = Path(path)
-        meta = json.loads((p / _META).read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{p} is not a SISA bundle ({meta.get('format')!r})")
+        meta = read_bundle_meta(p, FORMAT, "SISA")
         state = torch.load(p / _STATE, map_location="cpu", weights_only=True)
         params = dict(meta["params"])
         params["hidden"] = tuple(params["hidden"])
