@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from jobs.idp.guard import LabelGuard
+from jobs.learners.base import check_features
 from jobs.learners.dare import DaREForest
 
 SOUND = "sound"
@@ -328,14 +329,14 @@ class ForestGuard:
         rows = self._rows()
         if rows is None:
             raise RuntimeError("the forest changed since the guard was fitted; call refit()")
-        Q = DaREForest._check_X(X, None, self.forest.n_features_)
+        Q = check_features(X, None, self.forest.n_features_)
         Dq, Hq = self._per_tree(Q, rows)
         return self.forest.scores(Q), Dq.mean(axis=0), Hq.mean(axis=0)
 
     def certain(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         """Predicted class index (lowest on ties) and whether every LOO forest agrees."""
         rows = self._rows()
-        Q = DaREForest._check_X(X, None, self.forest.n_features_)
+        Q = check_features(X, None, self.forest.n_features_)
         scores = self.forest.scores(Q)
         n, C = scores.shape
         labels = np.argmax(scores, axis=1)

@@ -136,6 +136,31 @@ def duplicate_ids(ids: np.ndarray) -> list[str]:
     return dup
 
 
+def check_features(X: Any, n: int | None, d: int | None,
+                   dtype: type[np.floating] = np.float64) -> np.ndarray:
+    """X as a finite, C-ordered 2-D `dtype` array with n rows and d columns (when given).
+
+    Finiteness is checked after the conversion, so values beyond float32 are refused
+    too; -0.0 becomes 0.0 so equal inputs have equal bytes.
+    """
+    try:
+        arr = np.asarray(X, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"X must be a numeric 2-D array: {exc}") from None
+    if arr.ndim != 2:
+        raise ValueError(f"X must be 2-D (n_samples, n_features), got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"X has {arr.shape[0]} rows but {n} record ids were given")
+    if d is not None and arr.shape[1] != d:
+        raise ValueError(f"X has {arr.shape[1]} features, the model expects {d}")
+    out = arr.astype(dtype, copy=False)
+    if not np.isfinite(out).all():
+        bad = int((~np.isfinite(out)).any(axis=1).sum())
+        raise ValueError(f"X contains NaN or infinite values (as {np.dtype(dtype).name}) "
+                         f"in {bad} row(s)")
+    return np.ascontiguousarray(out) + dtype(0.0)
+
+
 def unique_ids(ids: Any) -> np.ndarray:
     """`as_ids`, refusing an id named twice."""
     rids = as_ids(ids)

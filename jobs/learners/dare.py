@@ -98,6 +98,7 @@ from jobs.learners.base import (
     Learner,
     UpdateReport,
     VerifyReport,
+    check_features,
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
@@ -273,22 +274,6 @@ class DaREForest(Learner, BaseEstimator):
         if not hasattr(self, "classes_"):
             raise NotFittedError("this DaREForest is not fitted yet; call fit() first")
 
-    @staticmethod
-    def _check_X(X: Any, n: int | None, d: int | None) -> np.ndarray:
-        try:
-            arr = np.asarray(X, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"X must be a numeric 2-D array: {exc}") from None
-        if arr.ndim != 2:
-            raise ValueError(f"X must be 2-D (n_samples, n_features), got shape {arr.shape}")
-        if n is not None and arr.shape[0] != n:
-            raise ValueError(f"X has {arr.shape[0]} rows but {n} record ids were given")
-        if d is not None and arr.shape[1] != d:
-            raise ValueError(f"X has {arr.shape[1]} features, the model expects {d}")
-        if not np.isfinite(arr).all():
-            bad = int((~np.isfinite(arr)).any(axis=1).sum())
-            raise ValueError(f"X contains NaN or infinite values in {bad} row(s)")
-        return np.ascontiguousarray(arr) + 0.0  # + 0.0 turns -0.0 into 0.0
 
     @staticmethod
     def _check_y(y: Any, n: int) -> np.ndarray:
@@ -907,7 +892,7 @@ class DaREForest(Learner, BaseEstimator):
         rids = unique_ids(ids)
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
-        Xa = self._check_X(X, len(rids), None)
+        Xa = check_features(X, len(rids), None)
         ya = self._check_y(y, len(rids))
         self.classes_, yi = np.unique(ya, return_inverse=True)
         self.n_features_ = int(Xa.shape[1])
@@ -966,7 +951,7 @@ class DaREForest(Learner, BaseEstimator):
     def scores(self, X: Any) -> np.ndarray:
         """Mean over trees of the leaf class frequencies, shape (n, n_classes)."""
         self._check_fitted()
-        Xq = self._check_X(X, None, self.n_features_)
+        Xq = check_features(X, None, self.n_features_)
         C = len(self.classes_)
         out = np.zeros((Xq.shape[0], C))
         step = max(1, 100_000 // max(1, Xq.shape[0]))
@@ -984,7 +969,7 @@ class DaREForest(Learner, BaseEstimator):
         Node ids index the rows of :meth:`leaves` (``leaves()["node"]``); they are pool slots,
         valid only until the forest is next updated."""
         self._check_fitted()
-        Xq = self._check_X(X, None, self.n_features_)
+        Xq = check_features(X, None, self.n_features_)
         return self._leaf_of(Xq, np.arange(self._T)).astype(np.int64)
 
     def leaves(self) -> dict[str, np.ndarray]:
@@ -1390,7 +1375,7 @@ class DaREForest(Learner, BaseEstimator):
         self._check_fitted()
         t0 = time.perf_counter()
         rids = ids_to_add(ids, self._slot)
-        Xa = self._check_X(X, len(rids), self.n_features_)
+        Xa = check_features(X, len(rids), self.n_features_)
         ya = self._check_y(y, len(rids))
         try:
             np.union1d(self.classes_, ya)

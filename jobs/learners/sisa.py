@@ -97,6 +97,7 @@ from jobs.learners.base import (
     UpdateReport,
     VerifyReport,
     as_ids,
+    check_features,
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
@@ -243,24 +244,6 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     # ------------------------------------------------------------------ input checks
 
-    def _check_X(self, X: Any, n: int | None, d: int | None) -> np.ndarray:
-        try:
-            arr = np.asarray(X, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"X must be a numeric 2-D array: {exc}") from None
-        if arr.ndim != 2:
-            raise ValueError(f"X must be 2-D (n_samples, n_features), got shape {arr.shape}")
-        if n is not None and arr.shape[0] != n:
-            raise ValueError(f"X has {arr.shape[0]} rows but {n} record ids were given")
-        if d is not None and arr.shape[1] != d:
-            raise ValueError(f"X has {arr.shape[1]} features, the model expects {d}")
-        out = arr.astype(np.float32)
-        if not np.isfinite(out).all():
-            bad = int((~np.isfinite(out)).any(axis=1).sum())
-            raise ValueError(
-                f"X contains NaN or infinite values (or values beyond float32) in {bad} row(s)"
-            )
-        return np.ascontiguousarray(out)
 
     def _encode_y(self, y: Any, n: int) -> np.ndarray:
         arr = np.asarray(y)
@@ -424,7 +407,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         rids = unique_ids(ids)
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
-        Xa = self._check_X(X, len(rids), None)
+        Xa = check_features(X, len(rids), None, dtype=np.float32)
         if cfg["model"] == "cnn":
             build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # raises if not a square image
         yarr = np.asarray(y)
@@ -532,7 +515,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         self._check_fitted()
         t0 = time.perf_counter()
         rids = ids_to_add(ids, self._row)
-        Xa = self._check_X(X, len(rids), self.n_features_in_)
+        Xa = check_features(X, len(rids), self.n_features_in_, dtype=np.float32)
         yi = self._encode_y(y, len(rids))
         if len(rids) == 0:
             return self._report("add", rids, t0, {}, self._data(), 0.0)
@@ -576,7 +559,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         ``X`` is used as given (no clipping; the service clips to [0, 1]^d).
         """
         self._check_fitted()
-        Xa = self._check_X(X, None, self.n_features_in_)
+        Xa = check_features(X, None, self.n_features_in_, dtype=np.float32)
         xt = torch.from_numpy(Xa).to(self.device_)
         with self._threads(), deterministic(), torch.inference_mode():
             out = [net(xt).float().cpu().numpy() for net in self._nets]
