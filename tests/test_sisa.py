@@ -489,3 +489,84 @@ def test_cnn_on_small_digits_subset():
     assert m.verify().exact
     with pytest.raises(ValueError, match="square"):
         SISAEnsemble(model="cnn", device="cpu").fit(["a"], [[0.0, 0.1, 0.2]], [0])
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def test_schedule_resolution_and_validation():
+    ids, X, y = _pool(40)
+    one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(ids, X, y)
+    assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.1
+    assert one.config_["weight_decay"] == 1e-5
+    sliced = SISAEnsemble(
+        n_shards=2, n_slices=2, hidden=(8,), epochs_per_slice=1, device="cpu"
+    ).fit(ids, X, y)
+    assert sliced.config_["schedule"] == "adam" and sliced.config_["lr"] == 0.01
+    adam = _model(n_shards=2, schedule="adam").fit(ids, X, y)
+    assert adam.config_["schedule"] == "adam" and adam.config_["lr"] == 0.05
+    assert adam.content_hash() != _model(n_shards=2).fit(ids, X, y).content_hash()
+    assert adam.verify().exact
+    with pytest.raises(ValueError, match="schedule"):
+        _model(schedule="sgd").fit(ids, X, y)
+    with pytest.raises(ValueError, match="n_slices=1"):
+        _model(schedule="loo", n_slices=2).fit(ids, X, y)
+    with pytest.raises(ValueError, match="weight_decay"):
+        _model(weight_decay=-1.0).fit(ids, X, y)
+
+
+def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
+    """schedule="loo": shard s is jobs.idp.loo.train_single on its live records with
+    shard_training_args(s); the batch count follows the live shard size, so a deletion
+    that changes it still equals a fresh fit on the live set."""
+    from jobs.idp.loo import train_single
+    from jobs.learners.nets import mlp_state, states_equal
+
+    ids, X, y = _pool(90)
+    m = _model(n_shards=3, classes=(0, 1, 2)).fit(ids, X, y)
+    for s in range(3):
+        rid, Xs, ys = m.shard_records(s)
+        p = train_single(Xs, ys, rid, **m.shard_training_args(s))
+        assert states_equal(mlp_state(p.weights, p.biases), m.shard_state(s))
+    # delete records until some shard's batch count B = ceil(n_s / 8) drops
+    sizes = m.shard_sizes_
+    s = int(np.argmax(sizes % 8 == 1)) if (sizes % 8 == 1).any() else 0
+    victims = m.shard_records(s)[0][: (int(sizes[s]) - 1) % 8 + 1]
+    B0 = m.shard_training_args(s)["n_batches"]
+    m.delete(victims)
+    assert m.shard_training_args(s)["n_batches"] == B0 - 1
+    keep = [i for i in range(90) if ids[i] not in set(victims)]
+    fresh = _model(n_shards=3, classes=(0, 1, 2)).fit(ids[keep], X[keep], y[keep])
+    assert fresh.content_hash() == m.content_hash()
+    assert m.verify().exact
+    with pytest.raises(ValueError, match="schedule"):
+        _model(n_slices=2).fit(ids, X, y).shard_training_args(0)
+
+
+def test_loo_schedule_empty_shard_keeps_its_initialisation():
+    ids, X, y = _pool(30)
+    m = _model(n_shards=3).fit(ids, X, y)
+    shards, _ = m.locate(ids)
+    m.delete(ids[shards == 2])
+    init = hash_state(state_to_cpu(init_net(build_net("mlp", 5, 3, (8,)), prf_u64(0, "init", 2))))
+    assert m.shard_hash(2) == init and not m.active_shards_[2]
+    assert m.verify().exact
+
+
+def test_bundle_without_schedule_loads_as_adam(tmp_path):
+    """Bundles written before schedules existed were trained with Adam."""
+    ids, X, y = _pool(40)
+    m = _model(n_shards=2, schedule="adam", weight_decay=0.0).fit(ids, X, y)
+    m.save(tmp_path / "m")
+    meta_path = tmp_path / "m" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key in ("schedule", "weight_decay"):
+        meta["config"].pop(key)
+        meta["params"].pop(key)
+    meta["params"]["lr"] = 0.05
+    meta_path.write_text(json.dumps(meta))
+    m2 = SISAEnsemble.load(tmp_path / "m")
+    assert m2.config_["schedule"] == "adam" and m2.schedule == "adam"
+    assert m2.content_hash() == m.content_hash()
+    m2.delete(ids[:2])
+    assert m2.verify().exact

@@ -1,6 +1,19 @@
 """Per-shard LOO sets and bounds for a sharded MLP ensemble, and its certainty rules.
 
-The ensemble: ``S`` shards, record ``r`` in shard ``prf_u64(seed, "shard", r) % S``
+For the SERVED ensemble (:class:`jobs.learners.sisa.SISAEnsemble` with
+``model="mlp", n_slices=1``, whose shards train with the masked LOO schedule,
+``schedule="loo"``): :func:`ensemble_loo_set` rebuilds shard ``s``'s LOO set from
+the ensemble's own records and training arguments -- index 0 is bit for bit the
+served shard network (checked), index ``1 + j`` bit for bit the shard after
+``ensemble.delete([ids[j]])`` -- and :func:`shard_bounds` turns those into the
+``(S, C)`` per-shard bounds ``beta_s`` that :func:`jobs.idp.guard.sisa_certain`
+takes, recomputing only the shards it is given (after a deletion or addition:
+the one shard it touched). Sliced ensembles (``n_slices > 1``) train with Adam
+stages, not the LOO schedule: they get no per-shard bounds (use ``+inf``, the
+bound-free vote rule, which is sound because one record lives in one shard).
+
+Stand-alone (benchmarks, soundness tests), :func:`train_sharded_loo` trains
+its own one-slice ensemble: ``S`` shards, record ``r`` in shard ``prf_u64(seed, "shard", r) % S``
 (as :mod:`jobs.learners.sisa` assigns shards); shard ``s``'s model is the full
 network of :func:`jobs.idp.loo.train_loo` on the shard's records, so the same
 call also gives every single-deletion model of that shard. The ensemble
@@ -25,14 +38,19 @@ Both are sound; the SISA rule answers more queries without noise.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import sisa_certain, top_margin, vote_winner
-from jobs.idp.loo import LOOSet, train_loo
+from jobs.idp.loo import LOOSet, train_loo, train_single
 from jobs.learners.keyed import prf_u64
+from jobs.learners.nets import mlp_state, states_equal
+
+if TYPE_CHECKING:
+    from jobs.learners.sisa import SISAEnsemble
 
 
 def shard_seed(seed: int, shard: int) -> int:
@@ -139,5 +157,117 @@ def compute_shard_bounds(sharded: ShardedLOO, time_budget_s: float, solver: str 
     return reports
 
 
-__all__ = ["ShardedLOO", "compute_shard_bounds", "naive_certain", "shard_of", "shard_seed",
+# --------------------------------------------------------------------------- served ensemble
+
+
+class ShardMismatchError(RuntimeError):
+    """The rebuilt LOO set's base network is not the served shard network (bounds for it
+    would not be sound for what is served)."""
+
+
+def ensemble_loo_set(ensemble: SISAEnsemble, s: int, *, chunk_size: int = 512,
+                     check: bool = True) -> LOOSet | None:
+    """Shard ``s``'s LOO set for a fitted ``schedule="loo"`` :class:`SISAEnsemble`.
+
+    Network 0 is the served shard network; network ``1 + j`` is the shard model
+    after deleting ``record_ids[j]`` -- both bit for bit (same device type, torch
+    build, CPU capability and thread count). ``None`` for an empty shard.
+
+    The shard trains with ``B = ceil(n_s / batch_size)`` batches (a function of
+    its live set), so its single-deletion models use ``B' = ceil((n_s - 1) /
+    batch_size)``. When ``B' == B`` one :func:`train_loo` call gives all of them;
+    otherwise the LOO networks come from :func:`train_loo` with ``B'`` and network
+    0 from :func:`train_single` with ``B`` (``meta["loo_n_batches"]`` records
+    ``B'``; ``config.n_batches`` is ``B``). With ``check`` (default), network 0 is
+    compared with the served weights and :class:`ShardMismatchError` raised if
+    they differ.
+    """
+    s = int(s)
+    ids, X, y = ensemble.shard_records(s)
+    if not ids:
+        return None
+    kw = ensemble.shard_training_args(s)
+    kw_loo = ensemble.shard_training_args(s, len(ids) - 1)
+    classes = ensemble.classes_
+    if kw["n_batches"] == kw_loo["n_batches"]:
+        loo = train_loo(X, y, ids, chunk_size=chunk_size, classes=classes, **kw)
+    else:
+        loo = train_loo(X, y, ids, chunk_size=chunk_size, classes=classes, **kw_loo)
+        base = train_single(X, y, ids, **kw)
+        for W, Wb in zip(loo.weights, base.weights, strict=True):
+            W[0] = Wb
+        for b, bb in zip(loo.biases, base.biases, strict=True):
+            b[0] = bb
+        loo.config = replace(loo.config, n_batches=int(kw["n_batches"]))
+    loo.meta.update(shard=s, loo_n_batches=int(kw_loo["n_batches"]),
+                    ensemble_seed=str(ensemble.seed_))
+    if check:
+        full = loo.full()
+        if not states_equal(mlp_state(full.weights, full.biases), ensemble.shard_state(s)):
+            raise ShardMismatchError(
+                f"shard {s}: the rebuilt LOO base network differs from the served shard "
+                "network (different platform, thread count or torch build?)")
+    return loo
+
+
+def shard_bound_reports(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,
+                        time_budget_s: float = 60.0, solver: str = "highs",
+                        chunk_size: int = 512, **bound_kwargs: Any
+                        ) -> dict[int, BoundReport | None]:
+    """:func:`compute_bounds` on :func:`ensemble_loo_set` for each listed shard (default:
+    all), ``time_budget_s`` EACH. ``None`` for a shard with at most one record: deleting
+    its record removes its vote, which the vote rule covers only with ``beta = +inf``."""
+    sizes = ensemble.shard_sizes_  # NotFittedError for an unfitted ensemble
+    S = len(sizes)
+    todo = range(S) if shards is None else sorted({int(s) for s in shards})
+    out: dict[int, BoundReport | None] = {}
+    for s in todo:
+        if not 0 <= s < S:
+            raise ValueError(f"shard index {s} out of range 0..{S - 1}")
+        if sizes[s] <= 1:
+            out[s] = None
+            continue
+        loo = ensemble_loo_set(ensemble, s, chunk_size=chunk_size)
+        assert loo is not None
+        out[s] = compute_bounds(loo, time_budget_s, solver, **bound_kwargs)
+    return out
+
+
+def shard_bounds(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,
+                 betas: np.ndarray | None = None, time_budget_s: float = 60.0,
+                 solver: str = "highs", reports: dict[int, BoundReport | None] | None = None,
+                 chunk_size: int = 512, **bound_kwargs: Any) -> np.ndarray:
+    """Sound per-shard serving bounds ``(S, C)`` for a fitted ``schedule="loo"`` ensemble.
+
+    Recomputes the listed ``shards`` (default: all) from their own LOO sets (dual
+    bounds, ``max(beta, 0)``, ``time_budget_s`` per shard); every other row is copied
+    from ``betas`` (the previous bounds: after a deletion or an addition pass only the
+    touched shard, whose old row is no longer sound) or is ``+inf`` when ``betas`` is
+    None. Shards with at most one record get ``+inf``. ``reports``, when a dict, is
+    filled with the :class:`BoundReport` of each recomputed shard (for manifests).
+    Feed the result to ``sisa_certain(ensemble.shard_logits(X), betas,
+    ensemble.active_shards_)``.
+    """
+    S, C = len(ensemble.shard_sizes_), len(ensemble.classes_)
+    if betas is None:
+        out = np.full((S, C), np.inf)
+    else:
+        out = np.array(betas, dtype=np.float64, copy=True)
+        if out.shape != (S, C):
+            raise ValueError(f"betas must have shape {(S, C)}, got {out.shape}")
+    got = shard_bound_reports(ensemble, shards, time_budget_s=time_budget_s, solver=solver,
+                              chunk_size=chunk_size, **bound_kwargs)
+    for s, rep in got.items():
+        if rep is None:
+            out[s] = np.inf
+        else:
+            sb = rep.serving_beta()
+            out[s] = [sb.get(c, np.inf) for c in range(C)]
+    if reports is not None:
+        reports.update(got)
+    return out
+
+
+__all__ = ["ShardMismatchError", "ShardedLOO", "compute_shard_bounds", "ensemble_loo_set",
+           "naive_certain", "shard_bound_reports", "shard_bounds", "shard_of", "shard_seed",
            "train_sharded_loo"]

@@ -275,6 +275,18 @@ def state_to_cpu(net: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in net.state_dict().items()}
 
 
+def mlp_state(
+    weights: Sequence[np.ndarray], biases: Sequence[np.ndarray]
+) -> dict[str, torch.Tensor]:
+    """The :class:`MLP` state dict holding these float32 weights ``[(out, in)]`` and
+    biases ``[(out,)]`` (copies, bit for bit; layer ``l`` is ``net.{2 l}``)."""
+    state: dict[str, torch.Tensor] = {}
+    for i, (W, b) in enumerate(zip(weights, biases, strict=True)):
+        state[f"net.{2 * i}.weight"] = torch.from_numpy(np.array(W, dtype=np.float32, copy=True))
+        state[f"net.{2 * i}.bias"] = torch.from_numpy(np.array(b, dtype=np.float32, copy=True))
+    return state
+
+
 def hash_state(state: dict[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of a state dict, bit for bit."""
     h = hashlib.sha256()

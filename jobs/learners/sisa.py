@@ -19,15 +19,39 @@ arrival order enter ``T``:
   set ``{(id, x, y)}`` alone (an addition then retrains from its keyed slice,
   which costs more);
 * shard ``s`` starts from weights drawn from ``prf(seed, "init", s)`` alone;
-  stage ``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
-  ``epochs_per_slice`` epochs, starting from the checkpoint after stage
-  ``r - 1``, with a fresh Adam optimiser; a checkpoint (state dict) is kept
-  after every stage; the served model of shard ``s`` is its last checkpoint;
-* within a stage, epoch ``e``: a record's mini-batch is a keyed hash of
-  ``(seed, s, r, e, id)`` mod ``B``, ``B = max(1, ceil(n / batch_size))``
-  with ``n`` the stage's record count; records within a batch in key order;
-  empty batches are skipped (see :mod:`jobs.learners.nets`);
+  how it trains is the ``schedule`` (below); the served model of shard ``s``
+  is its last checkpoint;
 * float32, deterministic kernels, a fixed CPU thread count (``cpu_threads``).
+
+Two training schedules
+----------------------
+``schedule="loo"`` (the default for ``model="mlp", n_slices=1``, the
+configuration the sidecar serves): shard ``s`` is trained by the masked
+leave-one-out kernel of :mod:`jobs.idp.loo` -- :func:`jobs.idp.loo.train_single`
+on the shard's live records with ``seed = prf(seed, "init", s)`` (the same
+initialisation), per-epoch batch ``mix64(prf(seed_s, "loo-batch", id) ^
+prf(seed_s, "loo-epoch", e)) mod B``, ``B = max(1, ceil(n_s / batch_size))``
+(``n_s`` the shard's live record count), plain SGD with ``lr`` and
+``weight_decay``, ``epochs_per_slice`` epochs, the padded batched kernels.
+Hence the shard network is bit for bit the base network ``N`` of
+``train_loo`` on the shard's records with those arguments
+(:meth:`SISAEnsemble.shard_training_args`), and ``train_loo``'s ``N_{-x}``
+with ``B = ceil((n_s - 1) / batch_size)`` is bit for bit the shard after
+``delete([x])``: that is what lets :func:`jobs.idp.sisa_bounds.shard_bounds`
+compute per-shard LUCID bounds for the SERVED ensemble. One checkpoint per
+shard (``R = 1``).
+
+``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
+``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
+``epochs_per_slice`` epochs, starting from the checkpoint after stage
+``r - 1``, with a fresh Adam optimiser (``lr``; no weight decay); a checkpoint
+(state dict) is kept after every stage; within a stage, epoch ``e``: a
+record's mini-batch is a keyed hash of ``(seed, s, r, e, id)`` mod ``B``,
+``B = max(1, ceil(n / batch_size))`` with ``n`` the stage's record count;
+records within a batch in key order; empty batches are skipped (see
+:mod:`jobs.learners.nets`). Such ensembles are exact and verifiable too, but
+per-shard bounds need the ``"loo"`` schedule (so ``n_slices=1``); the guard
+serves them with the bound-free vote rule (every shard fragile).
 
 What "retrain from scratch" means
 ---------------------------------
@@ -91,6 +115,7 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
+from jobs.idp.loo import train_single
 from jobs.learners.base import (
     Learner,
     UnknownRecordError,
@@ -110,6 +135,8 @@ from jobs.learners.nets import (
     deterministic,
     hash_state,
     init_net,
+    mlp_state,
+    n_batches,
     resolve_device,
     state_to_cpu,
     states_equal,
@@ -141,8 +168,16 @@ class SISAEnsemble(Learner, BaseEstimator):
         Epochs of each stage (stage r trains on slices 0..r).
     batch_size : int
         Target mini-batch size; batches per epoch ``B = ceil(n / batch_size)``.
-    lr : float
-        Adam learning rate (a fresh optimiser per stage).
+    lr : float or None
+        Learning rate: of SGD (``schedule="loo"``; ``None`` -> 0.1, LUCID's) or
+        of Adam (``schedule="adam"``, a fresh optimiser per stage; ``None`` -> 0.01).
+    weight_decay : float
+        SGD weight decay of the ``"loo"`` schedule (``p <- p - lr (g + wd p)``);
+        the ``"adam"`` schedule has none and ignores it.
+    schedule : {"auto", "loo", "adam"}
+        How shards train (module docstring). ``"auto"``: ``"loo"`` for
+        ``model="mlp"`` with ``n_slices=1`` (per-shard bounds possible),
+        ``"adam"`` otherwise. ``"loo"`` needs ``model="mlp"`` and ``n_slices=1``.
     aggregation : {"vote", "mean"}
         Majority vote of shard labels (ties -> lowest class index) or mean of
         shard softmax outputs.
@@ -172,7 +207,9 @@ class SISAEnsemble(Learner, BaseEstimator):
         hidden: Sequence[int] = (64,),
         epochs_per_slice: int = 20,
         batch_size: int = 32,
-        lr: float = 1e-2,
+        lr: float | None = None,
+        weight_decay: float = 1e-5,
+        schedule: str = "auto",
         aggregation: str = "vote",
         add_slice: str = "last",
         classes: Sequence[Any] | None = None,
@@ -187,6 +224,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.epochs_per_slice = epochs_per_slice
         self.batch_size = batch_size
         self.lr = lr
+        self.weight_decay = weight_decay
+        self.schedule = schedule
         self.aggregation = aggregation
         self.add_slice = add_slice
         self.classes = classes
@@ -209,18 +248,31 @@ class SISAEnsemble(Learner, BaseEstimator):
         if self.add_slice not in ("last", "keyed"):
             raise ValueError(f"add_slice must be 'last' or 'keyed', got {self.add_slice!r}")
         hidden = tuple(pos_int("hidden[*]", h) for h in self.hidden)
-        lr = float(self.lr)
+        n_slices = pos_int("n_slices", self.n_slices)
+        if self.schedule not in ("auto", "loo", "adam"):
+            raise ValueError(f"schedule must be 'auto', 'loo' or 'adam', got {self.schedule!r}")
+        schedule = self.schedule
+        if schedule == "auto":
+            schedule = "loo" if self.model == "mlp" and n_slices == 1 else "adam"
+        if schedule == "loo" and (self.model != "mlp" or n_slices != 1):
+            raise ValueError("schedule='loo' needs model='mlp' and n_slices=1")
+        lr = float(self.lr if self.lr is not None else 0.1 if schedule == "loo" else 1e-2)
         if not np.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        wd = float(self.weight_decay)
+        if not np.isfinite(wd) or wd < 0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
         threads = None if self.cpu_threads is None else pos_int("cpu_threads", self.cpu_threads)
         return {
             "n_shards": pos_int("n_shards", self.n_shards),
-            "n_slices": pos_int("n_slices", self.n_slices),
+            "n_slices": n_slices,
             "model": self.model,
             "hidden": list(hidden),
             "epochs_per_slice": pos_int("epochs_per_slice", self.epochs_per_slice),
             "batch_size": pos_int("batch_size", self.batch_size),
             "lr": lr,
+            "weight_decay": wd,
+            "schedule": schedule,
             "aggregation": self.aggregation,
             "add_slice": self.add_slice,
             "cpu_threads": threads,
@@ -303,6 +355,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         serves fit, delete, add and verify: the same kernels and shapes.
         """
         cfg = self.config_
+        if cfg["schedule"] == "loo":
+            return [self._train_shard_loo(s, data)]
         net = self._new_net()
         if from_slice == 0:
             init_net(net, self._init_seed(s))
@@ -334,6 +388,58 @@ class SISAEnsemble(Learner, BaseEstimator):
                     )
                 out.append(state_to_cpu(net))
         return out
+
+    def _loo_args(self, s: int, n_records: int) -> dict[str, Any]:
+        cfg = self.config_
+        return {
+            "n_classes": len(self.classes_),
+            "hidden": tuple(cfg["hidden"]),
+            "epochs": cfg["epochs_per_slice"],
+            "batch_size": cfg["batch_size"],
+            "lr": cfg["lr"],
+            "weight_decay": cfg["weight_decay"],
+            "seed": self._init_seed(s),
+            "n_batches": n_batches(n_records, cfg["batch_size"]),
+            "device": self.device_,
+            "cpu_threads": cfg["cpu_threads"],
+        }
+
+    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray]) -> State:
+        """Shard ``s`` trained by :func:`jobs.idp.loo.train_single` (schedule ``"loo"``)."""
+        rows = np.flatnonzero(data["shard"] == s)
+        params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
+                              **self._loo_args(s, len(rows)))
+        return mlp_state(params.weights, params.biases)
+
+    def shard_training_args(self, s: int, n_records: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of :func:`jobs.idp.loo.train_loo` / ``train_single`` that
+        reproduce shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records
+        (default: the shard's current count; ``n_records`` only sets ``n_batches``).
+
+        ``train_loo(*self.shard_records(s), **self.shard_training_args(s))`` gives the
+        served shard network as its ``N`` bit for bit (same device type, torch build,
+        CPU capability and thread count); with ``n_records = n_s - 1`` its ``N_{-x}``
+        are the shard models after ``delete([x])``.
+        """
+        self._check_fitted()
+        if self.config_.get("schedule") != "loo":
+            raise ValueError("only schedule='loo' shards are LOO-schedule networks "
+                             f"(this ensemble trains with {self.config_.get('schedule')!r})")
+        if not 0 <= int(s) < self._S:
+            raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
+        n = int(self.shard_sizes_[int(s)]) if n_records is None else int(n_records)
+        return self._loo_args(int(s), n)
+
+    def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
+        self._check_fitted()
+        rows = np.flatnonzero(self.shard_of_ == int(s))
+        return self.record_ids_[rows].tolist(), self.X_[rows].copy(), self.y_[rows].copy()
+
+    def shard_state(self, s: int) -> State:
+        """A CPU copy of shard ``s``'s served weights (state dict)."""
+        self._check_fitted()
+        return state_to_cpu(self._nets[int(s)])
 
     def _serving_net(self, state: State) -> torch.nn.Module:
         net = self._new_net()
@@ -729,10 +835,14 @@ class SISAEnsemble(Learner, BaseEstimator):
         state = torch.load(p / _STATE, map_location="cpu", weights_only=True)
         params = dict(meta["params"])
         params["hidden"] = tuple(params["hidden"])
+        config = dict(meta["config"])
+        if "schedule" not in config:  # bundles written before schedules existed: Adam
+            config.update(schedule="adam", weight_decay=0.0)
+            params.update(schedule="adam", weight_decay=0.0)
         if params["classes"] is not None:
             params["classes"] = tuple(params["classes"])
         self = cls(**params)
-        self.config_ = meta["config"]
+        self.config_ = config
         self.seed_ = int(meta["seed"])
         self.classes_ = np.asarray(meta["classes"], dtype=np.dtype(meta["classes_dtype"]))
         self.n_features_in_ = int(meta["n_features"])

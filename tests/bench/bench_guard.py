@@ -42,12 +42,21 @@ Per data set:
    leaking margin found (per class; "-" when no leaking input exists),
    ``violations`` = found inputs whose margin exceeds beta_c (must be 0).
 
-SISA-aware guard (``model=sisa``): S = 5 shards by ``prf_u64(seed, "shard", id) % S``;
-each shard's networks from ``train_loo`` on its records
-(:mod:`jobs.idp.sisa_bounds`), per-shard HiGHS bounds; on the test split, the
-fraction of queries answered as certain under :func:`jobs.idp.guard.sisa_certain`
-and under the naive rule "every shard's margin above its bound", and the
-accuracy at eps 0 and 1 under each (mean over ``--reps``).
+SISA-aware guard (``model=sisa``): the SERVED ensemble,
+:class:`~jobs.learners.sisa.SISAEnsemble` (S = 5 shards, ``n_slices=1``,
+``schedule="loo"``: MLP 2 x hidden, SGD lr 0.1, weight decay 1e-5, 30 epochs,
+batch 4, random_state 0); per-shard HiGHS bounds from
+:func:`jobs.idp.sisa_bounds.shard_bounds` (each shard's LOO set rebuilt from the
+ensemble's own records; budget / S seconds per shard; ``bound_s``). On the test
+split, the fraction of queries answered as certain and the accuracy at eps 0 and 1
+(mean over ``--reps``) under three rules: ``sisa`` = :func:`~jobs.idp.guard.sisa_certain`
+with the per-shard bounds; ``free`` = the same vote rule with every bound +inf (what
+the sidecar serves without bounds: sound because one record lives in one shard);
+``naive`` = the ensemble treated as one network, certain only when every shard's
+margin exceeds its bound; ``uniform_*`` = the certain fractions of the three rules on
+2,000 uniform queries in [0, 1]^d. ``violations`` = test or uniform queries certified
+by the ``sisa`` rule whose vote some single deletion (every record of every shard,
+its exact LOO network through the float32 serving path) changes (must be 0).
 
 DaRE forest guard (``model=dare``): same data and split; a
 :class:`~jobs.learners.dare.DaREForest` (full: 50 trees, max_depth 8, k 10, d_rmax 1;
@@ -57,13 +66,16 @@ deletion per record + the tables). ``acc_eps*``: mean over ``--reps`` fresh
 :class:`~jobs.idp.guard.LabelGuard` s installed as ``ForestGuard.guard`` and answered
 through ``ForestGuard.answer``. Every LOO forest F_{-x} is built exactly (deep copy +
 ``delete([x])``, all records); ``naive_ms`` = all |D| + 1 forests per query (label iff
-all agree, else the memoised mechanism). Forests have no per-class beta: ``beta`` is the
-median over test queries of the certified threshold 2*delta(q) (delta(q) = the guard's
-bound on the largest change of any class probability under one deletion; the guard's
-pairwise test is at least as tight). ``tightness`` = mean over test queries with a
-nonzero true change of delta(q) / max_{x,c} |p_{-x,c}(q) - p_c(q)| (exact LOO forests).
-``violations`` = queries certified certain where some exact LOO forest predicts a
-different class, over the test split and the uniform access queries (must be 0).
+all agree, else the memoised mechanism). ``access_ms`` is one query per call as above;
+``batch_ms`` = the time of one ``ForestGuard.answer`` on all the uniform queries (1000;
+quick 200; fresh LabelGuard, best of 3) / their number. Forests have no per-class beta:
+``beta`` is the median over test queries of the certified threshold 2*delta(q) (delta(q) =
+the guard's value of the largest change of any class probability under one deletion; the
+guard's pairwise test is at least as tight). ``tightness`` = mean over test queries with
+a nonzero true change of delta(q) / max_{x,c} |p_{-x,c}(q) - p_c(q)| (exact LOO forests;
+1 when the guard's per-record aggregation is exact). ``violations`` = queries certified
+certain where some exact LOO forest predicts a different class, over the test split and
+the uniform access queries (must be 0).
 
 Reference (LUCID Table 1): accuracy decrease 1.4 points at eps 0, 1.1 at
 eps 1; access 0.16 ms per query.
@@ -72,10 +84,11 @@ The last lines are, per data set,
 
     RESULT data=... model=mlp acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=b0/b1 \
 bound_s=... access_ms=... naive_ms=... tightness=t0/t1 violations=0
-    RESULT data=... model=sisa shards=5 certain_sisa=... certain_naive=... \
-acc_eps0_sisa=... acc_eps0_naive=... acc=...
+    RESULT data=... model=sisa shards=5 acc=... certain_sisa=... certain_free=... \
+certain_naive=... acc_eps0_sisa=... acc_eps0_free=... acc_eps0_naive=... \
+uniform_sisa=... uniform_free=... uniform_naive=... bound_s=... violations=0
     RESULT data=... model=dare acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=... \
-bound_s=... access_ms=... naive_ms=... tightness=... violations=0
+bound_s=... access_ms=... batch_ms=... naive_ms=... tightness=... violations=0
 """
 
 from __future__ import annotations
@@ -101,13 +114,15 @@ from jobs.idp.guard import (  # noqa: E402
     clip_unit,
     lucid_certain,
     mechanism_probabilities,
+    sisa_certain,
 )
 from jobs.idp.guarded import GuardedNetwork  # noqa: E402
 from jobs.idp.loo import LOOSet, train_loo  # noqa: E402
 from jobs.idp.search import find_leaking, margins  # noqa: E402
-from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo  # noqa: E402
+from jobs.idp.sisa_bounds import ensemble_loo_set, naive_certain, shard_bounds  # noqa: E402
 from jobs.idp.solvers import gurobi_available  # noqa: E402
 from jobs.learners.dare import DaREForest  # noqa: E402
+from jobs.learners.sisa import SISAEnsemble  # noqa: E402
 
 EPSILONS = (0.0, 0.2, 1.0)
 MODELS = ("mlp", "sisa", "dare")
@@ -329,27 +344,61 @@ def bench_mlp(d: Data, args: argparse.Namespace, hidden: int) -> tuple[str, floa
             f"tightness={tight} violations={violations}"), acc
 
 
+def sisa_violations(ens: SISAEnsemble, Q: np.ndarray, certain: np.ndarray,
+                    winner: np.ndarray) -> int:
+    """Certified queries whose vote one deletion changes (exact LOO networks, float32)."""
+    Q = Q[certain]
+    winner = winner[certain]
+    if not len(Q):
+        return 0
+    L = ens.shard_logits(Q)
+    labels = L.argmax(2)
+    votes = np.zeros((len(Q), L.shape[2]), dtype=np.int64)
+    active = np.flatnonzero(ens.active_shards_)
+    for s in active:
+        np.add.at(votes, (np.arange(len(Q)), labels[s]), 1)
+    bad = np.zeros(len(Q), dtype=bool)
+    Qt = torch.from_numpy(np.ascontiguousarray(Q, dtype=np.float32))
+    for s in active:
+        base = votes.copy()
+        base[np.arange(len(Q)), labels[s]] -= 1
+        loo = ensemble_loo_set(ens, int(s))
+        if loo.n_records == 1:  # the shard empties: its vote goes
+            bad |= base.argmax(1) != winner
+            continue
+        for i in range(1, loo.n_networks):
+            with torch.inference_mode():
+                lab = loo.network(i).to_module()(Qt).numpy().argmax(1)
+            v = base.copy()
+            v[np.arange(len(Q)), lab] += 1
+            bad |= v.argmax(1) != winner
+    return int(bad.sum())
+
+
 def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) -> str:
     t0 = time.perf_counter()
-    sh = train_sharded_loo(d.Xtr, d.ytr, d.ids, n_shards=shards, seed=0,
-                           n_classes=int(d.ytr.max()) + 1, hidden=(hidden, hidden), epochs=30,
-                           batch_size=SHARD_BATCH, lr=0.1, weight_decay=1e-5)
+    C = int(d.ytr.max()) + 1
+    ens = SISAEnsemble(n_shards=shards, n_slices=1, model="mlp", hidden=(hidden, hidden),
+                       epochs_per_slice=30, batch_size=SHARD_BATCH, lr=0.1, weight_decay=1e-5,
+                       classes=tuple(range(C)), device="cpu", random_state=0)
+    ens.fit(np.array(d.ids, dtype=object), d.Xtr, d.ytr)
+    assert ens.config_["schedule"] == "loo"
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compute_shard_bounds(sh, args.budget / shards, "highs")
+    betas = shard_bounds(ens, time_budget_s=args.budget / shards, solver="highs")
     bound_s = time.perf_counter() - t0
-    sizes = [0 if s is None else s.n_records for s in sh.shards]
-    betas = sh.shard_betas()
-    print(f"[{d.name}] SISA {shards} shards, sizes {sizes}; train {train_s:.1f}s, bounds "
-          f"{bound_s:.1f}s; betas per shard "
-          f"{[[round(float(b), 3) for b in row] for row in betas]}", flush=True)
-    winner, cert_sisa = sh.certain(d.Xte, "sisa")
-    _, cert_naive = sh.certain(d.Xte, "naive")
-    acc = float((winner == d.yte).mean())
-    C = sh.n_classes
+    print(f"[{d.name}] SISA (served SISAEnsemble) {shards} shards, sizes "
+          f"{ens.shard_sizes_.tolist()}; train {train_s:.1f}s, bounds {bound_s:.1f}s; betas "
+          f"per shard {[[round(float(b), 3) for b in row] for row in betas]}", flush=True)
     Xc = clip_unit(d.Xte)
+    L = ens.shard_logits(Xc)
+    active = ens.active_shards_
+    winner, cert_sisa = sisa_certain(L, betas, active)
+    _, cert_free = sisa_certain(L, np.full_like(betas, np.inf), active)
+    _, cert_naive = naive_certain(L, betas, active)
+    acc = float((winner == d.yte).mean())
     res = {}
-    for rule, cert in (("sisa", cert_sisa), ("naive", cert_naive)):
+    for rule, cert in (("sisa", cert_sisa), ("free", cert_free), ("naive", cert_naive)):
         for eps in (0.0, 1.0):
             accs = []
             for r in range(args.reps):
@@ -359,11 +408,25 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
             res[rule, eps] = float(np.mean(accs))
             print(f"[{d.name}] SISA rule {rule}: certain {cert.mean():.3f}, eps {eps}: "
                   f"accuracy {res[rule, eps]:.4f} (expected "
-                  f"{expected_accuracy(winner, cert, d.yte, C, eps):.4f})", flush=True)
-    return (f"RESULT data={d.name} model=sisa shards={shards} "
-            f"certain_sisa={cert_sisa.mean():.4f} certain_naive={cert_naive.mean():.4f} "
-            f"acc_eps0_sisa={res['sisa', 0.0]:.4f} acc_eps0_naive={res['naive', 0.0]:.4f} "
-            f"acc={acc:.4f}")
+                  f"{expected_accuracy(winner, cert, d.yte, C, eps):.4f}; drop "
+                  f"{100 * (acc - res[rule, eps]):.2f} points)", flush=True)
+    t0 = time.perf_counter()
+    Q = clip_unit(np.random.default_rng(5).random((2000, d.Xtr.shape[1])))
+    LQ = ens.shard_logits(Q)
+    wq, cq = sisa_certain(LQ, betas, active)
+    cq_free = sisa_certain(LQ, np.full_like(betas, np.inf), active)[1]
+    cq_naive = naive_certain(LQ, betas, active)[1]
+    violations = sisa_violations(ens, Xc, cert_sisa, winner) + sisa_violations(ens, Q, cq, wq)
+    print(f"[{d.name}] SISA on 2000 uniform queries: certain sisa {cq.mean():.3f}, free "
+          f"{cq_free.mean():.3f}, naive {cq_naive.mean():.3f}; brute force over every single "
+          f"deletion: {violations} violations (test + uniform; "
+          f"{time.perf_counter() - t0:.1f}s)", flush=True)
+    return (f"RESULT data={d.name} model=sisa shards={shards} acc={acc:.4f} "
+            f"certain_sisa={cert_sisa.mean():.4f} certain_free={cert_free.mean():.4f} "
+            f"certain_naive={cert_naive.mean():.4f} acc_eps0_sisa={res['sisa', 0.0]:.4f} "
+            f"acc_eps0_free={res['free', 0.0]:.4f} acc_eps0_naive={res['naive', 0.0]:.4f} "
+            f"uniform_sisa={cq.mean():.4f} uniform_free={cq_free.mean():.4f} "
+            f"uniform_naive={cq_naive.mean():.4f} bound_s={bound_s:.1f} violations={violations}")
 
 
 class NaiveForestIDP:
@@ -409,7 +472,8 @@ def bench_dare(d: Data, args: argparse.Namespace) -> str:
     bound_s = rep.seconds
     print(f"[{d.name}] ForestGuard fit {bound_s:.2f}s: {rep.n_records} deletions, "
           f"{rep.n_leaves} leaves, {rep.changed_trees} (record, tree) pairs with changed "
-          f"cells, {rep.detail.get('boxes', 0)} boxes", flush=True)
+          f"cells, {rep.detail['entries']} entries ({rep.detail['pieces']} on leaf pieces)",
+          flush=True)
 
     t0 = time.perf_counter()
     loo = []
@@ -460,19 +524,26 @@ def bench_dare(d: Data, args: argparse.Namespace) -> str:
                      f"violations {v}")
     print(f"[{d.name}] " + "; ".join(lines), flush=True)
 
-    # access per query in process (fitted guard; naive on a quarter of the queries)
+    # access per query in process (fitted guard; naive on a tenth of the queries)
     fg.guard = LabelGuard(max(2, C), 1.0, random_state=0)
     fg.answer(Q[:10])
     naive.predict(Q[:10])  # warm-up
+    batch = []
+    for r in range(3):  # one call on the whole batch, fresh memo each time
+        fg.guard = LabelGuard(max(2, C), 1.0, random_state=r)
+        t0 = time.perf_counter()
+        fg.answer(Q)
+        batch.append((time.perf_counter() - t0) * 1e3 / len(Q))
+    batch_ms = min(batch)
     access = median_ms(fg.answer, Q)
     naive_ms = median_ms(naive.predict, Q[: max(20, nq // 10)])
-    print(f"[{d.name}] access per query: ForestGuard {access:.4f} ms, naive iDP "
-          f"({len(loo) + 1} forests) {naive_ms:.4f} ms; beta (median 2 delta) {beta:.4f}, "
-          f"tightness (mean delta / true) {tight}", flush=True)
+    print(f"[{d.name}] access per query: ForestGuard {access:.4f} ms (batch of {len(Q)}: "
+          f"{batch_ms:.4f} ms), naive iDP ({len(loo) + 1} forests) {naive_ms:.4f} ms; beta "
+          f"(median 2 delta) {beta:.4f}, tightness (mean delta / true) {tight}", flush=True)
     return (f"RESULT data={d.name} model=dare acc={acc:.4f} acc_eps0={accs[0.0]:.4f} "
             f"acc_eps02={accs[0.2]:.4f} acc_eps1={accs[1.0]:.4f} beta={beta:.4f} "
-            f"bound_s={bound_s:.1f} access_ms={access:.4f} naive_ms={naive_ms:.4f} "
-            f"tightness={tight} violations={violations}")
+            f"bound_s={bound_s:.1f} access_ms={access:.4f} batch_ms={batch_ms:.4f} "
+            f"naive_ms={naive_ms:.4f} tightness={tight} violations={violations}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {time.perf_counter() - t_start:.0f}s")
     for line in results + sisa_results + dare_results:
         print(line)
-    bad = [r for r in results + dare_results if not r.endswith("violations=0")]
+    bad = [r for r in results + sisa_results + dare_results if not r.endswith("violations=0")]
     return 1 if bad else 0
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
 from sklearn.datasets import load_breast_cancer, make_classification, make_moons
 
 from jobs.idp.forest_guard import NOISE_ALL, SOUND, ForestGuard
+from jobs.learners.base import hash_arrays
 from jobs.learners.dare import DaREForest
 
 
@@ -98,10 +100,21 @@ def test_sound_against_all_loo_forests(name):
     d = loo - scores[None]
     gain = (d[:, :, None, :] - d[:, :, :, None]).max(axis=0)
     assert (gain <= H + 1e-12).all()
+    # ... and both are exact (per-record aggregation), up to rounding
+    assert np.allclose(delta, true_change, rtol=0, atol=1e-12)
+    assert np.allclose(H, gain, rtol=0, atol=1e-12)
     # every certified query is predicted identically by every LOO forest (argmax ties low)
     loo_pred = np.argmax(loo, axis=2)
     agree = (loo_pred == labels[None]).all(axis=0)
     assert agree[certain].all()
+    # complete up to tol: where every LOO forest keeps the label by more than tol, certain
+    idx = np.arange(len(Q))
+    loo_margin = loo[:, idx, labels][:, :, None] - loo  # (records, n, C)
+    loo_margin[:, idx, labels] = np.inf
+    gap = scores[idx, labels][:, None] - scores
+    gap[idx, labels] = np.inf
+    clear = (loo_margin > 2 * guard.tol).all(axis=(0, 2)) & (gap > 2 * guard.tol).all(axis=1)
+    assert certain[clear].all()
     # certain implies the weaker "margin > 2 delta" can fail, never the converse
     top = np.sort(scores, axis=1)
     margin = top[:, -1] - top[:, -2]
@@ -162,3 +175,85 @@ def test_guard_notices_every_change_without_rehashing_each_query() -> None:
     assert not guard.certain(X)[1].any()
     guard.refit()
     assert guard.mode == SOUND and np.isfinite(guard.bounds(X)[1]).all()
+
+
+def _small_forest(n=60, seed=0, **params):
+    X, y = make_moons(n, noise=0.25, random_state=seed)
+    X = (X - X.min(0)) / (X.max(0) - X.min(0))
+    ids = [f"m{i}" for i in range(n)]
+    kw = dict(n_estimators=8, max_depth=5, k=5, d_rmax=1, random_state=seed) | params
+    return DaREForest(**kw).fit(ids, X, y), X
+
+
+def test_own_routing_and_scores_match_the_forest_bit_for_bit():
+    """The guard routes queries itself; its leaves and scores must be the forest's."""
+    rng = np.random.default_rng(3)
+    forest, X = _small_forest()
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    L = forest.leaves()
+    row_of = np.full(int(L["node"].max()) + 1, -1)
+    row_of[L["node"]] = np.arange(len(L["node"]))
+    Q = _queries(rng, forest, X)
+    assert np.array_equal(guard._rows(Q), row_of[forest.leaf_nodes(Q)])
+    # more than 100_000 / T queries: DaREForest.scores sums the trees in chunks
+    for batch in (Q[:1], Q, np.concatenate([Q] * (100_000 // (8 * len(Q)) + 1))):
+        assert np.array_equal(guard._scores(guard._rows(batch)), forest.scores(batch))
+
+
+def test_save_load_roundtrip_and_refusals(tmp_path):
+    rng = np.random.default_rng(5)
+    forest, X = _small_forest()
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    guard.save(tmp_path / "g")
+    loaded = ForestGuard.load(tmp_path / "g", forest, epsilon=0.5, memo_size=10, random_state=1)
+    assert loaded.mode == SOUND and loaded.guard.epsilon == 0.5 and loaded.guard.memo.size == 10
+    Q = np.concatenate([rng.random((4000, 2)), _queries(rng, forest, X)])
+    for a, b in zip(guard.certain(Q), loaded.certain(Q), strict=True):
+        assert np.array_equal(a, b)
+    for a, b in zip(guard.bounds(Q), loaded.bounds(Q), strict=True):
+        assert np.array_equal(a, b)
+    assert loaded.bound_summary == guard.bound_summary
+    assert loaded.fit_report == guard.fit_report
+
+    # a forest in any other state is refused: after a deletion, or with another seed
+    other = copy.deepcopy(forest)
+    other.delete(["m7"])
+    with pytest.raises(ValueError, match="fitted to forest"):
+        ForestGuard.load(tmp_path / "g", other)
+    with pytest.raises(ValueError, match="fitted to forest"):
+        ForestGuard.load(tmp_path / "g", _small_forest(seed=1)[0])
+    # ... and a copy with the same content is accepted
+    assert ForestGuard.load(tmp_path / "g", copy.deepcopy(forest)).mode == SOUND
+
+    # tampered tables are refused, and so are tables whose indices do not fit the forest
+    # (even with a matching recorded hash: the compiled kernels do not check bounds)
+    with np.load(tmp_path / "g" / "tables.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(tmp_path / "g" / "tables.npz", **{**arrays, "d": arrays["d"] * 0.5})
+    with pytest.raises(ValueError, match="recorded hash"):
+        ForestGuard.load(tmp_path / "g", forest)
+    bad = {**arrays, "rec": arrays["rec"] + 60}
+    np.savez(tmp_path / "g" / "tables.npz", **bad)
+    meta = json.loads((tmp_path / "g" / "meta.json").read_text())
+    meta["tables_hash"] = hash_arrays(*(bad[k] for k in sorted(bad)))
+    (tmp_path / "g" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="do not fit"):
+        ForestGuard.load(tmp_path / "g", forest)
+
+    # a loaded guard still notices a later update of its forest
+    loaded.forest.delete(["m3"])
+    assert loaded.mode == NOISE_ALL and not loaded.certain(Q)[1].any()
+
+
+def test_bound_summary_is_small_json_and_bounds_every_change():
+    forest, X = _small_forest()
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    s = guard.bound_summary
+    assert json.loads(json.dumps(s)) == s
+    assert s["forest_hash"] == forest.content_hash() and s["n_records"] == 60
+    assert 0 <= s["tree_delta_median"] <= s["tree_delta_max"] <= 1
+    Q = np.random.default_rng(0).random((2000, 2))
+    _, delta, _ = guard.bounds(Q)
+    assert delta.max() <= s["delta_max_bound"] + 1e-12
+    s["n_records"] = -1  # a copy: the guard's record is read-only
+    assert guard.bound_summary["n_records"] == 60
