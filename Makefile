@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e ".[test]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# Debian's chromium and its driver, for the audit page's browser test (not fetched by
+# Selenium: tests/test_audit_page.py points it at /usr/bin/chromium{,driver}).
+BROWSER := $(VENV)/.browser
+
+$(BROWSER): $(STAMP)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver)
+	touch $(BROWSER)
+
+test: $(STAMP) $(BROWSER)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

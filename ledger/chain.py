@@ -33,9 +33,14 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(ts: datetime) -> datetime:
+    """Times are stored in UTC; SQLite hands them back without a zone."""
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
 def iso(ts: datetime) -> str:
     """Fixed-width UTC timestamp, so text order is time order."""
-    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return as_utc(ts).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def event_entry(seq: int, request_id: str | None, kind: str, payload: str,

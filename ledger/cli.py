@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import start_http_server
+
 from ledger import datasets
 from ledger.config import Settings
 from ledger.consumer import RequestConsumer, ensure_topics
@@ -69,6 +71,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=500)
     p.add_argument("--idle-timeout", type=float, default=None,
                    help="exit after this many seconds without messages")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics here (env OBLIVIATE_CONSUMER_METRICS_PORT; "
+                        "0 turns it off)")
     p.set_defaults(func=cmd_consume)
 
 
@@ -161,9 +166,17 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_consume(args: argparse.Namespace) -> int:
+def start_long_running(args: argparse.Namespace, default_metrics_port: int) -> None:
+    """Logging, and the Prometheus endpoint (`--metrics-port`, 0 for none), of a daemon."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    port = default_metrics_port if args.metrics_port is None else args.metrics_port
+    if port:
+        start_http_server(port)
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
     s = settings_from(args)
+    start_long_running(args, s.consumer_metrics_port)
     ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
     consumer = RequestConsumer(s.open_ledger(), s.kafka_bootstrap, s.requests_topic,
                                s.dead_letter_topic, group_id=args.group or s.consumer_group,

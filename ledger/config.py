@@ -27,6 +27,18 @@ class Settings:
     dead_letter_topic: str = "obliviate.requests.dead"
     consumer_group: str = "obliviate-ledger"
     checkpoint_every: int = 1000
+    # the sidecar (jobs and service read these; the ledger only stores them)
+    model_name: str = "obliviate"
+    learner: str = "dare"
+    guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
+    admin_token: str | None = None
+    admin_token_file: str = str(STATE_DIR / "admin.token")
+    epsilon: float = 1.0
+    epsilon_budget: float = 1000.0
+    memo_size: int = 100_000
+    registry_poll_s: float = 0.2
+    worker_metrics_port: int = 9101
+    consumer_metrics_port: int = 9102
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -35,7 +47,11 @@ class Settings:
         for f in fields(cls):
             env = os.environ.get(f"OBLIVIATE_{f.name.upper()}")
             if env is not None:
-                values[f.name] = int(env) if f.type == "int" else env
+                try:
+                    values[f.name] = {"int": int, "float": float}.get(str(f.type), str)(env)
+                except ValueError:
+                    raise ValueError(f"OBLIVIATE_{f.name.upper()}={env!r} is not "
+                                     f"a valid {f.type}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
 
@@ -43,16 +59,29 @@ class Settings:
         """The deployment secret for record fingerprints; created on first use if embedded."""
         if self.hmac_key_hex:
             return bytes.fromhex(self.hmac_key_hex)
-        path = Path(self.hmac_key_file)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(secrets.token_hex(32))
-        return bytes.fromhex(path.read_text().strip())
+        return bytes.fromhex(_secret_file(self.hmac_key_file))
+
+    def admin_bearer_token(self) -> str:
+        """The token admin endpoints require; created on first use if embedded."""
+        return self.admin_token or _secret_file(self.admin_token_file)
 
     def open_ledger(self) -> Ledger:
         if self.database_url.startswith("sqlite:///"):
             Path(self.database_url.removeprefix("sqlite:///")).parent.mkdir(
                 parents=True, exist_ok=True)
         return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every)
+
+
+def _secret_file(path_str: str) -> str:
+    """A 256-bit hex secret kept in a 0600 file, created once (racing creators agree)."""
+    path = Path(path_str)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(32))
+    return path.read_text().strip()

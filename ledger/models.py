@@ -37,6 +37,7 @@ class Request(SQLModel, table=True):
     received_seq: int = Field(sa_type=BigInteger)
     status: str = Field(max_length=16, index=True)
     claimed_by: str | None = Field(default=None, max_length=128)
+    claimed_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     duplicate_count: int = 0
 
 

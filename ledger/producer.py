@@ -7,6 +7,7 @@ requests stay in order on one partition.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,6 +38,16 @@ def produce(bootstrap: str, topic: str, messages: Iterable[Message],
     finally:
         producer.close(timeout=10)
     return n
+
+
+def paced(messages: Iterable[Message], per_second: float) -> Iterator[Message]:
+    """Yield messages at a steady rate (a production system's stream, not a burst)."""
+    t0 = time.monotonic()
+    for i, m in enumerate(messages):
+        delay = t0 + i / per_second - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        yield m
 
 
 _MALFORMED: list[bytes] = [

@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import numpy as np
@@ -213,6 +213,89 @@ class Ledger:
             y=np.array([r.label for r in rows], dtype=np.int64),
         )
 
+    def record_data(self, record_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Features and labels of records, in the order given (an add's payload)."""
+        ids = [str(r) for r in record_ids]
+        found: dict[str, Any] = {}
+        with self.engine.connect() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                for r in conn.execute(select(RECORDS.c.record_id, RECORDS.c.features,
+                                             RECORDS.c.label)
+                                      .where(RECORDS.c.record_id.in_(ids[i:i + _CHUNK]))):
+                    found[r.record_id] = r
+        missing = [r for r in ids if r not in found or found[r].features is None]
+        if missing:
+            raise KeyError(f"{len(missing)} record(s) hold no data, e.g. {missing[0]!r}")
+        n_features = self.schema().n_features
+        X = np.array([found[r].features for r in ids], dtype=np.float64).reshape(len(ids),
+                                                                               n_features)
+        return X, np.array([found[r].label for r in ids], dtype=np.int64)
+
+    def records_digest(self, record_ids: Sequence[str]) -> tuple[int, str]:
+        """(count, Merkle root) of these records' keyed fingerprints, sorted.
+
+        A model manifest names its training set by this root; an auditor holding the
+        fingerprints (the ledger keeps them after a purge) can recompute it without
+        seeing any record.
+        """
+        ids = [str(r) for r in record_ids]
+        fps: list[bytes] = []
+        with self.engine.connect() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                fps.extend(bytes.fromhex(h) for h in conn.execute(
+                    select(RECORDS.c.record_hash)
+                    .where(RECORDS.c.record_id.in_(ids[i:i + _CHUNK]))).scalars())
+        if len(fps) != len(set(ids)):
+            raise KeyError(f"{len(set(ids)) - len(fps)} record id(s) are not in the ledger")
+        fps.sort()
+        return len(fps), merkle.root([merkle.leaf_hash(f) for f in fps]).hex()
+
+    def record_event(self, kind: str, payload: dict[str, Any], model_version: str | None = None,
+                     in_transaction: Callable[[Connection], None] | None = None) -> int:
+        """Append an event that belongs to no request (a model published, say)."""
+        if kind in REQUEST_STATUSES:
+            raise ValueError(f"{kind!r} is a request lifecycle event")
+        with writing(self.engine) as conn:
+            appender = _Appender(conn)
+            seq = appender.append(kind, None, payload, iso(utc_now()), model_version)
+            if in_transaction is not None:
+                in_transaction(conn)
+            appender.flush(conn)
+        return seq
+
+    def requests_with_status(self, status: str, limit: int = 10_000) -> list[Request]:
+        """Requests in one lifecycle state, oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(REQUESTS).where(REQUESTS.c.status == status)
+                                .order_by(REQUESTS.c.received_seq).limit(limit)).all()
+        return [Request.model_validate(dict(r._mapping)) for r in rows]
+
+    def requests_of_subject(self, subject_id: str) -> list[dict[str, Any]]:
+        """Every request about a subject: by subject id, or naming any of its records."""
+        with self.engine.connect() as conn:
+            own = set(conn.execute(select(RECORDS.c.record_id)
+                                   .where(RECORDS.c.subject_id == subject_id)).scalars())
+            rows = conn.execute(select(REQUESTS).order_by(REQUESTS.c.received_seq)).all()
+        return [{"request_id": r.request_id, "op": r.op, "status": r.status,
+                 "subject_id": r.subject_id, "record_ids": list(r.record_ids),
+                 "received_at": iso(r.received_at)}
+                for r in rows if r.subject_id == subject_id or own.intersection(r.record_ids)]
+
+    def consumed(self, topic: str) -> int:
+        """Kafka messages of `topic` recorded so far (sum of the partitions' next offsets)."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.coalesce(func.sum(OFFSETS.c.next_offset), 0))
+                                    .where(OFFSETS.c.topic == topic)).scalar())
+
+    def status_counts(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            return {s: n for s, n in conn.execute(
+                select(REQUESTS.c.status, func.count()).group_by(REQUESTS.c.status))}
+
+    def last_seq(self) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
+
     # ------------------------------------------------------------------ intake
     def receive(self, value: bytes | str | dict[str, Any],
                 source: Literal["kafka", "http", "cli"] = "http") -> IntakeResult:
@@ -236,9 +319,9 @@ class Ledger:
                 parsed.append(parse_request(m.value, schema))
             except InvalidRequest as exc:
                 parsed.append(exc)
-        now = utc_now()
-        now_s = iso(now)
         with writing(self.engine) as conn:
+            now = utc_now()  # read under the lock, so event times follow seq order
+            now_s = iso(now)
             intake = _BatchIntake(self._key, conn, parsed, now, now_s)
             results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
             intake.write(conn)
@@ -252,36 +335,54 @@ class Ledger:
         return results
 
     # ------------------------------------------------------------------ lifecycle
-    def claim(self, limit: int = 100, worker: str = "worker") -> list[Request]:
-        """Move up to `limit` received requests to `claimed`, oldest first."""
+    def claim(self, limit: int = 100, worker: str = "worker", lease_s: float = 300.0,
+              retake_own: bool = True) -> list[Request]:
+        """Move up to `limit` requests to `claimed`, oldest first.
+
+        Besides received requests this takes claims older than `lease_s` (a worker
+        that died for good) and, with `retake_own`, the worker's own claims (left by
+        a crash of an earlier run under the same name, or by a failed pass), so a
+        claimed request is never stranded.
+        """
         with writing(self.engine) as conn:
-            q = (select(REQUESTS).where(REQUESTS.c.status == "received")
+            now = utc_now()
+            retake = REQUESTS.c.claimed_at < now - timedelta(seconds=lease_s)
+            if retake_own:
+                retake = retake | (REQUESTS.c.claimed_by == worker)
+            q = (select(REQUESTS).where((REQUESTS.c.status == "received")
+                                       | ((REQUESTS.c.status == "claimed") & retake))
                  .order_by(REQUESTS.c.received_seq).limit(limit))
             if conn.dialect.name == "postgresql":
                 q = q.with_for_update(skip_locked=True)
             rows = [Request.model_validate(dict(r._mapping)) for r in conn.execute(q)]
             if not rows:
                 return []
-            now_s = iso(utc_now())
+            now_s = iso(now)
             appender = _Appender(conn)
             for r in rows:
-                appender.append("claimed", r.request_id, {"worker": worker}, now_s)
-                r.status, r.claimed_by = "claimed", worker
+                payload = {"worker": worker}
+                if r.status == "claimed":
+                    payload["reclaimed_from"] = r.claimed_by
+                appender.append("claimed", r.request_id, payload, now_s)
+                r.status, r.claimed_by, r.claimed_at = "claimed", worker, now
             conn.execute(update(REQUESTS)
                          .where(REQUESTS.c.request_id.in_([r.request_id for r in rows]))
-                         .values(status="claimed", claimed_by=worker))
+                         .values(status="claimed", claimed_by=worker, claimed_at=now))
             appender.flush(conn)
         return rows
 
     def mark_applied(self, request_ids: Sequence[str], model_version: str,
-                     detail: dict[str, Any] | None = None) -> None:
+                     detail: dict[str, Any] | None = None,
+                     in_transaction: Callable[[Connection], None] | None = None) -> None:
         """The model `model_version` no longer holds deleted records (and holds added ones).
 
         Raw features and labels of deleted records are purged in the same
-        transaction; their keyed fingerprints go into the event.
+        transaction; their keyed fingerprints go into the event. `in_transaction`
+        runs inside that transaction too (the registry publishes the version
+        there), so the events and the served version change together or not at all.
         """
-        now = utc_now()
         with writing(self.engine) as conn:
+            now = utc_now()
             reqs = self._requests_in_state(conn, request_ids, "claimed", "applied")
             appender = _Appender(conn)
             for r in reqs:
@@ -295,10 +396,13 @@ class Ledger:
                 payload.update(detail or {})
                 appender.append("applied", r.request_id, payload, iso(now), model_version)
             self._set_status(conn, request_ids, "applied")
+            if in_transaction is not None:
+                in_transaction(conn)
             appender.flush(conn)
 
     def mark_verified(self, request_ids: Sequence[str], model_version: str,
-                      detail: dict[str, Any] | None = None) -> None:
+                      detail: dict[str, Any] | None = None,
+                      in_transaction: Callable[[Connection], None] | None = None) -> None:
         with writing(self.engine) as conn:
             self._requests_in_state(conn, request_ids, "applied", "verified")
             appender = _Appender(conn)
@@ -306,6 +410,8 @@ class Ledger:
             for rid in request_ids:
                 appender.append("verified", rid, detail or {}, now_s, model_version)
             self._set_status(conn, request_ids, "verified")
+            if in_transaction is not None:
+                in_transaction(conn)
             appender.flush(conn)
 
     def mark_failed(self, request_id: str, reason: str) -> None:
@@ -350,7 +456,9 @@ class Ledger:
         request = None
         if req is not None:
             request = {k: v for k, v in req._mapping.items() if k != "id"}
-            request["received_at"] = iso(request["received_at"])
+            for k in ("received_at", "claimed_at"):
+                if request[k] is not None:
+                    request[k] = iso(request[k])
         return {"request": request, "events": out_events,
                 "tree_head": {"tree_size": head.tree_size, "root_hash": head.root_hash,
                               "created_at": head.created_at}}

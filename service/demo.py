@@ -1,26 +1,42 @@
-"""`make demo`: the main job on embedded defaults, start to finish on one machine.
+"""`make demo`: the whole sidecar on embedded defaults, start to finish on one machine.
 
-A local broker, a fresh SQLite ledger seeded with a bundled data set, a stream
-of deletion and addition requests (with resends and malformed messages mixed
-in) consumed into the ledger, then the audit trail, an inclusion proof checked
-the way an auditor would, and a full `ledger verify`.
+A local broker (tansu), a fresh SQLite ledger seeded with a bundled data set,
+a first model version trained and guarded, then the three real processes
+(`obliviate serve`, `obliviate worker`, `obliviate consume`). A stream of
+deletion and addition requests (with resends and malformed messages mixed in)
+goes through Kafka while a client asks the service for predictions. At the
+end: the audit trail, the model lineage, deletion latencies, a metrics
+summary, an inclusion proof checked the way an auditor would, and a full
+`ledger verify`. Everything is stopped cleanly.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+import httpx
+import numpy as np
+
+from jobs.registry import Registry
+from jobs.worker import Worker
 from ledger import datasets, merkle
 from ledger.chain import event_leaf
 from ledger.config import Settings
-from ledger.consumer import RequestConsumer, ensure_topics
+from ledger.consumer import ensure_topics
 from ledger.local_broker import LocalBroker
-from ledger.producer import produce, request_stream
+from ledger.producer import paced, produce, request_stream
+from ledger.store import Ledger
+from service.processes import LocalSidecar, sidecar_env
+
+FINAL = ("verified", "failed")
 
 
 def progress(label: str, done: int, total: int, width: int = 30) -> None:
@@ -34,80 +50,173 @@ def progress(label: str, done: int, total: int, width: int = 30) -> None:
     sys.stderr.flush()
 
 
-def run_demo(workdir: str, dataset: str, n_requests: int) -> int:
-    work = Path(workdir)
+def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
+             rate: float = 50.0) -> int:
+    work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    print(f"== Obliviate demo: data set {dataset!r}, {n_requests} requests, state in {work}/")
+    print(f"== Obliviate demo: data set {dataset!r}, learner {learner!r}, {n_requests} "
+          f"requests at {rate:g}/s, state in {work}/")
     with LocalBroker(log_path=work / "tansu.log") as broker:
         s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
                               hmac_key_file=str(work / "hmac.key"),
-                              kafka_bootstrap=broker.bootstrap)
+                              admin_token_file=str(work / "admin.token"),
+                              kafka_bootstrap=broker.bootstrap, learner=learner)
+        env = sidecar_env(work, s.database_url, s.kafka_bootstrap)
+        # this process trains the first version into the same model store
+        os.environ.update({k: v for k, v in env.items() if k.startswith("BENTOML")})
         print(f"broker: tansu at {broker.bootstrap}; ledger: {s.database_url}")
         ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
         ledger = s.open_ledger()
         ds = datasets.load(dataset)
         ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
-        print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} subjects")
-
-        stream = list(request_stream(ds.record_ids, ds.subject_ids, ds.X.shape[1],
-                                     sorted(set(ds.y.tolist())), n_requests, random_state=7))
-        consumer = RequestConsumer(ledger, s.kafka_bootstrap, s.requests_topic,
-                                   s.dead_letter_topic, group_id="obliviate-demo")
-        seen = [0]
-
-        def on_batch(results: list) -> None:
-            seen[0] += len(results)
-            progress("recorded", seen[0], len(stream))
-
-        t0 = time.monotonic()
-        thread = threading.Thread(target=consumer.run, kwargs={"on_batch": on_batch})
-        thread.start()
-        produce(s.kafka_bootstrap, s.requests_topic, stream,
-                on_sent=lambda n: progress("sent", n, len(stream)))
-        while seen[0] < len(stream) and time.monotonic() - t0 < 120:
-            time.sleep(0.1)
-        consumer.stop()
-        thread.join()
-        print(f"consumed {seen[0]} messages in {time.monotonic() - t0:.1f} s "
-              f"(including the consumer-group join)")
-        print_audit(ledger, consumer.stats.counts)
+        print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
+              "subjects")
+        first = Worker(ledger, Registry(ledger.engine, s.model_name)).bootstrap(learner)
+        print(f"model: {first} trained and guarded ({learner})")
+        sidecar = LocalSidecar(work, env).start()
+        try:
+            print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
+                  f"admin token in {s.admin_token_file})")
+            ok = _stream(ledger, s, ds, n_requests, rate, sidecar)
+            _report(ledger, s, sidecar)
+        finally:
+            codes = sidecar.stop()
+        print("\n== stopped: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()))
         result = ledger.verify()
-    print(f"\n== ledger verify: {'OK' if result.ok else 'FAILED'} -- {result.events} events, "
+    print(f"== ledger verify: {'OK' if result.ok else 'FAILED'} -- {result.events} events, "
           f"{result.checkpoints} checkpoints, {result.records} records")
     for p in result.problems[:10]:
         print(f"  {p}")
-    return 0 if result.ok and seen[0] == len(stream) else 1
+    return 0 if ok and result.ok and not any(codes.values()) else 1
 
 
-def print_audit(ledger, counts: dict[str, int]) -> None:  # noqa: ANN001 - Ledger
-    print("\n== intake: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: float,
+            sidecar: LocalSidecar) -> bool:
+    """Send the requests through Kafka while a client keeps asking for predictions."""
+    stream = list(request_stream(ds.record_ids, ds.subject_ids, ds.X.shape[1],
+                                 sorted(set(ds.y.tolist())), n, random_state=7))
+    stop = threading.Event()
+    answers: Counter[str] = Counter()
+    client = threading.Thread(target=_predict_loop,
+                              args=(sidecar.base_url, ds.X, stop, answers))
+    client.start()
+    try:
+        produce(s.kafka_bootstrap, s.requests_topic, paced(stream, rate),
+                on_sent=lambda k: progress("sent", k, len(stream)))
+        t0 = time.monotonic()
+        done = total = 0
+        while time.monotonic() - t0 < 300:
+            dead = sidecar.dead()
+            if dead:
+                print(f"\n{dead} stopped unexpectedly:\n{sidecar.procs[dead].log_tail()}")
+                return False
+            counts = ledger.status_counts()
+            total = sum(counts.values())
+            done = sum(counts.get(k, 0) for k in FINAL)
+            if ledger.consumed(s.requests_topic) >= len(stream) and done == total:
+                break
+            progress("applied", done, max(total, 1))
+            time.sleep(0.25)
+        progress("applied", done, max(total, 1))
+    finally:
+        stop.set()
+        client.join()
+    print(f"predictions during the stream: {sum(answers.values())} "
+          f"({', '.join(f'{k}={v}' for k, v in sorted(answers.items()))})")
+    return done == total and answers.get("error", 0) == 0
+
+
+def _predict_loop(base: str, X: np.ndarray, stop: threading.Event,
+                  answers: Counter[str]) -> None:
+    rng = np.random.default_rng(0)
+    with httpx.Client(base_url=base, timeout=10.0) as http:
+        while not stop.is_set():
+            rows = X[rng.integers(len(X), size=8)].tolist()
+            try:
+                r = http.post("/v1/predict", json={"instances": rows})
+                answers[f"guard {r.json()['guard']}" if r.status_code == 200 else "error"] += 1
+            except httpx.HTTPError:
+                answers["error"] += 1
+            stop.wait(0.05)
+
+
+def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar) -> None:
     events = list(ledger.export())
+    print_audit(ledger, events)
+    print("\n== model lineage (newest first)")
+    for v in Registry(ledger.engine, s.model_name).lineage(8):
+        m, ts = v.manifest, v.manifest["training_set"]
+        print(f"  {v.version}  parent={v.parent or '-':8} {m['change']['op']:6} "
+              f"guard={'sound' if m['guard']['ready'] else 'noise-all':9} "
+              f"records={ts['count']:4}  root={ts['merkle_root'][:12]}")
+    lat = deletion_latencies(events)
+    if lat:
+        q = np.percentile(lat, [50, 95, 100])
+        print(f"\n== deletion latency (received -> applied in a published version), "
+              f"{len(lat)} deletions: p50 {q[0]:.2f} s, p95 {q[1]:.2f} s, max {q[2]:.2f} s")
+    print("\n== metrics summary")
+    for url in (f"{sidecar.base_url}/metrics",
+                f"http://127.0.0.1:{sidecar.worker_port}/metrics"):
+        try:
+            text = httpx.get(url, timeout=10).text
+        except httpx.HTTPError as exc:
+            print(f"  {url}: {exc}")
+            continue
+        for line in text.splitlines():
+            if line.startswith(("obliviate_guard_queries_total", "obliviate_guard_mode",
+                                "obliviate_requests_pending", "obliviate_model_version",
+                                "obliviate_served_model_version", "obliviate_model_swaps_total",
+                                "obliviate_guard_epsilon_spent_total",
+                                "obliviate_deletion_latency_seconds_count",
+                                "obliviate_requests_applied_total")):
+                print(f"  {line}")
+
+
+def deletion_latencies(events: list[dict[str, Any]]) -> list[float]:
+    """Seconds from `received` to `applied` per deletion, from the ledger's own times."""
+    received: dict[str, datetime] = {}
+    out = []
+    for e in events:
+        if e["kind"] == "received" and e["payload"].get("op") == "delete":
+            received[e["request_id"]] = datetime.fromisoformat(e["created_at"])
+        elif e["kind"] == "applied" and e["request_id"] in received:
+            t = datetime.fromisoformat(e["created_at"])
+            out.append((t - received[e["request_id"]]).total_seconds())
+    return out
+
+
+def print_audit(ledger: Ledger, events: list[dict[str, Any]]) -> None:
     kinds = Counter(e["kind"] for e in events)
-    print("== events by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
+    print("\n== events by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
     print("\n== audit trail (last 12 events)")
-    print(f"{'seq':>5}  {'kind':<9} {'request':<20} detail")
+    print(f"{'seq':>5}  {'kind':<14} {'request':<20} {'version':<8} detail")
     for e in events[-12:]:
         p = e["payload"]
         if e["kind"] == "received":
             what = f"{p['op']} {len(p['record_ids'])} record(s)"
             if p.get("expanded_from_subject"):
                 what += f" of subject {p['subject_id']}"
-        elif e["kind"] == "rejected":
+        elif e["kind"] in ("rejected", "failed"):
             what = p["reason"]
+        elif e["kind"] == "applied":
+            what = f"guarantee={p.get('guarantee')} purged={len(p.get('purged_record_hashes', {}))}"
+        elif e["kind"] == "verified":
+            what = f"exact={p.get('exactness', {}).get('exact')} guard={p['guard']['rule']}"
         else:
             what = ", ".join(f"{k}={v}" for k, v in list(p.items())[:3])
-        print(f"{e['seq']:>5}  {e['kind']:<9} {str(e['request_id'] or '-'):<20} {what[:70]}")
-    sample = next((e for e in reversed(events) if e["kind"] == "received"), None)
+        print(f"{e['seq']:>5}  {e['kind']:<14} {str(e['request_id'] or '-'):<20} "
+              f"{e['model_version'] or '-':<8} {what[:60]}")
+    sample = next((e for e in reversed(events) if e["kind"] == "verified"), None)
     if sample is None:
         return
     history = ledger.history(sample["request_id"])
     head = history["tree_head"]
-    ev = history["events"][0]
-    ok = merkle.verify_inclusion(event_leaf(ev["hash"]), ev["seq"] - 1, head["tree_size"],
-                                 [bytes.fromhex(h) for h in ev["inclusion_proof"]],
-                                 bytes.fromhex(head["root_hash"]))
-    print(f"\n== ledger show {sample['request_id']}: status {history['request']['status']}, "
-          f"event {ev['seq']} proven in tree of {head['tree_size']} events "
-          f"(root {head['root_hash'][:16]}...) with {len(ev['inclusion_proof'])} hashes: "
-          f"{'VALID' if ok else 'INVALID'}")
+    print(f"\n== ledger show {sample['request_id']}: status {history['request']['status']}")
+    for ev in history["events"]:
+        ok = merkle.verify_inclusion(event_leaf(ev["hash"]), ev["seq"] - 1, head["tree_size"],
+                                     [bytes.fromhex(h) for h in ev["inclusion_proof"]],
+                                     bytes.fromhex(head["root_hash"]))
+        print(f"  {ev['created_at']}  {ev['kind']:<9} {ev['model_version'] or '-':<8} "
+              f"inclusion proof ({len(ev['inclusion_proof'])} hashes) to root "
+              f"{head['root_hash'][:16]}...: {'VALID' if ok else 'INVALID'}")

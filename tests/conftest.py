@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -12,6 +13,10 @@ from sqlalchemy import create_engine, text
 
 from ledger.local_broker import LocalBroker
 from ledger.store import Ledger
+
+# BentoML reads its home once per process: give the test session its own model store.
+os.environ.setdefault("BENTOML_DO_NOT_TRACK", "true")
+os.environ.setdefault("BENTOML_HOME", tempfile.mkdtemp(prefix="obliviate-bentoml-"))
 
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -136,9 +136,23 @@ def test_invalid_transitions_are_refused(seeded: Ledger) -> None:
     with pytest.raises(KeyError):
         seeded.mark_verified(["nope"], "v2")
     [claimed] = seeded.claim(10)
-    assert claimed.request_id == "d" and seeded.claim(10) == []
+    assert claimed.request_id == "d" and seeded.claim(10, worker="other") == []
     seeded.mark_failed("d", "learner crashed")
     assert seeded.history("d")["request"]["status"] == "failed"
+    assert seeded.verify().ok
+
+
+def test_claims_are_taken_back_after_a_crash_or_a_lease(seeded: Ledger) -> None:
+    seeded.receive(delete("d", "r001"))
+    assert [r.request_id for r in seeded.claim(10, worker="a")] == ["d"]
+    assert seeded.claim(10, worker="b") == []  # a's claim is live
+    # a restarted under the same name takes its claim back at once
+    assert [r.request_id for r in seeded.claim(10, worker="a")] == ["d"]
+    # anyone may take it once the lease has run out
+    [r] = seeded.claim(10, worker="b", lease_s=0.0)
+    assert r.claimed_by == "b"
+    claims = [e for e in seeded.history("d")["events"] if e["kind"] == "claimed"]
+    assert [e["payload"].get("reclaimed_from") for e in claims] == [None, "a", "a"]
     assert seeded.verify().ok
 
 

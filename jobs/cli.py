@@ -1,0 +1,94 @@
+"""The jobs' commands: `obliviate worker` and `obliviate model ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from jobs.registry import Registry
+from jobs.served_model import KINDS
+from jobs.worker import Worker, WorkerConfig, worker_name
+from ledger.chain import iso
+from ledger.cli import settings_from, start_long_running
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="apply pending requests and publish model versions")
+    p.add_argument("--name", default=None, help="worker name (env OBLIVIATE_WORKER_NAME); "
+                   "a restarted worker takes back its own claims")
+    p.add_argument("--batch-window", type=float, default=0.1,
+                   help="after claiming a lone request, wait this long for more")
+    p.add_argument("--max-batch", type=int, default=1000)
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the exactness check (retrain from scratch, compare hashes)")
+    p.add_argument("--train", action="store_true",
+                   help="train and publish a first version if none exists")
+    p.add_argument("--learner", choices=sorted(KINDS), default=None,
+                   help="learner for --train (env OBLIVIATE_LEARNER)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus port (env OBLIVIATE_WORKER_METRICS_PORT; 0 turns it off)")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    p.set_defaults(func=cmd_worker)
+
+    model = sub.add_parser("model", help="train, inspect and trace model versions")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    p = msub.add_parser("train", help="train on the ledger's live records, publish v1")
+    p.add_argument("--learner", choices=sorted(KINDS), default=None)
+    p.add_argument("--params", default="{}", help="hyperparameters as a JSON object")
+    p.set_defaults(func=cmd_train)
+    p = msub.add_parser("show", help="the current version and its manifest")
+    p.set_defaults(func=cmd_show)
+    p = msub.add_parser("lineage", help="published versions, newest first")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(func=cmd_lineage)
+
+
+def _worker(args: argparse.Namespace, **config: Any) -> Worker:
+    s = settings_from(args)
+    ledger = s.open_ledger()
+    return Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig(**config))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        params = json.loads(args.params)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--params is not JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise ValueError("--params must be a JSON object")
+    learner = args.learner or settings_from(args).learner
+    version = _worker(args).bootstrap(learner, params)
+    print(f"current version: {version}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    s = settings_from(args)
+    start_long_running(args, s.worker_metrics_port)
+    worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
+                     max_batch=args.max_batch, verify_exactness=not args.no_verify)
+    if args.train:
+        worker.bootstrap(args.learner or s.learner)
+    worker.run(max_seconds=args.max_seconds)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    s = settings_from(args)
+    cur = Registry(s.open_ledger().engine, s.model_name).current()
+    if cur is None:
+        print("no version is published yet: run `obliviate model train`")
+        return 1
+    print(json.dumps({"version": cur.version, "manifest": cur.manifest}, indent=2))
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    s = settings_from(args)
+    for v in Registry(s.open_ledger().engine, s.model_name).lineage(args.limit):
+        m = v.manifest
+        print(f"{v.version}  {iso(v.created_at)}  parent={v.parent or '-':8}  "
+              f"{m['change']['op']:6}  guard={'ready' if m['guard']['ready'] else 'noise-all'}  "
+              f"records={m['training_set']['count']}  hash={m['content_hash'][:12]}")
+    return 0

@@ -1,0 +1,43 @@
+"""Prometheus metrics of the background worker (exported on its own port).
+
+The worker is one process per replica, so these are plain in-process metrics;
+Prometheus scrapes every worker and sums. Base units, `_total` counters, and
+no label with more values than there are learner kinds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+
+DELETION_LATENCY = Histogram(
+    "obliviate_deletion_latency_seconds",
+    "Time from a deletion's receipt to the publication of a model version without the data.",
+    buckets=LATENCY_BUCKETS,
+)
+UPDATE_SECONDS = Histogram(
+    "obliviate_model_update_seconds",
+    "Learner update time per batch of requests.",
+    ["learner"],
+    buckets=LATENCY_BUCKETS,
+)
+BOUND_SECONDS = Histogram(
+    "obliviate_guard_bound_seconds",
+    "Time to recompute the guard's bound for a new model version.",
+    ["learner"],
+    buckets=LATENCY_BUCKETS,
+)
+APPLIED = Counter(
+    "obliviate_requests_applied",
+    "Requests applied to a published model version.",
+    ["op"],
+)
+VERIFY_FAILURES = Counter(
+    "obliviate_verify_failures",
+    "Exactness checks (retrain from scratch, compare hashes) that did not match.",
+)
+UPDATE_FAILURES = Counter(
+    "obliviate_update_failures",
+    "Update batches that raised; their requests stay claimed and are retried.",
+)

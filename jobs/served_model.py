@@ -1,0 +1,205 @@
+"""A learner together with the guard that decides which of its answers are certain.
+
+The sidecar serves two kinds:
+
+- ``dare``: a DaRE forest (exact unlearning) guarded by :class:`ForestGuard`,
+  whose tables are fitted to one forest state. After any update the tables no
+  longer match, so the guard answers every query through the mechanism
+  (noise-all) until :meth:`ServedModel.refresh_guard` refits them.
+- ``sisa``: a SISA ensemble (exact unlearning) guarded by the vote rule of
+  DESIGN.md with every shard treated as fragile: one record lives in one shard,
+  so a single deletion can move at most that shard's vote, to any class. The
+  answer is certain when no such move changes the winner. The rule needs no
+  bound, so it holds for every state of the ensemble the moment it exists.
+
+Both rules are sound for the current training set only; the service binds
+its memo of noised answers to one version.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jobs.idp.forest_guard import ForestGuard
+from jobs.idp.guard import sisa_certain
+from jobs.learners.base import Learner
+from jobs.learners.dare import DaREForest
+from jobs.learners.sisa import SISAEnsemble
+
+LEARNER_DIR = "learner"
+GUARD_DIR = "guard"
+KIND_FILE = "served.json"
+
+# Sidecar defaults: small enough to retrain, verify and guard in seconds on 2 cores.
+DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
+    "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_state": 0},
+    "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
+             "batch_size": 32, "lr": 0.01, "random_state": 0},
+}
+
+
+class ServedModel(abc.ABC):
+    """The unit the registry stores and the service answers with."""
+
+    kind: ClassVar[str]
+    learner_cls: ClassVar[type[Learner]]
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+
+    @classmethod
+    def train(cls, kind: str, ids: np.ndarray, X: np.ndarray, y: np.ndarray,
+              params: dict[str, Any] | None = None, fit_guard: bool = True) -> ServedModel:
+        """Fit a new learner of `kind` on the records, and its guard unless told not to
+        (then it answers in noise-all mode until a worker refits it)."""
+        sub = _kind(kind)
+        merged = {**DEFAULT_PARAMS[kind], **(params or {})}
+        if "hidden" in merged:
+            merged["hidden"] = tuple(merged["hidden"])
+        model = sub(sub.learner_cls(**merged).fit(ids, X, y))
+        if fit_guard:
+            model.refresh_guard()
+        return model
+
+    @property
+    def classes(self) -> np.ndarray:
+        return self.learner.classes_
+
+    @property
+    def n_features(self) -> int:
+        learner = self.learner
+        return int(getattr(learner, "n_features_in_", None) or learner.n_features_)
+
+    def params(self) -> dict[str, Any]:
+        """Constructor hyperparameters (JSON-able), for the manifest."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in self.learner.get_params().items()}
+
+    @property
+    @abc.abstractmethod
+    def guard_ready(self) -> bool:
+        """Whether the guard's certainty rule is valid for the learner as it is now."""
+
+    @abc.abstractmethod
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(class index, certain) per clipped query; certain is all False when not ready."""
+
+    @abc.abstractmethod
+    def refresh_guard(self) -> dict[str, Any]:
+        """Make the guard valid for the current learner; returns its manifest record."""
+
+    @abc.abstractmethod
+    def guard_record(self) -> dict[str, Any]:
+        """What the guard rests on (rule, bound summary), for the manifest."""
+
+    def class_bounds(self) -> list[float] | None:
+        """Per class, the margin above which an answer is certain everywhere (for metrics);
+        None for a rule that has no such number."""
+        return None
+
+    def plain_labels(self, X: np.ndarray) -> np.ndarray:
+        """Unguarded class indices (benchmark baseline only: not private)."""
+        return np.argmax(self.learner.scores(X), axis=1)
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        self.learner.save(p / LEARNER_DIR)
+        self.save_guard(p / GUARD_DIR)
+        (p / KIND_FILE).write_text(json.dumps({"kind": self.kind}))
+
+    @staticmethod
+    def load(path: str | Path) -> ServedModel:
+        p = Path(path)
+        kind = json.loads((p / KIND_FILE).read_text())["kind"]
+        sub = _kind(kind)
+        model = sub(sub.learner_cls.load(p / LEARNER_DIR))
+        if (p / GUARD_DIR).exists():
+            model.load_guard(p / GUARD_DIR)
+        return model
+
+    def save_guard(self, path: Path) -> None:  # noqa: B027 - a guard may have no state
+        """Persist fitted guard state, if the guard has any."""
+
+    def load_guard(self, path: Path) -> None:  # noqa: B027 - a guard may have no state
+        """Install guard state written by :meth:`save_guard` (checked against the learner)."""
+
+
+class ForestModel(ServedModel):
+    kind = "dare"
+    learner_cls = DaREForest
+
+    def __init__(self, learner: DaREForest, guard: ForestGuard | None = None) -> None:
+        super().__init__(learner)
+        self.guard = guard
+
+    @property
+    def guard_ready(self) -> bool:
+        return self.guard is not None and self.guard.mode == "sound"
+
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self.guard_ready:
+            return self.plain_labels(X), np.zeros(len(X), dtype=bool)
+        return self.guard.certain(X)
+
+    def refresh_guard(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.guard = ForestGuard.fit(self.learner)
+        return {**self.guard_record(), "seconds": time.perf_counter() - t0}
+
+    def guard_record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"rule": "forest-loo", "ready": self.guard_ready}
+        if self.guard_ready:
+            rec["bound"] = self.guard.bound_summary
+        return rec
+
+    def class_bounds(self) -> list[float] | None:
+        if not self.guard_ready:
+            return None
+        # the margin needed never exceeds twice the largest move of one probability
+        return [2.0 * self.guard.bound_summary["delta_max_bound"]] * len(self.classes)
+
+    def save_guard(self, path: Path) -> None:
+        if self.guard_ready:
+            self.guard.save(path)
+
+    def load_guard(self, path: Path) -> None:
+        self.guard = ForestGuard.load(path, self.learner)
+
+
+class ShardVoteModel(ServedModel):
+    kind = "sisa"
+    learner_cls = SISAEnsemble
+
+    @property
+    def guard_ready(self) -> bool:
+        return True
+
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ens = self.learner
+        logits = ens.shard_logits(X)
+        S, C = logits.shape[0], logits.shape[2]
+        return sisa_certain(logits, np.full((S, C), np.inf), ens.active_shards_)
+
+    def refresh_guard(self) -> dict[str, Any]:
+        return {**self.guard_record(), "seconds": 0.0}
+
+    def guard_record(self) -> dict[str, Any]:
+        return {"rule": "sisa-vote", "ready": True, "shard_bound": "inf",
+                "n_shards": int(self.learner.n_shards)}
+
+
+KINDS: dict[str, type[ServedModel]] = {m.kind: m for m in (ForestModel, ShardVoteModel)}
+
+
+def _kind(kind: str) -> type[ServedModel]:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown learner {kind!r}; choose one of {sorted(KINDS)}") from None

@@ -1,0 +1,349 @@
+"""The background worker: pending ledger requests in, published model versions out.
+
+One pass: claim what is pending (after a short batching window), apply it to
+the current version's learner, save the result as a new version, and, in ONE
+ledger transaction, purge the deleted records, append `applied` events naming
+the version and make it current. The service swaps to it at once; its guard
+is not fitted yet, so it answers in noise-all mode (sound). When the queue is
+empty the worker starts refitting the guard and checking exactness (retrain
+from scratch, compare hashes) in a separate process; if the version is still
+current when that ends, it publishes the guarded version and appends
+`verified`.
+
+Crash safety follows from the order: files are written before the
+transaction that publishes them, and requests stay `claimed` (retaken by the
+same worker name on restart, or by anyone after the lease) until the version
+holding them is current. A version is never current half-written, and a
+request is never applied twice: each claimed request belongs to one worker,
+and publishing is a compare-and-set on the version it was built from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection
+
+from jobs import metrics
+from jobs.guard_job import GuardJob
+from jobs.learners.base import UpdateReport
+from jobs.registry import ModelVersion, PublishConflict, Registry, manifest
+from jobs.served_model import ServedModel
+from ledger.chain import as_utc, utc_now
+from ledger.models import Request
+from ledger.store import Ledger
+
+log = logging.getLogger("obliviate.worker")
+Publish = Callable[[Connection], None]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str = f"worker-{socket.gethostname()}"
+    batch_window_s: float = 0.1  # after claiming a lone request, wait this long for more
+    max_batch: int = 1000
+    poll_s: float = 0.1
+    lease_s: float = 300.0
+    verify_exactness: bool = True
+    guard_process: bool = True  # refit the guard in a child process (else a thread)
+    guard_after_idle_s: float = 1.0  # start a refit once no request came for this long
+
+
+class Worker:
+    """Turns pending requests into verified model versions (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, registry: Registry,
+                 config: WorkerConfig | None = None) -> None:
+        self.ledger = ledger
+        self.registry = registry
+        self.config = config or WorkerConfig()
+        self._model: ServedModel | None = None
+        self._version: ModelVersion | None = None
+        self._guard_job: GuardJob | None = None
+        self._last_update = 0.0
+        self.stop_event = threading.Event()
+
+    # ------------------------------------------------------------------ first version
+    def bootstrap(self, kind: str, params: dict[str, Any] | None = None,
+                  fit_guard: bool = True) -> str:
+        """Train on the ledger's live records and publish the first version (if none).
+
+        Without `fit_guard` the first version is published at once in noise-all mode
+        and the guard is refitted in the background like after any update.
+        """
+        cur = self.registry.current()
+        if cur is not None:
+            return cur.version
+        live = self.ledger.live_records()
+        if len(live.record_ids) == 0:
+            raise RuntimeError("the ledger holds no training records; run `obliviate ledger "
+                               "init` first")
+        t0 = time.perf_counter()
+        model = ServedModel.train(kind, live.record_ids, live.X, live.y, params, fit_guard)
+        change = {"op": "train", "n_records": len(live.record_ids),
+                  "seconds": time.perf_counter() - t0}
+        return self._publish(model, None, change, self._announce("model_trained", change))
+
+    # ------------------------------------------------------------------ loop
+    def run(self, max_seconds: float | None = None) -> None:
+        """Work until SIGTERM/SIGINT (or `max_seconds`); a pass in progress finishes first."""
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop_event.set())
+        self.warm_up()
+        log.info("worker %s started", self.config.name)
+        while not self.stop_event.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if not self.step():
+                self.stop_event.wait(self.config.poll_s)
+        self.close()
+        log.info("worker %s stopped", self.config.name)
+
+    def warm_up(self) -> None:
+        """Load the current version and run one throwaway deletion on a copy, so the
+        first real request does not pay for loading and compiling."""
+        if self.registry.current() is None:
+            return
+        _, version = self._current()
+        spare = ServedModel.load(self.registry.path(version.version))
+        ids = spare.learner.record_ids_
+        if len(ids) > 1:
+            spare.learner.delete(ids[:1])
+
+    def step(self) -> bool:
+        """One pass; False when there was nothing to do."""
+        batch = self._claim()
+        if batch:
+            self._last_update = time.monotonic()
+            try:
+                self._apply(batch)
+            except PublishConflict as exc:
+                log.info("lost a publication race (%s); retrying on the new version", exc)
+                self._model = None
+            except Exception:
+                metrics.UPDATE_FAILURES.inc()
+                self._model = None
+                raise
+            return True
+        return self._guard_pass()
+
+    # ------------------------------------------------------------------ apply
+    def _claim(self) -> list[Request]:
+        cfg = self.config
+        batch = self.ledger.claim(cfg.max_batch, cfg.name, cfg.lease_s)
+        # wait for company only when this request came alone: a backlog is a batch already
+        if len(batch) == 1 and cfg.batch_window_s > 0:
+            time.sleep(cfg.batch_window_s)
+            batch += self.ledger.claim(cfg.max_batch - len(batch), cfg.name, cfg.lease_s,
+                                       retake_own=False)
+        return batch
+
+    def _current(self) -> tuple[ServedModel, ModelVersion]:
+        cur = self.registry.current()
+        if cur is None:
+            raise RuntimeError("no model version is published; run `obliviate model train`")
+        if self._version is None or self._version.version != cur.version or self._model is None:
+            self._model = self.registry.load(cur.version)
+            self._version = cur
+        return self._model, self._version
+
+    def _apply(self, batch: list[Request]) -> None:
+        model, parent = self._current()
+        ok, failed = _split_applicable(batch, set(model.learner.record_ids_.tolist()))
+        for req, reason in failed:
+            self.ledger.mark_failed(req.request_id, reason)
+        if not ok:
+            return
+        t0 = time.perf_counter()
+        reports = []
+        for op, ids in _by_op(ok):
+            if op == "delete":
+                reports.append(model.learner.delete(ids))
+            else:
+                X, y = self.ledger.record_data(ids.tolist())
+                reports.append(model.learner.add(ids, X, y))
+        seconds = time.perf_counter() - t0
+        metrics.UPDATE_SECONDS.labels(learner=model.kind).observe(seconds)
+        change = {"op": "update", "requests": len(ok), "seconds": seconds,
+                  "updates": [r.as_dict() for r in reports]}
+        request_ids = [r.request_id for r in ok]
+        detail = {"guarantee": model.learner.guarantee, "retrained": _retrained(reports),
+                  "update_seconds": round(seconds, 6)}
+
+        def commit(version: str, publish: Publish) -> None:
+            self.ledger.mark_applied(request_ids, version, detail, in_transaction=publish)
+
+        self._publish(model, parent.version, change, commit)
+        now = utc_now()
+        for r in ok:
+            metrics.APPLIED.labels(op=r.op).inc()
+            if r.op == "delete":
+                metrics.DELETION_LATENCY.observe((now - as_utc(r.received_at)).total_seconds())
+
+    # ------------------------------------------------------------------ guard and verify
+    @property
+    def busy(self) -> bool:
+        """A guard job is computing (its result is published by a later pass)."""
+        return self._guard_job is not None
+
+    def _guard_pass(self) -> bool:
+        """Start, or finish, refitting the guard and checking exactness off the update path.
+
+        Refitting can take seconds (the forest guard runs one exact deletion per
+        record), so it runs in a separate process while updates keep flowing. It is
+        started when no request is waiting, on the current version; its result is
+        published only if that version is still current (otherwise it is stale and
+        dropped). A version this step published is not re-verified: if its exactness
+        check failed, its requests stay `applied` and the failure is counted.
+        """
+        cur = self.registry.current()
+        if cur is None:
+            return False
+        job = self._guard_job
+        if job is not None:
+            if job.version != cur.version:
+                log.info("guard for %s is stale (current %s); cancelled", job.version,
+                         cur.version)
+                job.cancel()
+                self._guard_job = None
+                return True
+            if not job.done():
+                return False
+            self._guard_job = None
+            self._finish_guard(job)
+            return True
+        if time.monotonic() - self._last_update < self.config.guard_after_idle_s:
+            return False
+        applied = self.ledger.requests_with_status("applied")
+        if cur.manifest["change"]["op"] == "guard" or (not applied
+                                                       and cur.manifest["guard"]["ready"]):
+            return False
+        self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
+                                   self.config.verify_exactness, self.config.guard_process)
+        return True
+
+    def _finish_guard(self, job: GuardJob) -> None:
+        try:
+            result = job.result()
+        except RuntimeError as exc:
+            metrics.UPDATE_FAILURES.inc()
+            log.error("refitting the guard for %s failed; it is retried:\n%s", job.version, exc)
+            job.discard()
+            return
+        model, parent = self._current()
+        model.load_guard(result.guard_dir)
+        job.discard()
+        metrics.BOUND_SECONDS.labels(learner=model.kind).observe(result.guard["seconds"])
+        check = result.check
+        if check and not check["exact"]:
+            metrics.VERIFY_FAILURES.inc()
+            log.error("exactness check failed for %s: %s != %s", parent.version,
+                      check["served_hash"], check["retrained_hash"])
+        applied = self.ledger.requests_with_status("applied")
+        change = {"op": "guard", "guard": result.guard, "exactness": check,
+                  "requests": len(applied)}
+        request_ids = [r.request_id for r in applied]
+        if request_ids and check.get("exact", True):
+            detail = {"guard": result.guard, "exactness": check}
+
+            def commit(version: str, publish: Publish) -> None:
+                self.ledger.mark_verified(request_ids, version, detail, in_transaction=publish)
+        else:
+            commit = self._announce("guard_refreshed", change)
+        try:
+            self._publish(model, parent.version, change, commit)
+        except PublishConflict:
+            self._model = None
+
+    def close(self) -> None:
+        if self._guard_job is not None:
+            self._guard_job.cancel()
+            self._guard_job = None
+
+    # ------------------------------------------------------------------ publish
+    def _publish(self, model: ServedModel, parent: str | None, change: dict[str, Any],
+                 commit: Callable[[str, Publish], None]) -> str:
+        """Save `model` as the next version, then let `commit` write the ledger events
+        and call `publish(conn)` inside that same transaction."""
+        t0 = time.perf_counter()
+        seq = self.registry.next_seq()
+        man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.last_seq(),
+                       training_set=self.ledger.records_digest(model.learner.record_ids_),
+                       change=change)
+        version = self.registry.save(model, seq, man)
+        t1 = time.perf_counter()
+        try:
+            commit(version, lambda conn: self.registry.publish(conn, version, seq, parent, man))
+        except PublishConflict:
+            self.registry.discard_unpublished(version)
+            raise
+        self._version = self.registry.get(version)
+        log.info("published %s (%s; saved in %.3f s, committed in %.3f s)", version,
+                 change["op"], t1 - t0, time.perf_counter() - t1)
+        return version
+
+    def _announce(self, kind: str, change: dict[str, Any]) -> Callable[[str, Publish], None]:
+        """A commit that records the publication as a ledger event of its own."""
+        def commit(version: str, publish: Publish) -> None:
+            self.ledger.record_event(kind, {"change": change}, version, in_transaction=publish)
+        return commit
+
+
+def _split_applicable(batch: Sequence[Request], live: set[str]
+                      ) -> tuple[list[Request], list[tuple[Request, str]]]:
+    """Requests the model can apply, additions first, and the rest with the reason.
+
+    Additions go first so a pass makes at most two learner calls. That order is
+    the arrival order's result too: an addition names only new record ids, so no
+    deletion before it can have named its records.
+    """
+    ok: list[Request] = []
+    failed: list[tuple[Request, str]] = []
+    held = set(live)
+    for r in sorted(batch, key=lambda q: q.op != "add"):
+        ids = list(r.record_ids)
+        if r.op == "delete":
+            missing = [i for i in ids if i not in held]
+            if missing:
+                failed.append((r, f"record {missing[0]!r} is not in the model"))
+                continue
+            held.difference_update(ids)
+        else:
+            clash = [i for i in ids if i in held]
+            if clash:
+                failed.append((r, f"record {clash[0]!r} is already in the model"))
+                continue
+            held.update(ids)
+        ok.append(r)
+    return ok, failed
+
+
+def _by_op(reqs: Sequence[Request]) -> list[tuple[str, np.ndarray]]:
+    """The record ids to add, then those to delete (one learner call each)."""
+    out = []
+    for op in ("add", "delete"):
+        ids = [i for r in reqs if r.op == op for i in r.record_ids]
+        if ids:
+            out.append((op, np.array(ids, dtype=object)))
+    return out
+
+
+def _retrained(reports: Sequence[UpdateReport]) -> dict[str, Any]:
+    return {"records": sum(len(r.record_ids) for r in reports),
+            "detail": [r.retrained for r in reports]}
+
+
+def worker_name() -> str:
+    """OBLIVIATE_WORKER_NAME, else one per host: a restart on the host retakes its claims."""
+    return os.environ.get("OBLIVIATE_WORKER_NAME") or WorkerConfig.name

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the serving processes.
+
+BentoML runs several worker processes and aggregates their metrics through
+PROMETHEUS_MULTIPROC_DIR, so every gauge states how processes combine:
+the guard mode is the minimum (one process in noise-all mode shows), the
+served version too (a process that has not swapped yet shows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+
+GUARD_QUERIES = Counter(
+    "obliviate_guard_queries",
+    "Predictions answered by the guard, by outcome (certain label or noised).",
+    ["outcome"],
+)
+GUARD_EPSILON = Gauge(
+    "obliviate_guard_epsilon_per_query",
+    "Privacy loss (epsilon) of one noised answer.",
+    multiprocess_mode="max",
+)
+GUARD_EPSILON_SPENT = Counter(
+    "obliviate_guard_epsilon_spent",
+    "Epsilon summed over fresh noised answers (memo replays cost nothing).",
+)
+GUARD_EPSILON_BUDGET = Gauge(
+    "obliviate_guard_epsilon_budget",
+    "Configured epsilon budget; an alert fires when the spent total reaches it.",
+    multiprocess_mode="max",
+)
+GUARD_BOUND = Gauge(
+    "obliviate_guard_bound",
+    "The guard's bound per class of the served version (0 while in noise-all mode).",
+    ["class"],
+    multiprocess_mode="max",
+)
+GUARD_MODE = Gauge(
+    "obliviate_guard_mode",
+    "1 while a verified bound guards the served version, 0 in noise-all mode.",
+    multiprocess_mode="min",
+)
+MEMO_EVICTIONS = Counter(
+    "obliviate_guard_memo_evictions",
+    "Noised answers evicted from the memo (a repeat then costs fresh epsilon).",
+)
+SERVED_VERSION = Gauge(
+    "obliviate_served_model_version",
+    "Sequence number of the model version a serving process answers with.",
+    multiprocess_mode="min",
+)
+MODEL_SWAPS = Counter(
+    "obliviate_model_swaps",
+    "Hot swaps of the in-memory model to a newly published version.",
+)
+
+
+class LedgerCollector:
+    """Gauges read from the ledger database at scrape time.
+
+    Pending requests and the current version are facts of the shared database,
+    not of one process, so they are computed per scrape instead of being kept
+    in multiprocess files.
+    """
+
+    def __init__(self, pending: Callable[[], int], current_version: Callable[[], int]) -> None:
+        self._pending = pending
+        self._current_version = current_version
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("obliviate_requests_pending",
+                                "Requests received or claimed but not yet applied.",
+                                value=self._pending())
+        yield GaugeMetricFamily("obliviate_model_version",
+                                "Sequence number of the registry's current model version.",
+                                value=self._current_version())

@@ -1,0 +1,156 @@
+"""The model a serving process answers with, swapped atomically when the registry moves.
+
+Each BentoML worker process holds one :class:`ModelHolder`. A watcher thread
+polls the registry's current version; when it moves, the new version is
+loaded off the request path and installed with one reference assignment, so
+a request in flight finishes on the version it started with and none fails.
+Every version gets a fresh :class:`LabelGuard`: noised answers of one
+training set are never replayed for another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jobs.idp.guard import LabelGuard, clip_unit
+from jobs.registry import ModelVersion, Registry
+from jobs.served_model import ServedModel
+from service import metrics
+from service.usage import GuardUsage
+
+log = logging.getLogger("obliviate.service")
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One installed version; immutable except for its guard's memo and counters."""
+
+    version: ModelVersion
+    model: ServedModel
+    guard: LabelGuard
+    lock: threading.Lock
+
+    @property
+    def mode(self) -> str:
+        return "sound" if self.guard.sound else "noise-all"
+
+
+class NoModelError(RuntimeError):
+    """No version is published yet (the worker has not trained one)."""
+
+
+class ModelHolder:
+    """Watches the registry and answers guarded queries with the current version."""
+
+    def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
+                 epsilon_budget: float = 1000.0, poll_s: float = 0.2, guarded: bool = True,
+                 usage: GuardUsage | None = None, random_state: int | None = None) -> None:
+        self.registry = registry
+        self.epsilon = epsilon
+        self.memo_size = memo_size
+        self.poll_s = poll_s
+        self.guarded = guarded
+        self.usage = usage
+        self._rng = np.random.default_rng(random_state)
+        self._serving: Serving | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.process = f"{socket.gethostname()}:{os.getpid()}"
+        metrics.GUARD_EPSILON.set(epsilon)
+        metrics.GUARD_EPSILON_BUDGET.set(epsilon_budget)
+
+    # ------------------------------------------------------------------ swapping
+    def start(self) -> ModelHolder:
+        """Load the current version now (if any) and keep watching in the background."""
+        self.refresh()
+        self._thread = threading.Thread(target=self._watch, name="registry-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._flush_usage()
+
+    def refresh(self) -> bool:
+        """Install the registry's current version if it is not the one served; True if swapped."""
+        cur = self.registry.current()
+        if cur is None or (self._serving is not None
+                           and self._serving.version.version == cur.version):
+            return False
+        model = self.registry.load(cur.version)
+        guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
+                           random_state=int(self._rng.integers(2**63)))
+        guard.bind(cur.version, sound=model.guard_ready)
+        self._flush_usage()
+        self._serving = Serving(cur, model, guard, threading.Lock())
+        metrics.MODEL_SWAPS.inc()
+        metrics.SERVED_VERSION.set(cur.seq)
+        metrics.GUARD_MODE.set(1 if guard.sound else 0)
+        bounds = model.class_bounds() or [0.0] * len(model.classes)
+        for c, b in enumerate(bounds):
+            metrics.GUARD_BOUND.labels(**{"class": str(c)}).set(b if guard.sound else 0.0)
+        log.info("serving %s (%s, guard %s)", cur.version, model.kind,
+                 "sound" if guard.sound else "noise-all")
+        return True
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.refresh()
+                self._flush_usage(min_interval_s=5.0)
+            except Exception:  # keep serving the installed version; retry next tick
+                log.exception("registry watch failed; still serving the installed version")
+
+    # ------------------------------------------------------------------ answering
+    @property
+    def serving(self) -> Serving:
+        s = self._serving
+        if s is None:
+            raise NoModelError("no model version is published yet; start `obliviate worker`")
+        return s
+
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, Serving]:
+        """Published labels for validated queries, and the version that answered."""
+        s = self.serving
+        Xq = clip_unit(np.asarray(X, dtype=np.float64))
+        if not self.guarded:
+            return s.model.classes[s.model.plain_labels(Xq)], s
+        labels, certain = s.model.certain(Xq)
+        with s.lock:
+            before = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
+                      s.guard.memo.evictions)
+            idx = s.guard.answer(Xq, labels, certain)
+            after = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
+                     s.guard.memo.evictions)
+        n_certain, n_noised, n_hits, n_evicted = (a - b for a, b in zip(after, before,
+                                                                          strict=True))
+        if n_certain:
+            metrics.GUARD_QUERIES.labels(outcome="certain").inc(n_certain)
+        if n_noised:
+            metrics.GUARD_QUERIES.labels(outcome="noised").inc(n_noised)
+            metrics.GUARD_EPSILON_SPENT.inc(self.epsilon * (n_noised - n_hits))
+        if n_evicted:
+            metrics.MEMO_EVICTIONS.inc(n_evicted)
+        if self.usage is not None:
+            self.usage.add(s.version.version, n_certain, n_noised, n_noised - n_hits,
+                           self.epsilon * (n_noised - n_hits))
+        return s.model.classes[idx], s
+
+    def status(self) -> dict[str, Any]:
+        s = self._serving
+        return {"process": self.process, "guarded": self.guarded, "epsilon": self.epsilon,
+                "version": None if s is None else s.version.version,
+                "mode": None if s is None else s.mode}
+
+    def _flush_usage(self, min_interval_s: float = 0.0) -> None:
+        if self.usage is not None:
+            self.usage.flush(self.process, min_interval_s)

@@ -1,0 +1,109 @@
+"""The BentoML service: guarded label-only predictions, intake, audit and model endpoints.
+
+`POST /v1/predict` is the BentoML API; the other endpoints and the audit page
+are a Starlette app mounted beside it (:mod:`service.http_api`). BentoML
+provides `/healthz`, `/readyz` and `/metrics` (aggregated over its worker
+processes); `__metrics__` adds the gauges read from the ledger database.
+Configuration comes from OBLIVIATE_* variables (:class:`ledger.config.Settings`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import bentoml
+import numpy as np
+from bentoml.exceptions import InvalidArgument, ServiceUnavailable
+from prometheus_client import CollectorRegistry, generate_latest
+
+from jobs.registry import Registry
+from ledger.config import Settings
+from service.http_api import AppContext, build_app
+from service.metrics import LedgerCollector
+from service.model_holder import ModelHolder, NoModelError
+from service.usage import GuardUsage
+
+MAX_BATCH = 10_000
+CONTEXT = AppContext()
+
+
+def parse_instances(instances: Any, n_features: int) -> np.ndarray:
+    """Queries as an (n, d) float array, or InvalidArgument saying what is wrong.
+
+    One row (a list of numbers) or a batch (a list of rows). Features must be
+    finite numbers in [0, 1]: the model was trained on features scaled to the
+    unit interval, and a value outside it means the caller forgot to scale.
+    """
+    if not isinstance(instances, list) or not instances:
+        raise InvalidArgument("'instances' must be a non-empty list: one row of "
+                              f"{n_features} numbers, or a list of such rows")
+    rows = [instances] if not isinstance(instances[0], list) else instances
+    if len(rows) > MAX_BATCH:
+        raise InvalidArgument(f"at most {MAX_BATCH} rows per call, got {len(rows)}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list):
+            raise InvalidArgument(f"row {i} is not a list of numbers")
+        if len(row) != n_features:
+            raise InvalidArgument(f"row {i} has {len(row)} features; the model takes "
+                                  f"{n_features}")
+        for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise InvalidArgument(f"row {i}, feature {j}: {v!r} is not a number")
+            if not math.isfinite(v):
+                raise InvalidArgument(f"row {i}, feature {j}: {v} is not finite")
+            if not 0.0 <= v <= 1.0:
+                raise InvalidArgument(f"row {i}, feature {j}: {v} is outside [0, 1]; "
+                                      "features are scaled to the unit interval")
+    return np.asarray(rows, dtype=np.float64)
+
+
+@bentoml.service(
+    name="obliviate",
+    workers=int(os.environ.get("OBLIVIATE_SERVICE_WORKERS", "1")),
+    traffic={"timeout": 60},
+)
+@bentoml.asgi_app(build_app(CONTEXT), path="/")
+class Obliviate:
+    """One serving process: a model holder watching the registry, and the ledger."""
+
+    def __init__(self) -> None:
+        settings = Settings.from_env()
+        if settings.guard not in ("on", "off"):
+            raise ValueError(f"OBLIVIATE_GUARD must be 'on' or 'off', not {settings.guard!r}")
+        self.ledger = settings.open_ledger()
+        self.registry = Registry(self.ledger.engine, settings.model_name)
+        self.usage = GuardUsage(self.ledger.engine)
+        self.holder = ModelHolder(self.registry, epsilon=settings.epsilon,
+                                  memo_size=settings.memo_size,
+                                  epsilon_budget=settings.epsilon_budget,
+                                  poll_s=settings.registry_poll_s,
+                                  guarded=settings.guard == "on", usage=self.usage).start()
+        CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
+        CONTEXT.admin_token = settings.admin_bearer_token()
+        CONTEXT.status = self.holder.status
+        self._ledger_metrics = CollectorRegistry(auto_describe=True)
+        self._ledger_metrics.register(LedgerCollector(self._pending, self.registry.current_seq))
+
+    @bentoml.api(route="/v1/predict")
+    def predict(self, instances: list[Any]) -> dict[str, Any]:
+        """Labels only, never scores: certain answers as is, the rest noised (eps-iDP)."""
+        try:
+            serving = self.holder.serving
+        except NoModelError as exc:
+            raise ServiceUnavailable(str(exc)) from None
+        X = parse_instances(instances, serving.model.n_features)
+        labels, used = self.holder.predict(X)
+        return {"labels": labels.tolist(), "model_version": used.version.version,
+                "guard": used.mode if self.holder.guarded else "off"}
+
+    def __is_ready__(self) -> bool:
+        return self.holder.status()["version"] is not None
+
+    async def __metrics__(self, content: str) -> str:
+        return content + generate_latest(self._ledger_metrics).decode()
+
+    def _pending(self) -> int:
+        counts = self.ledger.status_counts()
+        return counts.get("received", 0) + counts.get("claimed", 0)

@@ -1,0 +1,184 @@
+"""End-to-end deletion latency: produced to Kafka -> served by a version without the record.
+
+    python tests/bench/bench_e2e.py [--quick] [--learners dare,sisa] [--requests N]
+
+Per learner: a local tansu broker, a fresh SQLite ledger holding a synthetic
+table (make_classification, 3 classes, 20 features scaled to [0, 1]), the
+first version trained, then the real processes (`obliviate serve`, `worker`,
+`consume`). N single-record deletions are produced at a steady 50/s. A
+watcher polls the service's `/v1/models` every 20 ms and notes when each
+version is first served; a deletion's latency runs from its produce time to
+the first moment the service answers with the version that applied it (or a
+later one). `lost` counts produced requests that never reached `applied`;
+`duplicated` counts requests applied more than once.
+
+Baseline in the same process: for SISA, the time to retrain one shard (one
+single-record deletion on the same ensemble, which retrains exactly the
+affected shard); target p50 <= 1.2 x that. For DaRE the target is p50 <= 1 s.
+Last lines:
+
+    RESULT learner=... p50_s=... p95_s=... lost=0 duplicated=0 [shard_retrain_s=... ratio=...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+RATE = 50.0
+
+
+def _watch_versions(base: str, stop: threading.Event, first_served: dict[int, float]) -> None:
+    with httpx.Client(base_url=base, timeout=5.0) as http:
+        while not stop.is_set():
+            try:
+                cur = http.get("/v1/models").json()["serving"]["version"]
+            except (httpx.HTTPError, KeyError, TypeError):
+                cur = None
+            if cur:
+                first_served.setdefault(int(cur.lstrip("v")), time.time())
+            stop.wait(0.02)
+
+
+def _shard_retrain_seconds(ds, params: dict) -> float:  # noqa: ANN001 - datasets.Dataset
+    """One single-record deletion on the same ensemble: it retrains one shard."""
+    from jobs.served_model import ServedModel
+
+    model = ServedModel.train("sisa", np.array(ds.record_ids, dtype=object), ds.X, ds.y,
+                              params)
+    times = []
+    for rid in ds.record_ids[:3]:
+        t0 = time.perf_counter()
+        model.learner.delete(np.array([rid], dtype=object))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]:
+    from jobs.registry import Registry
+    from jobs.worker import Worker
+    from ledger import datasets
+    from ledger.config import Settings
+    from ledger.consumer import ensure_topics
+    from ledger.local_broker import LocalBroker
+    from ledger.producer import paced, produce
+    from service.processes import LocalSidecar, sidecar_env
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-e2e-{learner}-"))
+    with LocalBroker(log_path=work / "tansu.log") as broker:
+        s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
+                              hmac_key_file=str(work / "hmac.key"),
+                              kafka_bootstrap=broker.bootstrap)
+        env = sidecar_env(work, s.database_url, s.kafka_bootstrap)
+        os.environ.update({k: v for k, v in env.items() if k.startswith("BENTOML")})
+        ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+        ledger = s.open_ledger()
+        ds = datasets.load("synthetic", n_samples=n_records)
+        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+        t0 = time.perf_counter()
+        # the guard of the first version is refitted in the background (minutes for a
+        # forest of this size): the latency measured here does not wait for it
+        Worker(ledger, Registry(ledger.engine, s.model_name)).bootstrap(learner,
+                                                                         fit_guard=False)
+        print(f"[{learner}] {n_records} records, first version trained in "
+              f"{time.perf_counter() - t0:.1f} s; state in {work}", flush=True)
+        rng = np.random.default_rng(0)
+        victims = rng.choice(len(ds.record_ids), size=n_requests, replace=False)
+        messages = [{"request_id": f"e2e-{i:05d}", "op": "delete",
+                     "record_ids": [ds.record_ids[j]]} for i, j in enumerate(victims)]
+        produced: dict[str, float] = {}
+
+        def on_sent(k: int) -> None:
+            produced[messages[k - 1]["request_id"]] = time.time()
+
+        first_served: dict[int, float] = {}
+        stop = threading.Event()
+        with LocalSidecar(work, env) as sidecar:
+            watcher = threading.Thread(target=_watch_versions,
+                                       args=(sidecar.base_url, stop, first_served))
+            watcher.start()
+            try:
+                produce(s.kafka_bootstrap, s.requests_topic, paced(messages, RATE), on_sent)
+                deadline = time.monotonic() + 120 + n_requests / RATE
+                while time.monotonic() < deadline:
+                    counts = ledger.status_counts()
+                    if sum(counts.get(k, 0) for k in ("applied", "verified", "failed")) >= \
+                            n_requests or sidecar.dead():
+                        break
+                    time.sleep(0.2)
+                time.sleep(0.5)  # let the watcher see the last version served
+            finally:
+                stop.set()
+                watcher.join()
+        applied: dict[str, list[int]] = {}
+        at: dict[tuple[str, str], float] = {}
+        for e in ledger.export():
+            if e["kind"] in ("received", "applied") and e["request_id"]:
+                at.setdefault((e["kind"], e["request_id"]),
+                              datetime.fromisoformat(e["created_at"]).timestamp())
+            if e["kind"] == "applied":
+                applied.setdefault(e["request_id"], []).append(int(e["model_version"][1:]))
+    latencies, stages = [], []
+    for rid, t_produced in produced.items():
+        versions = applied.get(rid)
+        if not versions:
+            continue
+        served = [t for seq, t in first_served.items() if seq >= versions[0]]
+        if served:
+            latencies.append(min(served) - t_produced)
+            stages.append((at[("received", rid)] - t_produced,
+                           at[("applied", rid)] - at[("received", rid)],
+                           min(served) - at[("applied", rid)]))
+    if stages:
+        med = np.median(np.array(stages), axis=0)
+        print(f"[{learner}] p50 by stage: produced->recorded {med[0]:.3f} s, "
+              f"recorded->applied {med[1]:.3f} s, applied->served {med[2]:.3f} s", flush=True)
+    lost = sum(1 for rid in produced if rid not in applied)
+    duplicated = sum(1 for v in applied.values() if len(v) > 1)
+    q = np.percentile(latencies, [50, 95]) if latencies else [float("nan")] * 2
+    return {"p50_s": float(q[0]), "p95_s": float(q[1]), "lost": lost,
+            "duplicated": duplicated, "measured": len(latencies),
+            "t0": datetime.now().isoformat(timespec="seconds")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="200 requests per learner")
+    ap.add_argument("--learners", default="dare,sisa")
+    ap.add_argument("--requests", type=int, default=None)
+    args = ap.parse_args()
+    n = args.requests or (200 if args.quick else 1000)
+    n_records = max(2000, n + 500)
+    from jobs.served_model import DEFAULT_PARAMS
+    from ledger import datasets
+
+    lines = []
+    for learner in args.learners.split(","):
+        res = run(learner, n, n_records)
+        line = (f"RESULT learner={learner} p50_s={res['p50_s']:.3f} p95_s={res['p95_s']:.3f} "
+                f"lost={res['lost']} duplicated={res['duplicated']}")
+        if learner == "sisa":
+            shard_s = _shard_retrain_seconds(datasets.load("synthetic", n_samples=n_records),
+                                             DEFAULT_PARAMS["sisa"])
+            line += f" shard_retrain_s={shard_s:.3f} ratio={res['p50_s'] / shard_s:.2f}"
+        print(f"[{learner}] {res['measured']} latencies measured", flush=True)
+        lines.append(line)
+    for line in lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

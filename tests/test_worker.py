@@ -1,0 +1,186 @@
+"""The worker and the registry: requests in, verified versions out, on both databases."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+from sqlalchemy import select
+
+from jobs.registry import PublishConflict, Registry
+from jobs.served_model import ServedModel
+from jobs.worker import Worker, WorkerConfig
+from ledger.models import TrainingRecord
+from ledger.store import Ledger
+from tests.conftest import seed
+
+SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
+         "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}}
+
+
+def _worker(ledger: Ledger, name: str = "w1", registry: Registry | None = None,
+            window_s: float = 0.0) -> Worker:
+    reg = registry or Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    return Worker(ledger, reg, WorkerConfig(name=name, batch_window_s=window_s,
+                                            guard_process=False, guard_after_idle_s=0.0))
+
+
+def _drain(worker: Worker, timeout_s: float = 60.0) -> None:
+    """Step until there is nothing to do and no guard job is computing."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not worker.step():
+            if not worker.busy:
+                return
+            time.sleep(0.02)
+    raise AssertionError("the worker did not run out of work")
+
+
+def _events(ledger: Ledger, request_id: str) -> list[dict]:
+    return ledger.history(request_id)["events"]
+
+
+@pytest.fixture
+def seeded60(ledger: Ledger) -> Ledger:
+    seed(ledger, n=60)
+    return ledger
+
+
+@pytest.mark.parametrize("kind", ["dare", "sisa"])
+def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> None:
+    ledger = seeded60
+    w = _worker(ledger)
+    v1 = w.bootstrap(kind, SMALL[kind])
+    assert ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001"]}
+                          ).status == "accepted"
+    assert ledger.receive({"request_id": "d2", "op": "delete", "subject_id": "s05"}
+                          ).status == "accepted"
+    _drain(w)
+
+    kinds = {rid: [e["kind"] for e in _events(ledger, rid)] for rid in ("d1", "d2")}
+    assert kinds["d1"] == ["received", "claimed", "applied", "verified"]
+    assert kinds["d2"] == ["received", "claimed", "applied", "verified"]
+    applied = [e for e in _events(ledger, "d1") if e["kind"] == "applied"][0]
+    verified = [e for e in _events(ledger, "d1") if e["kind"] == "verified"][0]
+    assert applied["payload"]["guarantee"] == "exact"
+    assert verified["payload"]["exactness"]["exact"] is True
+
+    # the lineage: train -> update (noise-all for the forest) -> guard
+    lineage = w.registry.lineage()
+    assert [v.manifest["change"]["op"] for v in lineage] == ["guard", "update", "train"]
+    assert lineage[-1].version == v1 and lineage[1].parent == v1
+    assert applied["model_version"] == lineage[1].version
+    assert verified["model_version"] == lineage[0].version
+    assert lineage[0].manifest["guard"]["ready"] is True
+    assert lineage[1].manifest["guard"]["ready"] is (kind == "sisa")
+
+    # the served version no longer holds the records, and its raw data is gone
+    model = w.registry.load(w.registry.current().version)
+    gone = {"r001", "r015", "r016", "r017"}
+    assert not gone & set(model.learner.record_ids_.tolist())
+    assert model.learner.verify().exact
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(select(TrainingRecord.__table__)
+                            .where(TrainingRecord.__table__.c.record_id.in_(gone))).all()
+    assert all(r.state == "purged" and r.features is None and r.label is None for r in rows)
+
+    # the manifest names the training set by the Merkle root of its fingerprints
+    count, root = ledger.records_digest(model.learner.record_ids_.tolist())
+    assert lineage[0].manifest["training_set"] == {"count": 56, "merkle_root": root}
+    assert count == 56
+    assert ledger.verify().ok
+
+
+def test_additions_are_learned_and_the_guard_follows(seeded60: Ledger) -> None:
+    ledger = seeded60
+    w = _worker(ledger)
+    w.bootstrap("dare", SMALL["dare"])
+    res = ledger.receive({"request_id": "a1", "op": "add", "subject_id": "snew",
+                          "payload": {"records": [
+        {"record_id": "n1", "features": [0.1, 0.2, 0.3, 0.4], "label": 1},
+        {"record_id": "n2", "features": [0.9, 0.8, 0.7, 0.6], "label": 2}]}})  # fmt: skip
+    assert res.status == "accepted", res.reason
+    _drain(w)
+    model = w.registry.load(w.registry.current().version)
+    assert {"n1", "n2"} <= set(model.learner.record_ids_.tolist())
+    assert model.guard_ready
+    assert ledger.history("a1")["request"]["status"] == "verified"
+
+
+def test_a_request_the_model_cannot_apply_fails_with_a_reason(seeded60: Ledger) -> None:
+    ledger = seeded60
+    w = _worker(ledger)
+    w.bootstrap("sisa", SMALL["sisa"])
+    # both accepted at intake (r002 is live until the first is applied)
+    ledger.receive({"request_id": "x1", "op": "delete", "record_ids": ["r002"]})
+    ledger.receive({"request_id": "x2", "op": "delete", "record_ids": ["r002", "r003"]})
+    _drain(w)
+    assert ledger.history("x1")["request"]["status"] == "verified"
+    h = ledger.history("x2")
+    assert h["request"]["status"] == "failed"
+    assert "r002" in h["events"][-1]["payload"]["reason"]
+    # r003 was not touched by the failed request
+    model = w.registry.load(w.registry.current().version)
+    assert "r003" in set(model.learner.record_ids_.tolist())
+
+
+def test_a_second_worker_never_builds_on_a_stale_version(seeded60: Ledger) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    a, b = _worker(ledger, "a", reg), _worker(ledger, "b", reg)
+    a.bootstrap("sisa", SMALL["sisa"])
+    ledger.receive({"request_id": "p1", "op": "delete", "record_ids": ["r010"]})
+    ledger.receive({"request_id": "p2", "op": "delete", "record_ids": ["r020"]})
+    batch_a = ledger.claim(1, "a")
+    batch_b = ledger.claim(1, "b")
+    stale = a._current()  # a reads v1 as current ...
+    b._apply(batch_b)  # ... b publishes v2 from v1 meanwhile ...
+    a._current = lambda: stale  # type: ignore[method-assign]
+    with pytest.raises(PublishConflict):
+        a._apply(batch_a)  # ... so a's v2-from-v1 must not become current
+    del a._current
+    assert ledger.history("p1")["request"]["status"] == "claimed"
+    _drain(a)  # a retakes its claim and builds on the new current version
+    _drain(b)
+    current = reg.load(reg.current().version)
+    held = set(current.learner.record_ids_.tolist())
+    assert not {"r010", "r020"} & held
+    chain = reg.lineage()
+    assert all(v.parent == nxt.version for v, nxt in zip(chain, chain[1:], strict=False))
+    for rid in ("p1", "p2"):
+        assert [e["kind"] for e in _events(ledger, rid)].count("applied") == 1
+
+
+def test_manifest_records_what_rebuilds_the_version(seeded60: Ledger) -> None:
+    w = _worker(seeded60)
+    w.bootstrap("dare", SMALL["dare"])
+    cur = w.registry.current()
+    m = cur.manifest
+    assert m["learner"] == "dare" and m["seed"] == 0 and m["guarantee"] == "exact"
+    assert m["params"]["n_estimators"] == 8 and m["parent"] is None
+    assert m["guard"]["rule"] == "forest-loo" and m["guard"]["ready"]
+    assert m["ledger_seq"] >= 1
+    path = w.registry.path(cur.version)
+    assert json.loads((path / "manifest.json").read_text())["content_hash"] == m["content_hash"]
+    # retraining from the manifest's parameters reproduces the content hash
+    live = seeded60.live_records()
+    again = ServedModel.train("dare", live.record_ids, live.X, live.y, m["params"])
+    assert again.learner.content_hash() == m["content_hash"]
+    assert np.array_equal(again.learner.record_ids_, w.registry.load(cur.version)
+                          .learner.record_ids_)
+
+
+def test_batching_window_claims_each_request_once(seeded60: Ledger) -> None:
+    ledger = seeded60
+    w = _worker(ledger, "win", window_s=0.05)
+    w.bootstrap("sisa", SMALL["sisa"])
+    for i in range(5):
+        ledger.receive({"request_id": f"b{i}", "op": "delete", "record_ids": [f"r{30 + i:03d}"]})
+    _drain(w)
+    for i in range(5):
+        assert ledger.history(f"b{i}")["request"]["status"] == "verified"
+    assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
+        "guard", "update", "train"]
