@@ -22,6 +22,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=1000)
     p.add_argument("--no-verify", action="store_true",
                    help="skip the exactness check (retrain from scratch, compare hashes)")
+    p.add_argument("--evaluate", action="store_true", default=None,
+                   help="measure each deletion's privacy into its `applied` event (accuracy, "
+                        "attack advantages, membership inference; env OBLIVIATE_EVALUATE=on)")
     p.add_argument("--train", action="store_true",
                    help="train and publish a first version if none exists")
     p.add_argument("--learner", choices=sorted(KINDS), default=None,
@@ -65,9 +68,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     s = settings_from(args)
+    if s.evaluate not in ("on", "off"):
+        raise ValueError(f"OBLIVIATE_EVALUATE must be 'on' or 'off', not {s.evaluate!r}")
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
-                     max_batch=args.max_batch, verify_exactness=not args.no_verify)
+                     max_batch=args.max_batch, verify_exactness=not args.no_verify,
+                     evaluate=args.evaluate or s.evaluate == "on")
     if args.train:
         worker.bootstrap(args.learner or s.learner)
     worker.run(max_seconds=args.max_seconds)

@@ -30,7 +30,7 @@ GUARD_SUBDIR = "guard"
 @dataclass(frozen=True)
 class GuardResult:
     guard: dict[str, Any]  # the guard's manifest record (rule, bound summary, seconds)
-    check: dict[str, Any]  # the exactness check, empty when not asked for
+    check: dict[str, Any]  # the exactness check (or, approximate, the gap), empty if not asked
     guard_dir: Path  # fitted guard state, for ServedModel.load_guard
 
 
@@ -43,8 +43,11 @@ def fit_guard(version_path: str, out_dir: str, verify: bool) -> None:
         check: dict[str, Any] = {}
         if verify:
             rep = model.learner.verify()
-            check = {"exact": rep.exact, "served_hash": rep.served_hash,
-                     "retrained_hash": rep.retrained_hash, "seconds": round(rep.seconds, 6)}
+            check = {"guarantee": model.learner.guarantee, "exact": rep.exact,
+                     "served_hash": rep.served_hash, "retrained_hash": rep.retrained_hash,
+                     "seconds": round(rep.seconds, 6)}
+            if model.learner.guarantee != "exact":
+                check["gap_to_retrain"] = rep.detail  # what "approximate" measured to be
         model.save_guard(out / GUARD_SUBDIR)
         tmp = out / (RESULT_FILE + ".tmp")
         tmp.write_text(json.dumps({"guard": guard, "check": check}))

@@ -11,6 +11,11 @@ The sidecar serves two kinds:
   so a single deletion can move at most that shard's vote, to any class. The
   answer is certain when no such move changes the winner. The rule needs no
   bound, so it holds for every state of the ensemble the moment it exists.
+- ``game``: one network that forgets by the game of Liu et al. (APPROXIMATE
+  unlearning). It is served in noise-all mode, always: LUCID's bound holds for
+  a network and its leave-one-out networks trained with one masked schedule,
+  and the game's updates leave that schedule, so no sound bound is known for
+  the network it serves. Every answer goes through the exponential mechanism.
 
 Both rules are sound for the current training set only; the service binds
 its memo of noised answers to one version.
@@ -30,6 +35,7 @@ from jobs.idp.forest_guard import ForestGuard
 from jobs.idp.guard import sisa_certain
 from jobs.learners.base import Learner
 from jobs.learners.dare import DaREForest
+from jobs.learners.game import GameUnlearningNet
 from jobs.learners.sisa import SISAEnsemble
 
 LEARNER_DIR = "learner"
@@ -41,6 +47,7 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_state": 0},
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
              "batch_size": 32, "lr": 0.01, "random_state": 0},
+    "game": {"hidden": [64], "epochs": 30, "random_state": 0},
 }
 
 
@@ -60,8 +67,9 @@ class ServedModel(abc.ABC):
         (then it answers in noise-all mode until a worker refits it)."""
         sub = _kind(kind)
         merged = {**DEFAULT_PARAMS[kind], **(params or {})}
-        if "hidden" in merged:
-            merged["hidden"] = tuple(merged["hidden"])
+        for key in ("hidden", "attack_hidden"):
+            if key in merged:
+                merged[key] = tuple(merged[key])
         model = sub(sub.learner_cls(**merged).fit(ids, X, y))
         if fit_guard:
             model.refresh_guard()
@@ -102,6 +110,11 @@ class ServedModel(abc.ABC):
         """Per class, the margin above which an answer is certain everywhere (for metrics);
         None for a rule that has no such number."""
         return None
+
+    def holdout_ids(self) -> np.ndarray:
+        """Records of the model's data it never trained on (non-members for the privacy
+        evaluation); empty for a learner that trains on every record."""
+        return np.empty(0, dtype=object)
 
     def plain_labels(self, X: np.ndarray) -> np.ndarray:
         """Unguarded class indices (benchmark baseline only: not private)."""
@@ -185,7 +198,8 @@ class ShardVoteModel(ServedModel):
         ens = self.learner
         logits = ens.shard_logits(X)
         S, C = logits.shape[0], logits.shape[2]
-        return sisa_certain(logits, np.full((S, C), np.inf), ens.active_shards_)
+        return sisa_certain(logits, np.full((S, C), np.inf), ens.active_shards_,
+                            max(1, ens.max_shards_per_record_))
 
     def refresh_guard(self) -> dict[str, Any]:
         return {**self.guard_record(), "seconds": 0.0}
@@ -195,7 +209,32 @@ class ShardVoteModel(ServedModel):
                 "n_shards": int(self.learner.n_shards)}
 
 
-KINDS: dict[str, type[ServedModel]] = {m.kind: m for m in (ForestModel, ShardVoteModel)}
+class GameModel(ServedModel):
+    kind = "game"
+    learner_cls = GameUnlearningNet
+
+    @property
+    def guard_ready(self) -> bool:
+        return False
+
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.plain_labels(X), np.zeros(len(X), dtype=bool)
+
+    def refresh_guard(self) -> dict[str, Any]:
+        return {**self.guard_record(), "seconds": 0.0}
+
+    def guard_record(self) -> dict[str, Any]:
+        return {"rule": "noise-all", "ready": False,
+                "reason": "approximate unlearning leaves the masked LOO schedule: no sound "
+                          "bound is known, so every answer is noised"}
+
+    def holdout_ids(self) -> np.ndarray:
+        learner = self.learner
+        return learner.record_ids_[~learner.train_mask_]
+
+
+KINDS: dict[str, type[ServedModel]] = {
+    m.kind: m for m in (ForestModel, ShardVoteModel, GameModel)}
 
 
 def _kind(kind: str) -> type[ServedModel]:

@@ -31,6 +31,7 @@ class Settings:
     model_name: str = "obliviate"
     learner: str = "dare"
     guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
+    evaluate: str = "off"  # "on": the worker measures each deletion's privacy (jobs.eval)
     admin_token: str | None = None
     admin_token_file: str = str(STATE_DIR / "admin.token")
     epsilon: float = 1.0

@@ -79,6 +79,8 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
             print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
                   f"admin token in {s.admin_token_file})")
             ok = _stream(ledger, s, ds, n_requests, rate, sidecar)
+            current = Registry(ledger.engine, s.model_name).current()
+            ok = _await_served(sidecar.base_url, current.version if current else None) and ok
             _report(ledger, s, sidecar)
         finally:
             codes = sidecar.stop()
@@ -125,6 +127,24 @@ def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: flo
     print(f"predictions during the stream: {sum(answers.values())} "
           f"({', '.join(f'{k}={v}' for k, v in sorted(answers.items()))})")
     return done == total and answers.get("error", 0) == 0
+
+
+def _await_served(base: str, version: str | None, timeout_s: float = 30.0) -> bool:
+    """Wait until the service answers with the current version, so the report shows it."""
+    deadline = time.monotonic() + timeout_s
+    served = None
+    while time.monotonic() < deadline:
+        try:
+            served = httpx.get(f"{base}/v1/models", timeout=5).json()["serving"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            served = None
+        if served and served.get("version") == version:
+            break
+        time.sleep(0.2)
+    served = served or {}
+    print(f"service now serves {served.get('version', '-')} (current {version}), "
+          f"guard {served.get('mode', '-')}")
+    return served.get("version") == version
 
 
 def _predict_loop(base: str, X: np.ndarray, stop: threading.Event,

@@ -94,6 +94,57 @@ def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> Non
     assert ledger.verify().ok
 
 
+GAME_SMALL = {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
+              "third_fraction": 0.25}
+
+
+def test_game_deletions_are_approximate_measured_and_served_noised(seeded60: Ledger) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, evaluate=True))
+    v1 = w.bootstrap("game", GAME_SMALL)
+    _drain(w)
+    assert reg.current().version == v1  # nothing to refit: noise-all is its guard
+    model = reg.load(v1)
+    held = set(model.holdout_ids().tolist())
+    assert held and model.guard_record()["ready"] is False
+    forget = [r for r in model.learner.record_ids_.tolist() if r not in held][:3]
+    assert ledger.receive({"request_id": "g1", "op": "delete", "record_ids": forget}
+                          ).status == "accepted"
+    _drain(w)
+
+    events = {e["kind"]: e for e in _events(ledger, "g1")}
+    assert list(events) == ["received", "claimed", "applied", "verified"]
+    applied = events["applied"]["payload"]
+    assert applied["guarantee"] == "approximate"
+    ev = applied["evaluation"]
+    for key in ("acc_test", "acc_forget", "mia_forget", "priaa_frozen", "priaa_retrained",
+                "acc_test_original"):
+        assert key in ev and (ev[key] is None or 0.0 <= ev[key] <= 1.0), key
+    check = events["verified"]["payload"]["exactness"]
+    assert check["guarantee"] == "approximate" and check["exact"] is False
+    assert 0.0 <= check["gap_to_retrain"]["agreement_train"] <= 1.0
+    # served in noise-all mode, always: no sound bound exists for the game's network
+    cur = reg.load(reg.current().version)
+    assert not set(forget) & set(cur.learner.record_ids_.tolist())
+    labels, certain = cur.certain(np.random.default_rng(0).random((5, 4)))
+    assert not certain.any() and len(labels) == 5
+
+
+def test_evaluation_is_skipped_with_a_reason_without_held_out_records(seeded60: Ledger
+                                                                       ) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, evaluate=True))
+    w.bootstrap("dare", SMALL["dare"])
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001"]})
+    _drain(w)
+    applied = [e for e in _events(ledger, "d1") if e["kind"] == "applied"][0]
+    assert "no non-members" in applied["payload"]["evaluation"]["skipped"]
+
+
 def test_additions_are_learned_and_the_guard_follows(seeded60: Ledger) -> None:
     ledger = seeded60
     w = _worker(ledger)

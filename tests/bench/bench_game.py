@@ -194,13 +194,17 @@ def main(argv=None) -> int:
     def share(cond):
         return f"{sum(map(cond, rows))}/{len(rows)}"
 
-    print(f"\nSUMMARY settings={len(rows)} "
-          f"acc_within_1pt_of_retrain={share(lambda r: abs(r['acc_game'] - r['acc_retrain']) <= 0.01)} "  # noqa: E501
+    within = share(lambda r: abs(r["acc_game"] - r["acc_retrain"]) <= 0.01)
+    over = share(lambda r: r["acc_forget_game"] < r["acc_forget_retrain"] - 0.01)
+    sharper = share(lambda r: r["auc_retrained_attacker"]
+                    > r["auc_retrained_attacker_retrain"] + 0.05)
+    print(f"\nSUMMARY settings={len(rows)} acc_within_1pt_of_retrain={within} "
           f"priaa_game_le_0.1={share(lambda r: r['priaa_game'] <= 0.1)} "
-          f"speedup_ge_2={share(lambda r: r['speedup'] >= 2)} "
-          f"over_forgetting={share(lambda r: r['acc_forget_game'] < r['acc_forget_retrain'] - 0.01)} "  # noqa: E501
-          f"retrained_attacker_auc_gt_retrain={share(lambda r: r['auc_retrained_attacker'] > r['auc_retrained_attacker_retrain'] + 0.05)} "  # noqa: E501
+          f"speedup_ge_2={share(lambda r: r['speedup'] >= 2)} over_forgetting={over} "
+          f"retrained_attacker_auc_gt_retrain={sharper} "
           f"wall_s={time.perf_counter() - t_all:.0f}")
+    for row in rows:  # the last lines: one RESULT per setting
+        print("RESULT " + _fmt(row))
     return 0
 
 
