@@ -45,6 +45,19 @@ def _live(m: SISAEnsemble):
     return m.record_ids_, m.X_, m.classes_[m.y_]
 
 
+def _where(m: SISAEnsemble, some_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(memberships (n, S), slices) of live records."""
+    return m.memberships(some_ids), m.slice_of_[np.searchsorted(m.record_ids_, some_ids)]
+
+
+def _earliest(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
+    expect: dict[int, int] = {}
+    for row, r in zip(member, slices.tolist(), strict=True):
+        for s in np.flatnonzero(row).tolist():
+            expect[s] = min(r, expect.get(s, r))
+    return expect
+
+
 # --------------------------------------------------------------------------- basics
 
 
@@ -126,7 +139,10 @@ def test_random_update_sequences_stay_exact(data):
     add_slice = data.draw(st.sampled_from(["last", "keyed"]), label="add_slice")
     agg = data.draw(st.sampled_from(["vote", "mean"]), label="aggregation")
     n0 = data.draw(st.integers(1, 30), label="n0")
+    sampling = data.draw(st.sampled_from(["partition", "independent"]), label="sampling")
     m = _model(
+        sampling=sampling,
+        shard_prob=0.5,
         n_shards=S,
         n_slices=R,
         add_slice=add_slice,
@@ -148,11 +164,11 @@ def test_random_update_sequences_stay_exact(data):
             )
             rep = m.add(ids[pick], X[pick], y[pick])
             live |= set(pick)
-            shards, slices = m.locate(ids[pick])
+            member, slices = _where(m, ids[pick])
             if add_slice == "last":
                 assert (slices == R - 1).all()
                 assert set(rep.retrained["from_slice"].values()) <= {R - 1}
-            assert sorted(rep.retrained["shards"]) == sorted(set(shards.tolist()))
+            assert rep.retrained["shards"] == np.flatnonzero(member.any(axis=0)).tolist()
         elif op == "delete":
             if not live:
                 continue
@@ -160,13 +176,10 @@ def test_random_update_sequences_stay_exact(data):
                 st.lists(st.sampled_from(sorted(live)), min_size=1, max_size=4, unique=True),
                 label="delete",
             )
-            shards, slices = m.locate(ids[pick])
+            member, slices = _where(m, ids[pick])
             rep = m.delete(ids[pick])
             live -= set(pick)
-            expect = {}
-            for s, r in zip(shards.tolist(), slices.tolist(), strict=True):
-                expect[s] = min(r, expect.get(s, r))
-            assert rep.retrained["from_slice"] == expect
+            assert rep.retrained["from_slice"] == _earliest(member, slices)
         elif op == "bad_delete":
             gone = sorted(set(range(60)) - live)
             with pytest.raises(UnknownRecordError):
@@ -188,6 +201,40 @@ def test_random_update_sequences_stay_exact(data):
         lid, lX, ly = _live(m)
         fresh = clone(m).fit(lid, lX, ly)
         assert fresh.content_hash() == m.content_hash()
+
+
+def test_independent_sampling_joins_each_shard_with_probability_p(tmp_path):
+    ids, X, y = _pool(400)
+    m = _model(n_shards=4, sampling="independent", shard_prob=0.3, epochs_per_slice=1)
+    m.fit(ids, X, y)
+    member = m.memberships(ids)
+    assert member.shape == (400, 4)
+    assert abs(member.mean() - 0.3) < 0.05  # 1,600 keyed draws
+    assert m.max_shards_per_record_ == member.sum(axis=1).max() > 1
+    assert (m.shard_sizes_ == member.sum(axis=0)).all()
+    with pytest.raises(ValueError, match="memberships"):
+        m.locate(ids[:1])
+    # a deletion retrains every shard holding the record, and only those
+    k = int(np.flatnonzero(member.sum(axis=1) >= 2)[0])
+    before = [m.shard_hash(s) for s in range(4)]
+    rep = m.delete(ids[[k]])
+    assert rep.retrained["shards"] == np.flatnonzero(member[k]).tolist()
+    after = [m.shard_hash(s) for s in range(4)]
+    assert [b != a for b, a in zip(before, after, strict=True)] == member[k].tolist()
+    assert m.verify().exact
+    m.save(tmp_path / "m")
+    back = SISAEnsemble.load(tmp_path / "m")
+    assert back.content_hash() == m.content_hash()
+    live = m.record_ids_[:50]
+    assert (back.memberships(live) == m.memberships(live)).all()
+    # the same seed gives the same memberships; another seed other ones
+    other = _model(n_shards=4, sampling="independent", shard_prob=0.3, epochs_per_slice=1,
+                   random_state=1).fit(ids, X, y)
+    assert (other.memberships(ids[:50]) != member[:50]).any()
+    with pytest.raises(ValueError, match="shard_prob"):
+        _model(sampling="independent", shard_prob=0.0).fit(ids, X, y)
+    with pytest.raises(ValueError, match="sampling"):
+        _model(sampling="bagging").fit(ids, X, y)
 
 
 def test_delete_equals_fresh_fit_on_live_set():

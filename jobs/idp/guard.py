@@ -64,44 +64,51 @@ def vote_winner(votes: np.ndarray) -> np.ndarray:
 
 
 def sisa_certain(shard_scores: np.ndarray, shard_betas: np.ndarray,
-                 active: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 active: np.ndarray | None = None, max_shards: int = 1
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """A SISA ensemble's majority vote, and where no single deletion can change it.
 
-    Deleting one record changes one shard's model only. A shard whose margin
-    exceeds its bound keeps its vote under every such deletion; a shard at or
-    below its bound may vote for any class. The answer is certain iff no one
-    such shard, moving its vote to any other class, changes the winner (ties
-    broken towards the lowest class, as the ensemble does). A shard that loses
-    its last record stops voting; that case is covered, because removing a
-    vote from a_s changes the winner only to a class c that moving the vote
-    to c would also make the winner. O(shards x classes) per query.
+    Deleting one record changes the models of the shards holding it only: one
+    shard for a partition, at most ``max_shards`` with independent sampling. A
+    shard whose margin exceeds its bound keeps its vote under every such
+    deletion; a shard at or below its bound (fragile) may vote for any class.
+
+    The winner w (ties to the lowest class, as the ensemble does) changes iff
+    some class c can end up with v'_c > v'_w (or equal with c < w). Moving a
+    fragile shard's vote from w to c gains c two votes on w, from a third class
+    one, from c none; a shard that loses its last record only withdraws its
+    vote, which gains less. So the largest gain of c on w from changing at most
+    m = max_shards fragile shards is 2 min(m, f_w) + min(m - min(m, f_w), f_o)
+    (f_w fragile shards voting w, f_o fragile shards voting neither w nor c),
+    and the answer is certain iff no c reaches w with it. For m = 1 this is
+    "no single fragile shard moving its vote to any class changes the winner".
+    O(shards x n + n x classes).
 
     shard_scores: (S, n, C) per-shard logits; shard_betas: (S, C); active: (S,).
     """
     S, n, C = shard_scores.shape
+    if isinstance(max_shards, bool) or int(max_shards) != max_shards or max_shards < 1:
+        raise ValueError(f"max_shards must be a positive integer, got {max_shards!r}")
     active = np.ones(S, dtype=bool) if active is None else np.asarray(active, dtype=bool)
-    shard_labels = np.empty((S, n), dtype=np.int64)
-    shard_margins = np.empty((S, n))
-    for s in range(S):
-        shard_labels[s], shard_margins[s] = top_margin(shard_scores[s])
+    rows = np.arange(n)
     votes = np.zeros((n, C), dtype=np.int64)
+    fragile = np.zeros((n, C), dtype=np.int64)  # fragile active shards voting each class
     for s in np.flatnonzero(active):
-        np.add.at(votes, (np.arange(n), shard_labels[s]), 1)
+        a, margin = top_margin(shard_scores[s])
+        np.add.at(votes, (rows, a), 1)
+        weak = margin <= np.asarray(shard_betas[s])[a]
+        np.add.at(fragile, (rows[weak], a[weak]), 1)
     winner = vote_winner(votes)
-    certain = np.ones(n, dtype=bool)
-    eye = np.eye(C, dtype=np.int64)
-    for s in np.flatnonzero(active):
-        a = shard_labels[s]
-        fragile = shard_margins[s] <= shard_betas[s][a]
-        if not fragile.any():
-            continue
-        idx = np.flatnonzero(fragile)
-        moved = votes[idx] - eye[a[idx]]  # (k, C): the shard's vote withdrawn
-        # every alternative vote b at once: (k, C, C) with row b = moved + e_b
-        alternatives = moved[:, None, :] + eye[None, :, :]
-        flips = vote_winner(alternatives) != winner[idx, None]
-        certain[idx] &= ~flips.any(axis=1)
-    return winner, certain
+    m = int(max_shards)
+    f_w = fragile[rows, winner]
+    moved_w = np.minimum(m, f_w)  # (n,)
+    f_other = fragile.sum(axis=1)[:, None] - f_w[:, None] - fragile  # (n, C)
+    gain = 2 * moved_w[:, None] + np.minimum(m - moved_w[:, None], f_other)
+    gap = votes[rows, winner][:, None] - votes - gain
+    classes = np.arange(C)[None, :]
+    reaches = (gap < 0) | ((gap == 0) & (classes < winner[:, None]))
+    reaches[rows, winner] = False
+    return winner, ~reaches.any(axis=1)
 
 
 class LRUMemo:

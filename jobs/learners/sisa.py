@@ -11,7 +11,11 @@ set ``D`` of live records, each a tuple ``(id, x, y, origin)`` with
 arrival order enter ``T``:
 
 * shard of a record: ``prf(seed, "shard", id) mod S`` -- stable under any
-  additions and deletions;
+  additions and deletions (``sampling="partition"``, the default). With
+  ``sampling="independent"`` (Gupta et al., Alg. 2-3) a record joins each shard
+  ``s`` on its own, iff ``prf_uniform(seed, ("member", s), id) < shard_prob``: it
+  may sit in several shards or in none, a deletion retrains every shard holding
+  it, and an addition joins the shards its keyed draws pick;
 * slice of a record within its shard (``add_slice="last"``, the default):
   ``prf(seed, "slice", id) mod R`` for ``origin="fit"``, and ``R - 1`` (the
   shard's last slice) for ``origin="add"``. With ``add_slice="keyed"`` every
@@ -129,7 +133,7 @@ from jobs.learners.base import (
     unique_ids,
     write_bundle,
 )
-from jobs.learners.keyed import prf_u64, prf_u64_many
+from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
 from jobs.learners.nets import (
     build_net,
     deterministic,
@@ -156,7 +160,15 @@ class SISAEnsemble(Learner, BaseEstimator):
     Parameters
     ----------
     n_shards : int
-        Number of shards ``S``; a record's shard is ``prf(seed, "shard", id) mod S``.
+        Number of shards ``S``; a record's shard is ``prf(seed, "shard", id) mod S``
+        (``sampling="partition"``).
+    sampling : {"partition", "independent"}
+        ``"partition"``: every record in exactly one shard. ``"independent"``: every
+        record joins each shard independently with probability ``shard_prob``
+        (keyed by the record id and the shard; Gupta et al.'s variant, whose
+        shards are exchangeable, which their private prediction mode relies on).
+    shard_prob : float in (0, 1]
+        The probability ``p`` of joining a shard (``sampling="independent"`` only).
     n_slices : int
         Number of slices ``R`` per shard (incremental training with checkpoints).
     model : {"mlp", "cnn"}
@@ -212,6 +224,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         schedule: str = "auto",
         aggregation: str = "vote",
         add_slice: str = "last",
+        sampling: str = "partition",
+        shard_prob: float = 0.5,
         classes: Sequence[Any] | None = None,
         cpu_threads: int | None = 1,
         device: str = "auto",
@@ -228,6 +242,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.schedule = schedule
         self.aggregation = aggregation
         self.add_slice = add_slice
+        self.sampling = sampling
+        self.shard_prob = shard_prob
         self.classes = classes
         self.cpu_threads = cpu_threads
         self.device = device
@@ -247,6 +263,12 @@ class SISAEnsemble(Learner, BaseEstimator):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {self.aggregation!r}")
         if self.add_slice not in ("last", "keyed"):
             raise ValueError(f"add_slice must be 'last' or 'keyed', got {self.add_slice!r}")
+        if self.sampling not in ("partition", "independent"):
+            raise ValueError("sampling must be 'partition' or 'independent', got "
+                             f"{self.sampling!r}")
+        prob = float(self.shard_prob)
+        if not 0 < prob <= 1:
+            raise ValueError(f"shard_prob must lie in (0, 1], got {self.shard_prob!r}")
         hidden = tuple(pos_int("hidden[*]", h) for h in self.hidden)
         n_slices = pos_int("n_slices", self.n_slices)
         if self.schedule not in ("auto", "loo", "adam"):
@@ -275,6 +297,8 @@ class SISAEnsemble(Learner, BaseEstimator):
             "schedule": schedule,
             "aggregation": self.aggregation,
             "add_slice": self.add_slice,
+            "sampling": self.sampling,
+            "shard_prob": prob,
             "cpu_threads": threads,
         }
 
@@ -316,8 +340,15 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     # ------------------------------------------------------------------ keyed assignment
 
-    def _keyed_shards(self, ids: np.ndarray) -> np.ndarray:
-        return (prf_u64_many(self.seed_, "shard", ids) % np.uint64(self._S)).astype(np.int64)
+    def _keyed_members(self, ids: np.ndarray) -> np.ndarray:
+        """(n, S) booleans: which shards each record belongs to (keyed by its id)."""
+        S = self._S
+        if self.config_.get("sampling", "partition") == "partition":
+            shard = (prf_u64_many(self.seed_, "shard", ids) % np.uint64(S)).astype(np.int64)
+            return np.eye(S, dtype=bool)[shard] if len(ids) else np.zeros((0, S), dtype=bool)
+        p = self.config_["shard_prob"]
+        cols = [prf_uniform_many(self.seed_, ("member", s), ids) < p for s in range(S)]
+        return np.stack(cols, axis=1) if len(ids) else np.zeros((0, S), dtype=bool)
 
     def _keyed_slices(self, ids: np.ndarray) -> np.ndarray:
         return (prf_u64_many(self.seed_, "slice", ids) % np.uint64(self._R)).astype(np.int64)
@@ -364,7 +395,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             assert start is not None
             net.load_state_dict(start)
         net.to(self.device_)
-        rows = np.flatnonzero(data["shard"] == s)
+        rows = np.flatnonzero(data["member"][:, s])
         Xs = torch.from_numpy(data["X"][rows]).to(self.device_)
         ys = torch.from_numpy(data["y"][rows]).to(self.device_)
         keys = data["keys"][rows]
@@ -406,7 +437,7 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     def _train_shard_loo(self, s: int, data: dict[str, np.ndarray]) -> State:
         """Shard ``s`` trained by :func:`jobs.idp.loo.train_single` (schedule ``"loo"``)."""
-        rows = np.flatnonzero(data["shard"] == s)
+        rows = np.flatnonzero(data["member"][:, s])
         params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
                               **self._loo_args(s, len(rows)))
         return mlp_state(params.weights, params.biases)
@@ -433,7 +464,7 @@ class SISAEnsemble(Learner, BaseEstimator):
     def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
         self._check_fitted()
-        rows = np.flatnonzero(self.shard_of_ == int(s))
+        rows = np.flatnonzero(self.member_[:, int(s)])
         return self.record_ids_[rows].tolist(), self.X_[rows].copy(), self.y_[rows].copy()
 
     def shard_state(self, s: int) -> State:
@@ -455,7 +486,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             "ids": self.record_ids_,
             "X": self.X_,
             "y": self.y_,
-            "shard": self.shard_of_,
+            "member": self.member_,
             "slice": self.slice_of_,
             "added": self.added_,
             "keys": self._keys,
@@ -471,7 +502,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             "ids": ids,
             "X": np.ascontiguousarray(X, dtype=np.float32),
             "y": np.ascontiguousarray(y, dtype=np.int64),
-            "shard": self._keyed_shards(ids),
+            "member": self._keyed_members(ids),
             "slice": self._slices_for(ids, added),
             "added": added.astype(bool),
             "keys": self._batch_keys(ids),
@@ -486,7 +517,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.record_ids_ = data["ids"]
         self.X_ = data["X"]
         self.y_ = data["y"]
-        self.shard_of_ = data["shard"]
+        self.member_ = data["member"]
         self.slice_of_ = data["slice"]
         self.added_ = data["added"]
         self._keys = data["keys"]
@@ -571,7 +602,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         train_s: float,
     ) -> UpdateReport:
         shards = sorted(from_slice)
-        retrained_records = int(np.isin(data["shard"], shards).sum()) if shards else 0
+        retrained_records = int(data["member"][:, shards].any(axis=1).sum()) if shards else 0
         return UpdateReport(
             op=op,  # type: ignore[arg-type]
             record_ids=[str(i) for i in ids],
@@ -600,9 +631,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         t0 = time.perf_counter()
         rids = ids_to_delete(ids, self._row)
         rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
-        from_slice: dict[int, int] = {}
-        for s, r in zip(self.shard_of_[rows].tolist(), self.slice_of_[rows].tolist(), strict=True):
-            from_slice[s] = min(r, from_slice.get(s, r))
+        from_slice = _earliest_slices(self.member_[rows], self.slice_of_[rows])
         keep = np.ones(len(self.record_ids_), dtype=bool)
         keep[rows] = False
         old = self._data()
@@ -633,11 +662,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             np.concatenate([old["added"], np.ones(len(rids), dtype=bool)]),
         )
         new_rows = np.isin(data["ids"], rids)
-        from_slice: dict[int, int] = {}
-        for s, r in zip(
-            data["shard"][new_rows].tolist(), data["slice"][new_rows].tolist(), strict=True
-        ):
-            from_slice[s] = min(r, from_slice.get(s, r))
+        from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
         ckpts, train_s = self._retrain(data, from_slice)
         self._commit(data, ckpts, changed=sorted(from_slice))
         return self._report("add", rids, t0, from_slice, data, train_s)
@@ -648,7 +673,14 @@ class SISAEnsemble(Learner, BaseEstimator):
     def shard_sizes_(self) -> np.ndarray:
         """Live records per shard, shape (S,)."""
         self._check_fitted()
-        return np.bincount(self.shard_of_, minlength=self._S)
+        return self.member_.sum(axis=0)
+
+    @property
+    def max_shards_per_record_(self) -> int:
+        """The most shards one live record belongs to: how many shard models one deletion
+        can change (1 for a partition; the SISA vote rule needs it)."""
+        self._check_fitted()
+        return int(self.member_.sum(axis=1).max(initial=0))
 
     @property
     def active_shards_(self) -> np.ndarray:
@@ -712,6 +744,8 @@ class SISAEnsemble(Learner, BaseEstimator):
             "aggregation": self.config_["aggregation"],
             "n_shards": self._S,
         }
+        if self.config_.get("sampling", "partition") != "partition":
+            head.update(sampling=self.config_["sampling"], shard_prob=self.config_["shard_prob"])
         return json.dumps(head, sort_keys=True).encode()
 
     def _hash_of(self, finals: list[State], active: np.ndarray) -> str:
@@ -740,9 +774,9 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     def _assignment_errors(self) -> int:
         """Live records whose stored shard/slice differ from the keyed rule (should be 0)."""
-        shard = self._keyed_shards(self.record_ids_)
+        member = self._keyed_members(self.record_ids_)
         sl = self._slices_for(self.record_ids_, self.added_)
-        return int((shard != self.shard_of_).sum() + (sl != self.slice_of_).sum())
+        return int((member != self.member_).any(axis=1).sum() + (sl != self.slice_of_).sum())
 
     def _verify_shards(self, shards: list[int]) -> tuple[list[State], dict[str, Any]]:
         data = self._data()
@@ -787,15 +821,26 @@ class SISAEnsemble(Learner, BaseEstimator):
         finals, detail = self._verify_shards([int(s)])
         return _verify_report(self.shard_hash(int(s)), hash_state(finals[0]), detail, t0)
 
-    def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(shard, slice) of live records; :class:`UnknownRecordError` for ids not live."""
+    def _live_rows(self, ids: Any) -> np.ndarray:
         self._check_fitted()
         rids = as_ids(ids)
         unknown = [i for i in rids.tolist() if i not in self._row]
         if unknown:
             raise UnknownRecordError(unknown, "unknown or already deleted record id")
-        rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
-        return self.shard_of_[rows].copy(), self.slice_of_[rows].copy()
+        return np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
+
+    def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, slice) of live records of a partition; :class:`UnknownRecordError` for
+        ids not live. With independent sampling use :meth:`memberships`."""
+        if self.config_.get("sampling", "partition") != "partition":
+            raise ValueError("with sampling='independent' a record may sit in several "
+                             "shards: use memberships()")
+        rows = self._live_rows(ids)
+        return self.member_[rows].argmax(axis=1), self.slice_of_[rows].copy()
+
+    def memberships(self, ids: Any) -> np.ndarray:
+        """(n, S) booleans: the shards each live record belongs to."""
+        return self.member_[self._live_rows(ids)].copy()
 
     # ------------------------------------------------------------------ persistence
 
@@ -870,6 +915,15 @@ class SISAEnsemble(Learner, BaseEstimator):
         if self.content_hash() != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
         return self
+
+
+def _earliest_slices(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
+    """Per shard holding any of these records, the earliest of their slices there."""
+    out: dict[int, int] = {}
+    for row, r in zip(member, slices.tolist(), strict=True):
+        for s in np.flatnonzero(row).tolist():
+            out[s] = min(r, out.get(s, r))
+    return out
 
 
 def _verify_report(served: str, retrained: str, detail: dict[str, Any],

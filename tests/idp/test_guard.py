@@ -91,8 +91,9 @@ def test_top_margin_breaks_ties_towards_the_lowest_class() -> None:
     assert labels.tolist() == [0] and margins.tolist() == [0.0]
 
 
-def _brute_force_certain(votes_by_shard: list[int], fragile: list[bool], n_classes: int) -> bool:
-    """Every single-shard change of vote (or removal) that a deletion could cause."""
+def _brute_force_certain(votes_by_shard: list[int], fragile: list[bool], n_classes: int,
+                         max_shards: int = 1) -> bool:
+    """Every change of vote (or removal) of up to `max_shards` fragile shards at once."""
     def winner(labels: list[int | None]) -> int:
         v = np.zeros(n_classes, dtype=int)
         for a in labels:
@@ -101,33 +102,35 @@ def _brute_force_certain(votes_by_shard: list[int], fragile: list[bool], n_class
         return int(vote_winner(v))
 
     base = winner(votes_by_shard)
-    for s in range(len(votes_by_shard)):
-        if not fragile[s]:
-            continue
-        for b in [*range(n_classes), None]:
-            changed = list(votes_by_shard)
-            changed[s] = b
-            if winner(changed) != base:
-                return False
+    weak = [s for s in range(len(votes_by_shard)) if fragile[s]]
+    for m in range(1, max_shards + 1):
+        for group in itertools.combinations(weak, m):
+            for new in itertools.product([*range(n_classes), None], repeat=m):
+                changed = list(votes_by_shard)
+                for s, b in zip(group, new, strict=True):
+                    changed[s] = b
+                if winner(changed) != base:
+                    return False
     return True
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(2, 4).flatmap(lambda c: st.tuples(
     st.just(c), st.lists(st.tuples(st.integers(0, c - 1), st.booleans()), min_size=1,
-                         max_size=7))))
+                         max_size=7), st.integers(1, 3))))
 def test_sisa_rule_matches_brute_force(case) -> None:
-    n_classes, shards = case
+    n_classes, shards, max_shards = case
     S = len(shards)
     scores = np.zeros((S, 1, n_classes))
     betas = np.zeros((S, n_classes))
     for s, (a, fragile) in enumerate(shards):
         scores[s, 0, a] = 1.0  # margin 1
         betas[s, a] = 1.0 if fragile else 0.5
-    winner, certain = sisa_certain(scores, betas)
+    winner, certain = sisa_certain(scores, betas, max_shards=max_shards)
     labels = [a for a, _ in shards]
     assert winner[0] == vote_winner(np.bincount(labels, minlength=n_classes))
-    assert certain[0] == _brute_force_certain(labels, [f for _, f in shards], n_classes)
+    assert certain[0] == _brute_force_certain(labels, [f for _, f in shards], n_classes,
+                                              max_shards)
 
 
 def test_sisa_rule_ignores_inactive_shards_and_is_less_noisy_than_one_network() -> None:
