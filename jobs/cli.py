@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from jobs.adaptive.budget import budget_policy
 from jobs.registry import Registry
 from jobs.served_model import KINDS
 from jobs.worker import Worker, WorkerConfig, worker_name
@@ -50,6 +51,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     s = settings_from(args)
     ledger = s.open_ledger()
+    config["budget"] = budget_policy(s)  # private mode: every version gets a seed lineage
     return Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig(**config))
 
 
@@ -68,12 +70,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     s = settings_from(args)
-    if s.evaluate not in ("on", "off"):
-        raise ValueError(f"OBLIVIATE_EVALUATE must be 'on' or 'off', not {s.evaluate!r}")
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
-                     evaluate=args.evaluate or s.evaluate == "on")
+                     evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     if args.train:
         worker.bootstrap(args.learner or s.learner)
     worker.run(max_seconds=args.max_seconds)

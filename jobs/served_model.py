@@ -111,6 +111,10 @@ class ServedModel(abc.ABC):
         None for a rule that has no such number."""
         return None
 
+    def vote_counts(self, X: np.ndarray) -> np.ndarray:
+        """(n, C) votes of the shard models, for the private prediction mode."""
+        raise ValueError(f"private prediction mode needs a SISA ensemble, not {self.kind!r}")
+
     def holdout_ids(self) -> np.ndarray:
         """Records of the model's data it never trained on (non-members for the privacy
         evaluation); empty for a learner that trains on every record."""
@@ -201,6 +205,14 @@ class ShardVoteModel(ServedModel):
         return sisa_certain(logits, np.full((S, C), np.inf), ens.active_shards_,
                             max(1, ens.max_shards_per_record_))
 
+    def vote_counts(self, X: np.ndarray) -> np.ndarray:
+        pred = self.learner.shard_predictions(X)  # -1 for shards without records
+        votes = np.zeros((pred.shape[1], len(self.classes)), dtype=np.int64)
+        for row in pred:
+            voted = row >= 0
+            np.add.at(votes, (np.flatnonzero(voted), row[voted]), 1)
+        return votes
+
     def refresh_guard(self) -> dict[str, Any]:
         return {**self.guard_record(), "seconds": 0.0}
 
@@ -227,6 +239,10 @@ class GameModel(ServedModel):
         return {"rule": "noise-all", "ready": False,
                 "reason": "approximate unlearning leaves the masked LOO schedule: no sound "
                           "bound is known, so every answer is noised"}
+
+    def vote_counts(self, X: np.ndarray) -> np.ndarray:
+        """(n, C) votes of the shard models, for the private prediction mode."""
+        raise ValueError(f"private prediction mode needs a SISA ensemble, not {self.kind!r}")
 
     def holdout_ids(self) -> np.ndarray:
         learner = self.learner

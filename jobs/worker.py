@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -35,10 +36,11 @@ import numpy as np
 from sqlalchemy import Connection
 
 from jobs import metrics
+from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
 from jobs.guard_job import GuardJob
 from jobs.learners.base import UpdateReport
-from jobs.registry import ModelVersion, PublishConflict, Registry, manifest
+from jobs.registry import ModelVersion, PublishConflict, Registry, manifest, version_tag
 from jobs.served_model import ServedModel
 from ledger.chain import as_utc, utc_now
 from ledger.models import Request
@@ -60,6 +62,9 @@ class WorkerConfig:
     guard_after_idle_s: float = 1.0  # start a refit once no request came for this long
     # measure each deletion's privacy (jobs.eval) into its `applied` event: seconds per pass
     evaluate: bool = False
+    # private prediction mode (SISA): every seed lineage gets this budget, and a spent
+    # one is replaced by a retrain with fresh seeds (jobs.adaptive.budget)
+    budget: BudgetPolicy | None = None
 
 
 class Worker:
@@ -75,6 +80,8 @@ class Worker:
         self._guard_job: GuardJob | None = None
         self._last_update = 0.0
         self.stop_event = threading.Event()
+        cfg = self.config
+        self.budgets = SeedBudgets(ledger.engine, registry.name) if cfg.budget else None
 
     # ------------------------------------------------------------------ first version
     def bootstrap(self, kind: str, params: dict[str, Any] | None = None,
@@ -140,7 +147,7 @@ class Worker:
                 self._model = None
                 raise
             return True
-        return self._guard_pass()
+        return self._rotate_spent_seeds() or self._guard_pass()
 
     # ------------------------------------------------------------------ apply
     def _claim(self) -> list[Request]:
@@ -202,6 +209,45 @@ class Worker:
             metrics.APPLIED.labels(op=r.op).inc()
             if r.op == "delete":
                 metrics.DELETION_LATENCY.observe((now - as_utc(r.received_at)).total_seconds())
+
+    # ------------------------------------------------------------------ seed lineages
+    def _rotate_spent_seeds(self) -> bool:
+        """Private prediction mode: retrain with fresh seeds once the current lineage's
+        budget is spent (or when the current version has no lineage: its seeds may have
+        been exposed by answers that were not private). A crash before the retrain is
+        published leaves the lineage exhausted, so the next pass retrains again."""
+        if self.budgets is None:
+            return False
+        cur = self.registry.current()
+        if cur is None:
+            return False
+        lineage = cur.manifest.get("seed_lineage")
+        budget = self.budgets.get(lineage) if lineage else None
+        if budget is not None and not budget.exhausted:
+            return False
+        if budget is None:
+            reason = {"why": "no seed lineage: private prediction mode starts on fresh seeds"}
+        else:
+            reason = {"why": "privacy budget of the seeds spent", "lineage": lineage,
+                      "answers": budget.answers_reserved,
+                      "epsilon_spent": budget.epsilon_spent,
+                      "epsilon_budget": budget.epsilon_budget, "delta": budget.delta}
+        model, parent = self._current()
+        t0 = time.perf_counter()
+        ids = model.learner.record_ids_
+        X, y = self.ledger.record_data(ids.tolist())
+        params = {**model.params(), "random_state": secrets.randbits(31)}
+        fresh = ServedModel.train(model.kind, ids, X, y, params)
+        change = {"op": "retrain", "reason": reason, "n_records": len(ids),
+                  "seconds": time.perf_counter() - t0}
+        log.info("seeds rotated (%s); retrained in %.2f s", reason["why"], change["seconds"])
+        try:
+            self._publish(fresh, parent.version, change, self._announce("seeds_rotated", change))
+        except PublishConflict:
+            self._model = None
+            return True
+        self._model = fresh
+        return True
 
     # ------------------------------------------------------------------ guard and verify
     @property
@@ -297,10 +343,20 @@ class Worker:
         man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.last_seq(),
                        training_set=self.ledger.records_digest(model.learner.record_ids_),
                        change=change)
+        # a full training draws new seeds: it starts a seed lineage, updates keep theirs
+        fresh_seeds = change["op"] in ("train", "retrain")
+        man["seed_lineage"] = (version_tag(seq) if fresh_seeds or parent is None
+                               else self.registry.get(parent).manifest.get("seed_lineage"))
         version = self.registry.save(model, seq, man)
         t1 = time.perf_counter()
+
+        def publish(conn: Connection) -> None:
+            self.registry.publish(conn, version, seq, parent, man)
+            if self.budgets is not None and fresh_seeds:
+                self.budgets.open(conn, version, self.config.budget)
+
         try:
-            commit(version, lambda conn: self.registry.publish(conn, version, seq, parent, man))
+            commit(version, publish)
         except PublishConflict:
             self.registry.discard_unpublished(version)
             raise

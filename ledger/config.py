@@ -32,6 +32,11 @@ class Settings:
     learner: str = "dare"
     guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
     evaluate: str = "off"  # "on": the worker measures each deletion's privacy (jobs.eval)
+    # "private": SISA answers by noisy vote, private in the shard seeds (jobs.adaptive)
+    answers: str = "guard"
+    private_epsilon: float = 0.5  # eps0 of one private answer
+    seed_epsilon_budget: float = 10.0  # (eps, delta) of a seed lineage's answers
+    seed_delta: float = 1e-5
     admin_token: str | None = None
     admin_token_file: str = str(STATE_DIR / "admin.token")
     epsilon: float = 1.0
@@ -55,6 +60,14 @@ class Settings:
                                      f"a valid {f.type}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
+
+    def choice(self, name: str, options: tuple[str, ...]) -> str:
+        """The setting `name`, which must be one of `options` (ValueError naming its variable)."""
+        value = getattr(self, name)
+        if value not in options:
+            raise ValueError(f"OBLIVIATE_{name.upper()} must be one of {', '.join(options)}; "
+                             f"got {value!r}")
+        return value
 
     def hmac_key(self) -> bytes:
         """The deployment secret for record fingerprints; created on first use if embedded."""

@@ -66,9 +66,11 @@ class LedgerCollector:
     in multiprocess files.
     """
 
-    def __init__(self, pending: Callable[[], int], current_version: Callable[[], int]) -> None:
+    def __init__(self, pending: Callable[[], int], current_version: Callable[[], int],
+                 seed_budget_spent: Callable[[], float]) -> None:
         self._pending = pending
         self._current_version = current_version
+        self._seed_budget_spent = seed_budget_spent
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("obliviate_requests_pending",
@@ -77,3 +79,7 @@ class LedgerCollector:
         yield GaugeMetricFamily("obliviate_model_version",
                                 "Sequence number of the registry's current model version.",
                                 value=self._current_version())
+        yield GaugeMetricFamily("obliviate_adaptive_budget_spent_ratio",
+                                "Share of the current seed lineage's privacy budget spent by "
+                                "private answers (0 outside private prediction mode).",
+                                value=self._seed_budget_spent())

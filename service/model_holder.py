@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jobs.adaptive.budget import BudgetExhausted, LineageBudget, SeedBudgets
 from jobs.idp.guard import LabelGuard, clip_unit
 from jobs.registry import ModelVersion, Registry
 from jobs.served_model import ServedModel
@@ -36,9 +37,13 @@ class Serving:
     model: ServedModel
     guard: LabelGuard
     lock: threading.Lock
+    private: bool = False  # private prediction mode: noisy votes under the seeds' budget
+    budget: LineageBudget | None = None  # its seed lineage as it was when installed
 
     @property
     def mode(self) -> str:
+        if self.private:
+            return "private"
         return "sound" if self.guard.sound else "noise-all"
 
 
@@ -51,8 +56,13 @@ class ModelHolder:
 
     def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
                  epsilon_budget: float = 1000.0, poll_s: float = 0.2, guarded: bool = True,
-                 usage: GuardUsage | None = None, random_state: int | None = None) -> None:
+                 usage: GuardUsage | None = None, budgets: SeedBudgets | None = None,
+                 reserve_block: int = 32, random_state: int | None = None) -> None:
         self.registry = registry
+        self.budgets = budgets  # set: private prediction mode (jobs.adaptive)
+        self.reserve_block = reserve_block
+        self._reserved: dict[str, int] = {}  # answers reserved per lineage, not yet given
+        self._budget_lock = threading.Lock()
         self.epsilon = epsilon
         self.memo_size = memo_size
         self.poll_s = poll_s
@@ -89,9 +99,13 @@ class ModelHolder:
         model = self.registry.load(cur.version)
         guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
                            random_state=int(self._rng.integers(2**63)))
-        guard.bind(cur.version, sound=model.guard_ready)
+        guard.bind(cur.version, sound=model.guard_ready and self.budgets is None)
+        budget = None
+        if self.budgets is not None and cur.manifest.get("seed_lineage"):
+            budget = self.budgets.get(cur.manifest["seed_lineage"])
         self._flush_usage()
-        self._serving = Serving(cur, model, guard, threading.Lock())
+        self._serving = Serving(cur, model, guard, threading.Lock(), self.budgets is not None,
+                                budget)
         metrics.MODEL_SWAPS.inc()
         metrics.SERVED_VERSION.set(cur.seq)
         metrics.GUARD_MODE.set(1 if guard.sound else 0)
@@ -124,11 +138,24 @@ class ModelHolder:
         Xq = clip_unit(np.asarray(X, dtype=np.float64))
         if not self.guarded:
             return s.model.classes[s.model.plain_labels(Xq)], s
-        labels, certain = s.model.certain(Xq)
+        epsilon = self.epsilon
+        if s.private:
+            if s.budget is None:
+                raise BudgetExhausted(f"{s.version.version} has no seed lineage: the worker "
+                                      "retrains on fresh seeds for private prediction mode")
+            epsilon = s.budget.epsilon_per_answer
+            votes = s.model.vote_counts(Xq)
+        else:
+            labels, certain = s.model.certain(Xq)
         with s.lock:
             before = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
                       s.guard.memo.evictions)
-            idx = s.guard.answer(Xq, labels, certain)
+            if s.private:
+                lineage = s.budget.lineage
+                idx = s.guard.answer_votes(Xq, votes, epsilon,
+                                           spend=lambda n: self._reserve(lineage, n))
+            else:
+                idx = s.guard.answer(Xq, labels, certain)
             after = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
                      s.guard.memo.evictions)
         n_certain, n_noised, n_hits, n_evicted = (a - b for a, b in zip(after, before,
@@ -137,13 +164,26 @@ class ModelHolder:
             metrics.GUARD_QUERIES.labels(outcome="certain").inc(n_certain)
         if n_noised:
             metrics.GUARD_QUERIES.labels(outcome="noised").inc(n_noised)
-            metrics.GUARD_EPSILON_SPENT.inc(self.epsilon * (n_noised - n_hits))
+            metrics.GUARD_EPSILON_SPENT.inc(epsilon * (n_noised - n_hits))
         if n_evicted:
             metrics.MEMO_EVICTIONS.inc(n_evicted)
         if self.usage is not None:
             self.usage.add(s.version.version, n_certain, n_noised, n_noised - n_hits,
-                           self.epsilon * (n_noised - n_hits))
+                           epsilon * (n_noised - n_hits))
         return s.model.classes[idx], s
+
+    def _reserve(self, lineage: str, n: int) -> None:
+        """Take `n` answers from this process's reservation, topping it up in blocks from
+        the lineage's budget in the database; BudgetExhausted when it cannot."""
+        with self._budget_lock:
+            have = self._reserved.get(lineage, 0)
+            if have < n:
+                have += self.budgets.reserve(lineage, max(n - have, self.reserve_block))
+            if have < n:
+                self._reserved[lineage] = have
+                raise BudgetExhausted("the privacy budget of this model's seeds is spent; "
+                                      "a retrain with fresh seeds is on its way")
+            self._reserved[lineage] = have - n
 
     def status(self) -> dict[str, Any]:
         s = self._serving

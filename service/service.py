@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+from http import HTTPStatus
 from typing import Any
 
 import bentoml
 import numpy as np
-from bentoml.exceptions import InvalidArgument, ServiceUnavailable
+from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavailable
 from prometheus_client import CollectorRegistry, generate_latest
 
+from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
 from jobs.registry import Registry
 from ledger.config import Settings
 from service.http_api import AppContext, build_app
@@ -70,21 +72,24 @@ class Obliviate:
 
     def __init__(self) -> None:
         settings = Settings.from_env()
-        if settings.guard not in ("on", "off"):
-            raise ValueError(f"OBLIVIATE_GUARD must be 'on' or 'off', not {settings.guard!r}")
+        guard = settings.choice("guard", ("on", "off"))
         self.ledger = settings.open_ledger()
         self.registry = Registry(self.ledger.engine, settings.model_name)
         self.usage = GuardUsage(self.ledger.engine)
+        self.budgets = (SeedBudgets(self.ledger.engine, settings.model_name)
+                        if budget_policy(settings) else None)
         self.holder = ModelHolder(self.registry, epsilon=settings.epsilon,
                                   memo_size=settings.memo_size,
                                   epsilon_budget=settings.epsilon_budget,
                                   poll_s=settings.registry_poll_s,
-                                  guarded=settings.guard == "on", usage=self.usage).start()
+                                  guarded=guard == "on", usage=self.usage,
+                                  budgets=self.budgets).start()
         CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
         CONTEXT.admin_token = settings.admin_bearer_token()
         CONTEXT.status = self.holder.status
         self._ledger_metrics = CollectorRegistry(auto_describe=True)
-        self._ledger_metrics.register(LedgerCollector(self._pending, self.registry.current_seq))
+        self._ledger_metrics.register(LedgerCollector(self._pending, self.registry.current_seq,
+                                                      self._seed_budget_spent))
 
     @bentoml.api(route="/v1/predict")
     def predict(self, instances: list[Any]) -> dict[str, Any]:
@@ -94,7 +99,10 @@ class Obliviate:
         except NoModelError as exc:
             raise ServiceUnavailable(str(exc)) from None
         X = parse_instances(instances, serving.model.n_features)
-        labels, used = self.holder.predict(X)
+        try:
+            labels, used = self.holder.predict(X)
+        except BudgetExhausted as exc:  # a quota on answers, spent until fresh seeds: 429
+            raise BentoMLException(str(exc), error_code=HTTPStatus.TOO_MANY_REQUESTS) from None
         return {"labels": labels.tolist(), "model_version": used.version.version,
                 "guard": used.mode if self.holder.guarded else "off"}
 
@@ -103,6 +111,13 @@ class Obliviate:
 
     async def __metrics__(self, content: str) -> str:
         return content + generate_latest(self._ledger_metrics).decode()
+
+    def _seed_budget_spent(self) -> float:
+        """Share of the current seed lineage's budget spent (0 outside private mode)."""
+        cur = self.registry.current() if self.budgets is not None else None
+        lineage = cur.manifest.get("seed_lineage") if cur is not None else None
+        budget = self.budgets.get(lineage) if lineage else None
+        return budget.spent_ratio if budget is not None else 0.0
 
     def _pending(self) -> int:
         counts = self.ledger.status_counts()

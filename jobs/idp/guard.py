@@ -15,9 +15,12 @@ per-shard bounds. The guard itself only sees labels and a certainty mask.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from jobs.adaptive.private_vote import vote_probabilities
 
 
 def clip_unit(X: np.ndarray) -> np.ndarray:
@@ -188,4 +191,29 @@ class LabelGuard:
             p = mechanism_probabilities(int(out[i]), self.n_classes, self.epsilon)
             out[i] = int(self._rng.choice(self.n_classes, p=p))
             self.memo.put(key, int(out[i]))
+        return out
+
+    def answer_votes(self, X: np.ndarray, votes: np.ndarray, epsilon: float,
+                     spend: Callable[[int], None]) -> np.ndarray:
+        """Private prediction mode: every answer is the noisy vote over (n, C) vote counts
+        (:func:`jobs.adaptive.private_vote.vote_probabilities` at `epsilon`), memoised.
+
+        `spend(k)` is called with the number of fresh answers before any is drawn; it
+        raises to refuse them (budget spent), and then nothing is answered or stored.
+        """
+        keys = [np.ascontiguousarray(row, dtype=np.float32).tobytes() for row in X]
+        known = {k: self.memo.get(k) for k in dict.fromkeys(keys)}
+        spend(sum(v is None for v in known.values()))
+        out = np.empty(len(keys), dtype=np.int64)
+        fresh: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            self.counts.noised += 1
+            label = known[key] if known[key] is not None else fresh.get(key)
+            if label is None:
+                p = vote_probabilities(votes[i], epsilon)[0]
+                label = fresh[key] = int(self._rng.choice(self.n_classes, p=p))
+                self.memo.put(key, label)
+            else:
+                self.counts.memo_hits += 1
+            out[i] = label
         return out

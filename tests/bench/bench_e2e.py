@@ -80,9 +80,10 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
     with LocalBroker(log_path=work / "tansu.log") as broker:
         s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
                               hmac_key_file=str(work / "hmac.key"),
-                              kafka_bootstrap=broker.bootstrap)
-        env = sidecar_env(work, s.database_url, s.kafka_bootstrap)
-        os.environ.update({k: v for k, v in env.items() if k.startswith("BENTOML")})
+                              kafka_bootstrap=broker.bootstrap, model_name=f"e2e-{learner}")
+        env = sidecar_env(work, s.database_url, s.kafka_bootstrap, model_name=s.model_name)
+        # BentoML reads its home once per process: every run here shares main()'s store
+        env["BENTOML_HOME"] = os.environ["BENTOML_HOME"]
         ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
         ledger = s.open_ledger()
         ds = datasets.load("synthetic", n_samples=n_records)
@@ -161,6 +162,8 @@ def main() -> int:
     args = ap.parse_args()
     n = args.requests or (200 if args.quick else 1000)
     n_records = max(2000, n + 500)
+    os.environ["BENTOML_HOME"] = tempfile.mkdtemp(prefix="bench-e2e-bentoml-")
+    os.environ["BENTOML_DO_NOT_TRACK"] = "true"
     from jobs.served_model import DEFAULT_PARAMS
     from ledger import datasets
 

@@ -1,0 +1,196 @@
+"""Private prediction mode in the sidecar: seed lineages, their budget, fresh seeds when spent."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jobs.adaptive.budget import BudgetExhausted, BudgetPolicy, SeedBudgets
+from jobs.adaptive.composition import epsilon_spent
+from jobs.registry import PublishConflict, Registry
+from jobs.worker import Worker, WorkerConfig
+from ledger.store import Ledger
+from service.model_holder import ModelHolder
+from tests.conftest import seed
+from tests.sidecar import Sidecar
+
+SISA = {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}
+# eps0 = 0.5, (eps, delta) = (2, 1e-5): 4 answers (with so few, delta 1e-5 buys nothing
+# over the basic composition: 5 answers are (1.5, 0.059)- or (2.5, 0)-DP)
+POLICY = BudgetPolicy(epsilon_per_answer=0.5, epsilon_budget=2.0, delta=1e-5)
+
+
+@pytest.fixture
+def seeded60(ledger: Ledger) -> Ledger:
+    seed(ledger, n=60)
+    return ledger
+
+
+def _worker(ledger: Ledger, reg: Registry, budget: BudgetPolicy | None = POLICY) -> Worker:
+    return Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                            guard_after_idle_s=0.0, budget=budget))
+
+
+def _holder(reg: Registry, ledger: Ledger) -> ModelHolder:
+    return ModelHolder(reg, budgets=SeedBudgets(ledger.engine, reg.name), reserve_block=1,
+                       random_state=0)
+
+
+def _queries(n: int) -> np.ndarray:
+    return np.random.default_rng(1).random((n, 4))
+
+
+def test_policy_allows_what_the_composition_allows() -> None:
+    n = POLICY.answers_allowed
+    assert n == 4
+    assert epsilon_spent(n, 0.5, 1e-5) <= 2.0 < epsilon_spent(n + 1, 0.5, 1e-5)
+
+
+def test_reservations_never_exceed_the_budget(ledger: Ledger) -> None:
+    budgets = SeedBudgets(ledger.engine, "m")
+    with ledger.engine.begin() as conn:
+        budgets.open(conn, "v000001", BudgetPolicy(0.01, 1.0, 1e-6))
+    allowed = budgets.get("v000001").answers_allowed
+    granted: list[int] = []
+
+    def take() -> None:
+        while (g := budgets.reserve("v000001", 7)) > 0:
+            granted.append(g)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    b = budgets.get("v000001")
+    assert sum(granted) == allowed == b.answers_reserved and b.exhausted
+    assert b.spent_ratio <= 1.0 and b.epsilon_spent <= 1.0
+    assert budgets.reserve("v000001", 1) == 0
+    with pytest.raises(KeyError):
+        budgets.reserve("v999999", 1)
+
+
+def test_answers_are_private_votes_until_the_budget_is_spent(seeded60: Ledger) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = _worker(ledger, reg)
+    v1 = w.bootstrap("sisa", SISA)
+    assert reg.current().manifest["seed_lineage"] == v1
+    holder = _holder(reg, ledger)
+    holder.refresh()
+    assert holder.serving.mode == "private"
+    Q = _queries(4)
+    labels, _ = holder.predict(Q)  # 4 fresh answers: the whole budget
+    assert set(labels.tolist()) <= set(holder.serving.model.classes.tolist())
+    again, _ = holder.predict(Q[::-1])  # replays from the memo cost nothing
+    assert again.tolist() == labels[::-1].tolist()
+    with pytest.raises(BudgetExhausted, match="fresh seeds"):
+        holder.predict(_queries(5)[4:])
+    assert SeedBudgets(ledger.engine, reg.name).get(v1).exhausted
+
+    # the worker retrains on fresh seeds, once, and says why
+    assert w.step() is True
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "retrain" and cur.manifest["seed_lineage"] == cur.version
+    assert cur.manifest["seed"] != reg.get(v1).manifest["seed"]
+    events = [e for e in ledger.export() if e["kind"] == "seeds_rotated"]
+    assert len(events) == 1 and events[0]["model_version"] == cur.version
+    reason = events[0]["payload"]["change"]["reason"]
+    assert reason["lineage"] == v1 and reason["answers"] == 4
+    assert reason["epsilon_spent"] <= reason["epsilon_budget"]
+    assert w.step() is False  # the new lineage has its whole budget
+    holder.refresh()
+    assert holder.predict(_queries(5)[4:])[1].version.version == cur.version
+
+    # updates keep the lineage (the seeds did not change)
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001"]})
+    w.step()
+    assert reg.current().manifest["seed_lineage"] == cur.version
+
+
+def test_a_crash_before_the_retrain_is_published_loses_nothing(seeded60: Ledger,
+                                                               monkeypatch) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    v1 = _worker(ledger, reg).bootstrap("sisa", SISA)
+    budgets = SeedBudgets(ledger.engine, reg.name)
+    budgets.reserve(v1, 10**6)
+
+    def die(*args, **kwargs):
+        raise RuntimeError("worker killed")
+
+    crashing = _worker(ledger, reg)
+    monkeypatch.setattr(crashing.registry, "publish", die)
+    with pytest.raises(RuntimeError, match="killed"):
+        crashing.step()
+    monkeypatch.undo()
+    assert reg.current().version == v1  # nothing half-published
+    restarted = _worker(ledger, reg)
+    assert restarted.step() is True
+    assert restarted.step() is False
+    kinds = [e["kind"] for e in ledger.export()]
+    assert kinds.count("seeds_rotated") == 1
+    assert reg.current().manifest["seed_lineage"] == reg.current().version
+
+
+def test_private_mode_starts_on_fresh_seeds(seeded60: Ledger) -> None:
+    """A version trained before private mode has no lineage: its seeds may be exposed."""
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    v1 = _worker(ledger, reg, budget=None).bootstrap("sisa", SISA)
+    holder = _holder(reg, ledger)
+    holder.refresh()
+    with pytest.raises(BudgetExhausted, match="no seed lineage"):
+        holder.predict(_queries(1))
+    w = _worker(ledger, reg)
+    assert w.step() is True
+    cur = reg.current()
+    assert cur.version != v1 and cur.manifest["seed_lineage"] == cur.version
+    why = cur.manifest["change"]["reason"]["why"]
+    assert "no seed lineage" in why
+
+
+def test_a_lost_publication_race_is_retried_on_the_new_version(seeded60: Ledger,
+                                                               monkeypatch) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    v1 = _worker(ledger, reg).bootstrap("sisa", SISA)
+    SeedBudgets(ledger.engine, reg.name).reserve(v1, 10**6)
+    w = _worker(ledger, reg)
+
+    def lose(*args, **kwargs):
+        raise PublishConflict("another worker published first")
+
+    monkeypatch.setattr(w.registry, "publish", lose)
+    assert w.step() is True  # lost: nothing changes
+    monkeypatch.undo()
+    assert reg.current().version == v1
+    assert w.step() is True and reg.current().manifest["change"]["op"] == "retrain"
+
+
+def test_over_http_answers_stop_at_the_budget_and_resume_on_fresh_seeds(tmp_path) -> None:
+    env = {"OBLIVIATE_ANSWERS": "private", "OBLIVIATE_PRIVATE_EPSILON": "0.5",
+           "OBLIVIATE_SEED_EPSILON_BUDGET": "2.0", "OBLIVIATE_SEED_DELTA": "1e-5"}
+    with Sidecar(tmp_path, learner="sisa", env=env,
+                 train_params='{"n_shards": 3, "epochs_per_slice": 3}') as sc:
+        rows = np.random.default_rng(2).random((5, 30)).round(4).tolist()
+        r = sc.http.post("/v1/predict", json={"instances": rows[:4]})
+        assert r.status_code == 200 and r.json()["guard"] == "private"
+        v1 = r.json()["model_version"]
+        assert sc.http.post("/v1/predict", json={"instances": rows[:2]}).status_code == 200
+        r = sc.http.post("/v1/predict", json={"instances": rows[4:]})
+        assert r.status_code == 429 and "fresh seeds" in r.text
+        metrics = sc.http.get("/metrics").text
+        assert "obliviate_adaptive_budget_spent_ratio 1.0" in metrics
+        sc.start_worker()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r = sc.http.post("/v1/predict", json={"instances": rows[4:]})
+            if r.status_code == 200 and r.json()["model_version"] != v1:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200 and r.json()["model_version"] != v1, r.text
