@@ -83,8 +83,11 @@ def test_answers_are_private_votes_until_the_budget_is_spent(seeded60: Ledger) -
     holder = _holder(reg, ledger)
     holder.refresh()
     assert holder.serving.mode == "private"
+    assert w.step() is False  # nothing spent: no retrain
     Q = _queries(4)
-    labels, _ = holder.predict(Q)  # 4 fresh answers: the whole budget
+    labels, _ = holder.predict(Q[:3])
+    assert w.step() is False  # 3 of 4 answers spent: still no retrain
+    labels, _ = holder.predict(Q)  # the 4th fresh answer: the whole budget
     assert set(labels.tolist()) <= set(holder.serving.model.classes.tolist())
     again, _ = holder.predict(Q[::-1])  # replays from the memo cost nothing
     assert again.tolist() == labels[::-1].tolist()

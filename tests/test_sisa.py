@@ -51,11 +51,8 @@ def _where(m: SISAEnsemble, some_ids) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _earliest(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
-    expect: dict[int, int] = {}
-    for row, r in zip(member, slices.tolist(), strict=True):
-        for s in np.flatnonzero(row).tolist():
-            expect[s] = min(r, expect.get(s, r))
-    return expect
+    """Per shard holding any of the records, the earliest of their slices."""
+    return {int(s): int(slices[member[:, s]].min()) for s in np.flatnonzero(member.any(axis=0))}
 
 
 # --------------------------------------------------------------------------- basics

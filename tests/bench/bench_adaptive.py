@@ -4,7 +4,8 @@
         [--data digits,table] [--shards 6,2] [--jobs J]
 
 Per data set (scikit-learn's 8x8 digits, 10 classes; a synthetic table,
-make_classification 2,000 x 20, 4 classes, 10% flipped labels; features in
+make_classification 2,000 x 20, 4 classes of one cluster each, class_sep 1.5,
+10% flipped labels; features in
 [0, 1]; stratified 75/25 split, seed 0) and per number of shards k, each trial
 trains a SISA ensemble (partition, one slice, MLP 64 hidden, Adam lr 0.01,
 15 epochs, batch 32) from the trial's seed, runs
@@ -56,7 +57,8 @@ def load(name: str) -> tuple[np.ndarray, ...]:
         X = X / 16.0
     elif name == "table":
         X, y = make_classification(n_samples=2000, n_features=20, n_informative=10,
-                                   n_classes=4, flip_y=0.1, random_state=0)
+                                   n_classes=4, n_clusters_per_class=1, class_sep=1.5,
+                                   flip_y=0.1, random_state=0)
         X = (X - X.min(axis=0)) / (X.max(axis=0) - X.min(axis=0))
     else:
         raise SystemExit(f"unknown data set {name!r} (digits, table)")
