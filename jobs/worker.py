@@ -80,8 +80,7 @@ class Worker:
         self._guard_job: GuardJob | None = None
         self._last_update = 0.0
         self.stop_event = threading.Event()
-        cfg = self.config
-        self.budgets = SeedBudgets(ledger.engine, registry.name) if cfg.budget else None
+        self.budgets = SeedBudgets(ledger.engine, registry.name) if self.config.budget else None
 
     # ------------------------------------------------------------------ first version
     def bootstrap(self, kind: str, params: dict[str, Any] | None = None,

@@ -43,6 +43,13 @@ GUARD_MODE = Gauge(
     "1 while a verified bound guards the served version, 0 in noise-all mode.",
     multiprocess_mode="min",
 )
+GUARD_REFIT_PENDING = Gauge(
+    "obliviate_guard_refit_pending",
+    "1 while the served version waits for the worker to refit its guard (noise-all until "
+    "then); 0 when its rule holds as is, or noises every answer by design (the game "
+    "learner, private prediction mode).",
+    multiprocess_mode="max",
+)
 MEMO_EVICTIONS = Counter(
     "obliviate_guard_memo_evictions",
     "Noised answers evicted from the memo (a repeat then costs fresh epsilon).",

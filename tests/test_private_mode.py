@@ -189,6 +189,7 @@ def test_over_http_answers_stop_at_the_budget_and_resume_on_fresh_seeds(tmp_path
         assert r.status_code == 429 and "fresh seeds" in r.text
         metrics = sc.http.get("/metrics").text
         assert "obliviate_adaptive_budget_spent_ratio 1.0" in metrics
+        assert "obliviate_guard_refit_pending 0.0" in metrics  # noised by design: no alert
         sc.start_worker()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
