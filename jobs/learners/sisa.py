@@ -37,13 +37,22 @@ initialisation), per-epoch batch ``mix64(prf(seed_s, "loo-batch", id) ^
 prf(seed_s, "loo-epoch", e)) mod B``, ``B = max(1, ceil(n_s / batch_size))``
 (``n_s`` the shard's live record count), plain SGD with ``lr`` and
 ``weight_decay``, ``epochs_per_slice`` epochs, the padded batched kernels.
-Hence the shard network is bit for bit the base network ``N`` of
+Records deleted since ``fit`` stay in the schedule as TOMBSTONES (``tombstones_``:
+their ids only, no features or labels): always-masked rows in the batch each
+id hashes to. A tombstone contributes an exact zero to every sum, so it
+changes nothing arithmetically, but it keeps every other row where it was:
+the gemm kernels of some CPUs (seen on Sapphire Rapids, MKL, AVX-512) sum a
+batch's rows in an order that depends on row positions, so "x masked in
+place" and "x removed, later rows moved up" can differ in the last bits.
+With tombstones the shard network is bit for bit the base network ``N`` of
 ``train_loo`` on the shard's records with those arguments
-(:meth:`SISAEnsemble.shard_training_args`), and ``train_loo``'s ``N_{-x}``
-with ``B = ceil((n_s - 1) / batch_size)`` is bit for bit the shard after
-``delete([x])``: that is what lets :func:`jobs.idp.sisa_bounds.shard_bounds`
-compute per-shard LUCID bounds for the SERVED ensemble. One checkpoint per
-shard (``R = 1``).
+(:meth:`SISAEnsemble.shard_training_args`, which carries the shard's
+tombstones), and ``train_loo``'s ``N_{-x}`` with ``B = ceil((n_s - 1) /
+batch_size)`` is bit for bit the shard after ``delete([x])``, on any CPU:
+that is what lets :func:`jobs.idp.sisa_bounds.shard_bounds` compute
+per-shard LUCID bounds for the SERVED ensemble. One checkpoint per shard
+(``R = 1``). A later ``add`` of a tombstoned id removes its tombstone;
+``fit`` starts with none.
 
 ``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
 ``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
@@ -62,10 +71,11 @@ What "retrain from scratch" means
 Computing ``T`` on the live set: every shard re-initialised from the seed and
 every stage retrained, using each live record's recorded origin (hence its
 slice: the keyed slice, or the last slice for records that arrived by
-``add``). :meth:`SISAEnsemble.verify` does exactly that and compares every
-checkpoint and the served weights bit for bit. When no record was ever added
-(or ``add_slice="keyed"``) this is the same as ``SISAEnsemble(**params).fit``
-on the live records.
+``add``) and, under ``schedule="loo"``, the tombstones' ids.
+:meth:`SISAEnsemble.verify` does exactly that and compares every checkpoint
+and the served weights bit for bit. When no record was ever added (or
+``add_slice="keyed"``) and none deleted under ``schedule="loo"``, this is the
+same as ``SISAEnsemble(**params).fit`` on the live records.
 
 Why updates equal the retrain
 -----------------------------
@@ -100,7 +110,8 @@ saved on one device type and updated on another is still a correct model of
 the live set, but its checkpoints then mix platforms and ``verify`` would
 report a mismatch; :meth:`SISAEnsemble.load` warns when that can happen.
 The saved bundle contains the live records' features and labels (updates
-need them); deleted records are removed from it.
+need them); deleted records are removed from it, only their ids stay as
+tombstones (``schedule="loo"``).
 """
 
 from __future__ import annotations
@@ -376,18 +387,24 @@ class SISAEnsemble(Learner, BaseEstimator):
         )
 
     def _train_shard(
-        self, s: int, data: dict[str, np.ndarray], from_slice: int, start: State | None
+        self,
+        s: int,
+        data: dict[str, np.ndarray],
+        tombstones: np.ndarray,
+        from_slice: int,
+        start: State | None,
     ) -> list[State]:
         """Checkpoints of stages ``from_slice .. R-1`` of shard ``s`` on ``data``.
 
         ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
         ``from_slice == 0``: the shard starts from its seed-only initialisation).
-        ``data`` holds the live records' arrays sorted by id. This one function
-        serves fit, delete, add and verify: the same kernels and shapes.
+        ``data`` holds the live records' arrays sorted by id; ``tombstones`` the
+        deleted ids (``schedule="loo"`` only). This one function serves fit,
+        delete, add and verify: the same kernels and shapes.
         """
         cfg = self.config_
         if cfg["schedule"] == "loo":
-            return [self._train_shard_loo(s, data)]
+            return [self._train_shard_loo(s, data, tombstones)]
         net = self._new_net()
         if from_slice == 0:
             init_net(net, self._init_seed(s))
@@ -420,7 +437,7 @@ class SISAEnsemble(Learner, BaseEstimator):
                 out.append(state_to_cpu(net))
         return out
 
-    def _loo_args(self, s: int, n_records: int) -> dict[str, Any]:
+    def _loo_args(self, s: int, n_records: int, tombstones: np.ndarray) -> dict[str, Any]:
         cfg = self.config_
         return {
             "n_classes": len(self.classes_),
@@ -431,15 +448,17 @@ class SISAEnsemble(Learner, BaseEstimator):
             "weight_decay": cfg["weight_decay"],
             "seed": self._init_seed(s),
             "n_batches": n_batches(n_records, cfg["batch_size"]),
+            "tombstones": self._shard_tombstones(s, tombstones),
             "device": self.device_,
             "cpu_threads": cfg["cpu_threads"],
         }
 
-    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray]) -> State:
+    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
+                         tombstones: np.ndarray) -> State:
         """Shard ``s`` trained by :func:`jobs.idp.loo.train_single` (schedule ``"loo"``)."""
         rows = np.flatnonzero(data["member"][:, s])
         params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
-                              **self._loo_args(s, len(rows)))
+                              **self._loo_args(s, len(rows), tombstones))
         return mlp_state(params.weights, params.biases)
 
     def shard_training_args(self, s: int, n_records: int | None = None) -> dict[str, Any]:
@@ -459,7 +478,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         if not 0 <= int(s) < self._S:
             raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
         n = int(self.shard_sizes_[int(s)]) if n_records is None else int(n_records)
-        return self._loo_args(int(s), n)
+        return self._loo_args(int(s), n, self.tombstones_)
 
     def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
@@ -508,12 +527,20 @@ class SISAEnsemble(Learner, BaseEstimator):
             "keys": self._batch_keys(ids),
         }
 
+    def _shard_tombstones(self, s: int, tombstones: np.ndarray) -> list[Any]:
+        """The tombstones whose keyed membership puts them in shard ``s``."""
+        if len(tombstones) == 0:
+            return []
+        return tombstones[self._keyed_members(tombstones)[:, s]].tolist()
+
     def _commit(
         self,
         data: dict[str, np.ndarray],
+        tombstones: np.ndarray,
         checkpoints: list[list[State]],
         changed: list[int] | None = None,
     ) -> None:
+        self.tombstones_ = tombstones
         self.record_ids_ = data["ids"]
         self.X_ = data["X"]
         self.y_ = data["y"]
@@ -571,8 +598,9 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.platform_ = self._platform()
         yi = self._encode_y(yarr, len(rids))
         data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
-        ckpts = [self._train_shard(s, data, 0, None) for s in range(self._S)]
-        self._commit(data, ckpts)
+        none = as_ids([])
+        ckpts = [self._train_shard(s, data, none, 0, None) for s in range(self._S)]
+        self._commit(data, none, ckpts)
         return self
 
     def _platform(self) -> dict[str, Any]:
@@ -583,13 +611,14 @@ class SISAEnsemble(Learner, BaseEstimator):
         }
 
     def _retrain(
-        self, data: dict[str, np.ndarray], from_slice: dict[int, int]
+        self, data: dict[str, np.ndarray], tombstones: np.ndarray, from_slice: dict[int, int]
     ) -> tuple[list[list[State]], float]:
         t0 = time.perf_counter()
         ckpts = list(self.checkpoints_)
         for s, r in sorted(from_slice.items()):
             start = self.checkpoints_[s][r - 1] if r > 0 else None
-            ckpts[s] = list(self.checkpoints_[s][:r]) + self._train_shard(s, data, r, start)
+            ckpts[s] = (list(self.checkpoints_[s][:r])
+                        + self._train_shard(s, data, tombstones, r, start))
         return ckpts, time.perf_counter() - t0
 
     def _report(
@@ -636,8 +665,11 @@ class SISAEnsemble(Learner, BaseEstimator):
         keep[rows] = False
         old = self._data()
         data = {k: v[keep] for k, v in old.items()}
-        ckpts, train_s = self._retrain(data, from_slice)
-        self._commit(data, ckpts, changed=sorted(from_slice))
+        tombstones = self.tombstones_
+        if self.config_["schedule"] == "loo":
+            tombstones = as_ids(sorted([*tombstones.tolist(), *rids.tolist()]))
+        ckpts, train_s = self._retrain(data, tombstones, from_slice)
+        self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
         return self._report("delete", rids, t0, from_slice, data, train_s)
 
     def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
@@ -663,8 +695,10 @@ class SISAEnsemble(Learner, BaseEstimator):
         )
         new_rows = np.isin(data["ids"], rids)
         from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
-        ckpts, train_s = self._retrain(data, from_slice)
-        self._commit(data, ckpts, changed=sorted(from_slice))
+        back = set(rids.tolist())
+        tombstones = as_ids([t for t in self.tombstones_.tolist() if t not in back])
+        ckpts, train_s = self._retrain(data, tombstones, from_slice)
+        self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
         return self._report("add", rids, t0, from_slice, data, train_s)
 
     # ------------------------------------------------------------------ prediction
@@ -784,7 +818,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         mismatched: list[list[int]] = []
         served_mismatch: list[int] = []
         for s in shards:
-            fresh = self._train_shard(s, data, 0, None)
+            fresh = self._train_shard(s, data, self.tombstones_, 0, None)
             fresh_finals.append(fresh[-1])
             for r in range(self._R):
                 if not states_equal(fresh[r], self.checkpoints_[s][r]):
@@ -793,7 +827,9 @@ class SISAEnsemble(Learner, BaseEstimator):
                 served_mismatch.append(s)
         detail = {
             "definition": "every shard re-initialised from the seed and all slices retrained "
-            "on the live records with their recorded origin-based slices",
+            "on the live records with their recorded origin-based slices (and the "
+            "deleted ids as masked tombstones, schedule 'loo')",
+            "n_tombstones": len(self.tombstones_),
             "shards_checked": list(shards),
             "checkpoints_checked": len(shards) * self._R,
             "mismatched_checkpoints": mismatched,
@@ -861,6 +897,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             "classes_dtype": self.classes_.dtype.str,
             "n_features": self.n_features_in_,
             "record_ids": self.record_ids_.tolist(),
+            "tombstones": self.tombstones_.tolist(),
             "platform": self.platform_,
             "content_hash": self.content_hash(),
         }
@@ -901,8 +938,7 @@ class SISAEnsemble(Learner, BaseEstimator):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        ids = np.empty(len(meta["record_ids"]), dtype=object)
-        ids[:] = meta["record_ids"]
+        ids = as_ids(meta["record_ids"])
         added = state["added"].numpy().astype(bool)
         data = self._make_data(ids, state["X"].numpy(), state["y"].numpy(), added)
         ckpts = [
@@ -911,7 +947,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         ]
         if len(ckpts) != self._S or any(len(c) != self._R for c in ckpts):
             raise ValueError(f"{p}: checkpoint layout does not match n_shards x n_slices")
-        self._commit(data, ckpts)
+        self._commit(data, as_ids(meta.get("tombstones", [])), ckpts)
         if self.content_hash() != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
         return self

@@ -50,9 +50,11 @@ def test_certain_iff_margin_strictly_above_beta(n_classes: int) -> None:
     expect = int((margins > np.asarray(gn.bound.beta)[labels]).sum())
     assert gn.counters()["certain"] == expect and 0 < expect < len(Q)
     # a bound exactly equal to a query's margin: that query is noised; one ulp lower: certain
+    # (the margin of the query alone: BLAS may round a 1-row product differently)
     i = int(np.argmax(margins))
-    c = int(labels[i])
-    for beta_c, certain in ((margins[i], False), (np.nextafter(margins[i], -np.inf), True)):
+    one, m1 = served_margins(gn, Q[i:i + 1])
+    c, m_i = int(one[0]), m1[0]
+    for beta_c, certain in ((m_i, False), (np.nextafter(m_i, -np.inf), True)):
         beta = list(gn.bound.beta)
         beta[c] = float(beta_c)
         g2 = GuardedNetwork(loo, dataclasses.replace(gn.bound, beta=tuple(beta)), epsilon=0.0)
