@@ -21,6 +21,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-window", type=float, default=0.1,
                    help="after claiming a lone request, wait this long for more")
     p.add_argument("--max-batch", type=int, default=1000)
+    p.add_argument("--guard-max-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="once the current version has waited this long for its guard, "
+                        "requests wait for the refit (default 60; inf: never)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the exactness check (retrain from scratch, compare hashes)")
     p.add_argument("--evaluate", action="store_true", default=None,
@@ -73,6 +76,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
+                     guard_max_wait_s=args.guard_max_wait,
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     if args.train:
         worker.bootstrap(args.learner or s.learner)

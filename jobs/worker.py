@@ -60,6 +60,9 @@ class WorkerConfig:
     verify_exactness: bool = True
     guard_process: bool = True  # refit the guard in a child process (else a thread)
     guard_after_idle_s: float = 1.0  # start a refit once no request came for this long
+    # a stream that never pauses would leave every answer noised: once the current version
+    # has owed its guard this long, updates wait for the refit (inf: never wait)
+    guard_max_wait_s: float = 60.0
     # measure each deletion's privacy (jobs.eval) into its `applied` event: seconds per pass
     evaluate: bool = False
     # private prediction mode (SISA): every seed lineage gets this budget, and a spent
@@ -78,6 +81,7 @@ class Worker:
         self._model: ServedModel | None = None
         self._version: ModelVersion | None = None
         self._guard_job: GuardJob | None = None
+        self._guard_owed_since: float | None = None  # monotonic time the debt began
         self._last_update = 0.0
         self.stop_event = threading.Event()
         self.budgets = SeedBudgets(ledger.engine, registry.name) if self.config.budget else None
@@ -133,6 +137,8 @@ class Worker:
 
     def step(self) -> bool:
         """One pass; False when there was nothing to do."""
+        if self._guard_overdue():
+            return self._guard_pass(overdue=True)
         batch = self._claim()
         if batch:
             self._last_update = time.monotonic()
@@ -254,19 +260,35 @@ class Worker:
         """A guard job is computing (its result is published by a later pass)."""
         return self._guard_job is not None
 
-    def _guard_pass(self) -> bool:
+    def _guard_overdue(self) -> bool:
+        since = self._guard_owed_since
+        return since is not None and time.monotonic() - since >= self.config.guard_max_wait_s
+
+    def _track_guard_debt(self, man: dict[str, Any]) -> None:
+        """Start the clock when the current version owes a guard refit; stop it when not."""
+        if not _guard_owed(man):
+            self._guard_owed_since = None
+        elif self._guard_owed_since is None:
+            self._guard_owed_since = time.monotonic()
+
+    def _guard_pass(self, overdue: bool = False) -> bool:
         """Start, or finish, refitting the guard and checking exactness off the update path.
 
         Refitting can take seconds (the forest guard runs one exact deletion per
         record), so it runs in a separate process while updates keep flowing. It is
         started when no request is waiting, on the current version; its result is
         published only if that version is still current (otherwise it is stale and
-        dropped). A version this step published is not re-verified: if its exactness
-        check failed, its requests stay `applied` and the failure is counted.
+        dropped). Under a stream with no pause the current version would never get
+        its guard, so once it has owed one for ``guard_max_wait_s`` (``overdue``) the
+        refit starts at once and no request is claimed until it is published. A
+        version this step published is not re-verified: if its exactness check
+        failed, its requests stay `applied` and the failure is counted.
         """
         cur = self.registry.current()
         if cur is None:
             return False
+        self._track_guard_debt(cur.manifest)  # another worker may have paid it
+        overdue = overdue and self._guard_overdue()
         job = self._guard_job
         if job is not None:
             if job.version != cur.version:
@@ -280,12 +302,11 @@ class Worker:
             self._guard_job = None
             self._finish_guard(job)
             return True
-        if time.monotonic() - self._last_update < self.config.guard_after_idle_s:
+        if not overdue and time.monotonic() - self._last_update < self.config.guard_after_idle_s:
             return False
         applied = self.ledger.requests_with_status("applied")
-        guard = cur.manifest["guard"]
-        settled = guard["ready"] or guard["rule"] == "noise-all"  # no refit changes noise-all
-        if cur.manifest["change"]["op"] == "guard" or (not applied and settled):
+        if cur.manifest["change"]["op"] == "guard" or (
+                not applied and not _guard_owed(cur.manifest)):
             return False
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
                                    self.config.verify_exactness, self.config.guard_process)
@@ -298,6 +319,7 @@ class Worker:
             metrics.UPDATE_FAILURES.inc()
             log.error("refitting the guard for %s failed; it is retried:\n%s", job.version, exc)
             job.discard()
+            self._guard_owed_since = time.monotonic()  # updates flow again meanwhile
             return
         model, parent = self._current()
         model.load_guard(result.guard_dir)
@@ -360,6 +382,7 @@ class Worker:
             self.registry.discard_unpublished(version)
             raise
         self._version = self.registry.get(version)
+        self._track_guard_debt(man)
         log.info("published %s (%s; saved in %.3f s, committed in %.3f s)", version,
                  change["op"], t1 - t0, time.perf_counter() - t1)
         return version
@@ -369,6 +392,13 @@ class Worker:
         def commit(version: str, publish: Publish) -> None:
             self.ledger.record_event(kind, {"change": change}, version, in_transaction=publish)
         return commit
+
+
+def _guard_owed(man: dict[str, Any]) -> bool:
+    """The version answers in noise-all mode until its guard is refitted (a learner that
+    noises every answer by design owes nothing)."""
+    guard = man["guard"]
+    return not guard["ready"] and guard["rule"] != "noise-all"
 
 
 @dataclass

@@ -161,6 +161,42 @@ def test_additions_are_learned_and_the_guard_follows(seeded60: Ledger) -> None:
     assert ledger.history("a1")["request"]["status"] == "verified"
 
 
+def test_a_stream_without_pause_still_gets_its_guard(seeded60: Ledger) -> None:
+    """Requests keep coming, so the idle refit never starts; once the current version has
+    owed its guard for guard_max_wait_s, the next request waits until the guarded version
+    is published, and then builds on it."""
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=3600.0, guard_max_wait_s=1.0))
+    w.bootstrap("dare", SMALL["dare"])
+
+    def delete(rid: str, record: str) -> None:
+        assert ledger.receive({"request_id": rid, "op": "delete", "record_ids": [record]}
+                              ).status == "accepted"
+
+    delete("d1", "r001")
+    assert w.step()  # applied: the new version answers in noise-all mode
+    delete("d2", "r002")
+    assert w.step()  # the debt is young: d2 goes straight on
+    delete("d3", "r003")
+    time.sleep(1.0)
+    end = time.monotonic() + 60
+    while reg.current().manifest["change"]["op"] != "guard":
+        assert time.monotonic() < end, "the overdue guard was never published"
+        assert [r.request_id for r in ledger.requests_with_status("received")] == ["d3"]
+        w.step()
+        time.sleep(0.02)
+    _drain(w)
+    lineage = reg.lineage()
+    assert [v.manifest["change"]["op"] for v in lineage] == [
+        "update", "guard", "update", "update", "train"]
+    assert lineage[1].manifest["guard"]["ready"] is True
+    assert lineage[0].parent == lineage[1].version
+    assert [e["kind"] for e in _events(ledger, "d3")] == ["received", "claimed", "applied"]
+    assert {r.request_id for r in ledger.requests_with_status("verified")} == {"d1", "d2"}
+
+
 def test_a_request_the_model_cannot_apply_fails_with_a_reason(seeded60: Ledger) -> None:
     ledger = seeded60
     w = _worker(ledger)
