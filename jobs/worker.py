@@ -176,12 +176,13 @@ class Worker:
 
     def _apply(self, batch: list[Request]) -> None:
         model, parent = self._current()
-        ok, failed = _split_applicable(batch, set(model.learner.record_ids_.tolist()))
+        live = set(model.learner.record_ids_.tolist())
+        gone = {i for r in batch if r.op == "delete" for i in r.record_ids if i not in live}
+        ok, failed, updates = _plan(batch, live, self.ledger.purged(sorted(gone)))
         for req, reason in failed:
             self.ledger.mark_failed(req.request_id, reason)
         if not ok:
             return
-        updates = _by_op(ok)
         deleted = [i for op, ids in updates if op == "delete" for i in ids.tolist()]
         probe = (EvaluationProbe.capture(self.ledger, model, deleted)
                  if self.config.evaluate and deleted else None)
@@ -208,6 +209,8 @@ class Worker:
         def commit(version: str, publish: Publish) -> None:
             self.ledger.mark_applied(request_ids, version, detail, in_transaction=publish)
 
+        # with no update at all (every record named is gone already) the version is the
+        # parent's model again, published so that the requests are verified as usual
         self._publish(model, parent.version, change, commit)
         now = utc_now()
         for r in ok:
@@ -439,43 +442,44 @@ class EvaluationProbe:
         return out
 
 
-def _split_applicable(batch: Sequence[Request], live: set[str]
-                      ) -> tuple[list[Request], list[tuple[Request, str]]]:
-    """Requests the model can apply, additions first, and the rest with the reason.
+def _plan(batch: Sequence[Request], live: set[str], purged: set[str]
+          ) -> tuple[list[Request], list[tuple[Request, str]], list[tuple[str, np.ndarray]]]:
+    """The requests the model can apply, the rest with the reason, and the learner calls
+    that apply them: the record ids to add, then those to delete (one call each).
 
-    Additions go first so a pass makes at most two learner calls. That order is
-    the arrival order's result too: an addition names only new record ids, so no
-    deletion before it can have named its records.
+    A deletion naming a record that is gone already -- purged by an earlier request,
+    or deleted by one before it in this batch (both were accepted while the record
+    was live) -- is still applied to the records it names that remain: the record
+    is gone, as asked. Additions go first; that is the arrival order's result too,
+    since an addition names only new record ids, which no deletion before it can
+    have named.
     """
     ok: list[Request] = []
     failed: list[tuple[Request, str]] = []
     held = set(live)
+    add: list[str] = []
+    delete: list[str] = []
     for r in sorted(batch, key=lambda q: q.op != "add"):
         ids = list(r.record_ids)
         if r.op == "delete":
-            missing = [i for i in ids if i not in held]
+            missing = [i for i in ids if i not in held and i not in live and i not in purged]
             if missing:
                 failed.append((r, f"record {missing[0]!r} is not in the model"))
                 continue
-            held.difference_update(ids)
+            remaining = [i for i in ids if i in held]
+            held.difference_update(remaining)
+            delete += remaining
         else:
             clash = [i for i in ids if i in held]
             if clash:
                 failed.append((r, f"record {clash[0]!r} is already in the model"))
                 continue
             held.update(ids)
+            add += ids
         ok.append(r)
-    return ok, failed
-
-
-def _by_op(reqs: Sequence[Request]) -> list[tuple[str, np.ndarray]]:
-    """The record ids to add, then those to delete (one learner call each)."""
-    out = []
-    for op in ("add", "delete"):
-        ids = [i for r in reqs if r.op == op for i in r.record_ids]
-        if ids:
-            out.append((op, np.array(ids, dtype=object)))
-    return out
+    updates = [(op, np.array(ids, dtype=object)) for op, ids in (("add", add),
+                                                                 ("delete", delete)) if ids]
+    return ok, failed, updates
 
 
 def _retrained(reports: Sequence[UpdateReport]) -> dict[str, Any]:

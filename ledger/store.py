@@ -231,6 +231,15 @@ class Ledger:
                                                                                n_features)
         return X, np.array([found[r].label for r in ids], dtype=np.int64)
 
+    def purged(self, record_ids: Sequence[str]) -> set[str]:
+        """Those of `record_ids` whose data a deletion has purged."""
+        if not record_ids:
+            return set()
+        with self.engine.connect() as conn:
+            return set(conn.execute(select(RECORDS.c.record_id).where(
+                RECORDS.c.record_id.in_(list(record_ids)), RECORDS.c.state == "purged"
+            )).scalars())
+
     def records_digest(self, record_ids: Sequence[str]) -> tuple[int, str]:
         """(count, Merkle root) of these records' keyed fingerprints, sorted.
 

@@ -12,8 +12,9 @@ from sqlalchemy import select
 
 from jobs.registry import PublishConflict, Registry
 from jobs.served_model import ServedModel
-from jobs.worker import Worker, WorkerConfig
-from ledger.models import TrainingRecord
+from jobs.worker import Worker, WorkerConfig, _plan
+from ledger.chain import utc_now
+from ledger.models import Request, TrainingRecord
 from ledger.store import Ledger
 from tests.conftest import seed
 
@@ -197,21 +198,54 @@ def test_a_stream_without_pause_still_gets_its_guard(seeded60: Ledger) -> None:
     assert {r.request_id for r in ledger.requests_with_status("verified")} == {"d1", "d2"}
 
 
-def test_a_request_the_model_cannot_apply_fails_with_a_reason(seeded60: Ledger) -> None:
+@pytest.mark.parametrize("same_batch", [True, False])
+def test_a_deletion_overlapping_an_earlier_one_removes_the_rest(seeded60: Ledger,
+                                                                same_batch: bool) -> None:
+    """All are accepted while r002 is live (x1 claimed, not yet applied); in one batch
+    or in the next, r002 and r003 end up gone and every request verified."""
     ledger = seeded60
     w = _worker(ledger)
     w.bootstrap("sisa", SMALL["sisa"])
-    # both accepted at intake (r002 is live until the first is applied)
     ledger.receive({"request_id": "x1", "op": "delete", "record_ids": ["r002"]})
-    ledger.receive({"request_id": "x2", "op": "delete", "record_ids": ["r002", "r003"]})
+    first = [] if same_batch else ledger.claim(10, "w1")
+    for rid, ids in (("x2", ["r002", "r003"]), ("x3", ["r002"])):
+        assert ledger.receive({"request_id": rid, "op": "delete", "record_ids": ids}
+                              ).status == "accepted"
+    if first:
+        w._apply(first)  # x1 applied: r002 purged before x2 and x3 are claimed
     _drain(w)
-    assert ledger.history("x1")["request"]["status"] == "verified"
-    h = ledger.history("x2")
-    assert h["request"]["status"] == "failed"
-    assert "r002" in h["events"][-1]["payload"]["reason"]
-    # r003 was not touched by the failed request
+    for rid in ("x1", "x2", "x3"):
+        assert ledger.history(rid)["request"]["status"] == "verified", rid
     model = w.registry.load(w.registry.current().version)
-    assert "r003" in set(model.learner.record_ids_.tolist())
+    assert not {"r002", "r003"} & set(model.learner.record_ids_.tolist())
+    assert model.learner.verify().exact
+    applied = [e for e in _events(ledger, "x2") if e["kind"] == "applied"][0]
+    assert len(applied["payload"]["purged_record_hashes"]) == 2
+    with ledger.engine.connect() as conn:
+        by = dict(conn.execute(select(TrainingRecord.__table__.c.record_id,
+                                      TrainingRecord.__table__.c.purged_by)
+                               .where(TrainingRecord.__table__.c.record_id.in_(
+                                   ["r002", "r003"]))).all())
+    assert by == {"r002": "x1", "r003": "x2"}
+    assert ledger.verify().ok
+
+
+def test_a_request_the_model_cannot_apply_fails_with_a_reason() -> None:
+    """A deletion of a record the model never held that no deletion purged (its addition
+    not applied yet, say) fails whole; an addition of a held record fails too."""
+    def req(rid: str, op: str, ids: list[str]) -> Request:
+        return Request(request_id=rid, op=op, record_ids=ids, status="claimed",
+                       received_at=utc_now(), received_seq=1, source="test")
+
+    batch = [req("a", "delete", ["r1", "n9"]), req("b", "add", ["r2"]),
+             req("c", "delete", ["r1", "gone"]), req("d", "add", ["n1"]),
+             req("e", "delete", ["n1"])]
+    ok, failed, updates = _plan(batch, {"r1", "r2"}, purged={"gone"})
+    assert [r.request_id for r in ok] == ["d", "c", "e"]
+    assert [(r.request_id, why) for r, why in failed] == [
+        ("b", "record 'r2' is already in the model"), ("a", "record 'n9' is not in the model")]
+    assert [(op, ids.tolist()) for op, ids in updates] == [("add", ["n1"]),
+                                                           ("delete", ["r1", "n1"])]
 
 
 def test_a_second_worker_never_builds_on_a_stale_version(seeded60: Ledger) -> None:
