@@ -42,7 +42,7 @@ class Settings:
     epsilon: float = 1.0
     epsilon_budget: float = 1000.0
     memo_size: int = 100_000
-    registry_poll_s: float = 0.2
+    registry_poll_s: float = 0.1
     worker_metrics_port: int = 9101
     consumer_metrics_port: int = 9102
 

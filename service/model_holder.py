@@ -55,7 +55,7 @@ class ModelHolder:
     """Watches the registry and answers guarded queries with the current version."""
 
     def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
-                 epsilon_budget: float = 1000.0, poll_s: float = 0.2, guarded: bool = True,
+                 epsilon_budget: float = 1000.0, poll_s: float = 0.1, guarded: bool = True,
                  usage: GuardUsage | None = None, budgets: SeedBudgets | None = None,
                  reserve_block: int = 32, random_state: int | None = None) -> None:
         self.registry = registry
