@@ -169,7 +169,7 @@ def test_a_stream_without_pause_still_gets_its_guard(seeded60: Ledger) -> None:
     ledger = seeded60
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
-                                         guard_after_idle_s=3600.0, guard_max_wait_s=1.0))
+                                         guard_after_idle_s=3600.0, guard_max_wait_s=2.0))
     w.bootstrap("dare", SMALL["dare"])
 
     def delete(rid: str, record: str) -> None:
@@ -181,7 +181,7 @@ def test_a_stream_without_pause_still_gets_its_guard(seeded60: Ledger) -> None:
     delete("d2", "r002")
     assert w.step()  # the debt is young: d2 goes straight on
     delete("d3", "r003")
-    time.sleep(1.0)
+    time.sleep(2.0)
     end = time.monotonic() + 60
     while reg.current().manifest["change"]["op"] != "guard":
         assert time.monotonic() < end, "the overdue guard was never published"
