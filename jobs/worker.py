@@ -69,6 +69,15 @@ class WorkerConfig:
     # one is replaced by a retrain with fresh seeds (jobs.adaptive.budget)
     budget: BudgetPolicy | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("batch_window_s", "poll_s", "lease_s", "guard_after_idle_s",
+                     "guard_max_wait_s"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN fails too
+                raise ValueError(f"worker setting {name} must be >= 0 seconds, got {value}")
+        if self.max_batch < 1:
+            raise ValueError(f"worker setting max_batch must be >= 1, got {self.max_batch}")
+
 
 class Worker:
     """Turns pending requests into verified model versions (see the module docstring)."""

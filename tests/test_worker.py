@@ -305,3 +305,10 @@ def test_batching_window_claims_each_request_once(seeded60: Ledger) -> None:
         assert ledger.history(f"b{i}")["request"]["status"] == "verified"
     assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
         "guard", "update", "train"]
+
+
+@pytest.mark.parametrize("bad", [{"guard_max_wait_s": -1.0}, {"batch_window_s": float("nan")},
+                                 {"max_batch": 0}])
+def test_worker_settings_are_checked(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        WorkerConfig(**bad)
