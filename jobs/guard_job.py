@@ -2,13 +2,16 @@
 
 Both can take seconds to minutes (the forest guard runs one exact deletion per
 record; the exactness check retrains from scratch), so the worker runs them
-in a separate, low-priority process while it keeps applying requests. A job
-whose version stopped being current is terminated at once: its result could
-never be published.
+in a separate, low-priority process while it keeps applying requests. That
+process is kept warm between jobs (:class:`GuardProcess`): starting one and
+importing torch and the kernels took longer than refitting a small forest's
+guard. A job whose version stopped being current is terminated at once, with
+its process (a fresh one is started): its result could never be published.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -17,6 +20,7 @@ import tempfile
 import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -56,29 +60,109 @@ def fit_guard(version_path: str, out_dir: str, verify: bool) -> None:
         (out / ERROR_FILE).write_text(traceback.format_exc())
 
 
-def _fit_guard_niced(version_path: str, out_dir: str, verify: bool) -> None:
+def _serve_jobs(conn: Connection) -> None:
+    """The warm process: fit one guard per message until the worker closes the pipe."""
     os.nice(19)  # updates come first: this only takes CPU the worker leaves idle
-    fit_guard(version_path, out_dir, verify)
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:  # the worker is gone (stopped, or killed)
+            return
+        if args is None:
+            return
+        fit_guard(*args)
+        conn.send(True)
+
+
+class GuardProcess:
+    """One spawned, low-priority process that runs guard jobs one at a time."""
+
+    def __init__(self) -> None:
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._busy = False
+
+    def start(self) -> None:
+        """Start the process now (it imports its modules while nothing waits for it)."""
+        if self._proc is not None and self._proc.is_alive():
+            return
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_jobs, args=(child,), daemon=True,
+                                 name="obliviate-guard")
+        self._proc.start()
+        child.close()
+        self._conn, self._busy = parent, False
+
+    def submit(self, args: tuple[str, str, bool]) -> None:
+        if self._busy:
+            raise RuntimeError("the guard process is still running a job")
+        self.start()
+        self._conn.send(args)
+        self._busy = True
+
+    def done(self) -> bool:
+        """The job in hand has finished, or its process died (then it has no result)."""
+        if not self._busy:
+            return True
+        if self._conn.poll():
+            try:
+                self._conn.recv()
+            except (EOFError, OSError):  # it died mid-job
+                self._forget_process()
+        elif not self._proc.is_alive():
+            self._forget_process()
+        else:
+            return False
+        self._busy = False
+        return True
+
+    def _forget_process(self) -> None:
+        self._proc.join(5)
+        self._conn.close()
+        self._proc, self._conn = None, None
+
+    def kill(self) -> None:
+        """Terminate the job in hand; a fresh process is started for the next one."""
+        self.close()
+        self.start()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._busy:
+                self._proc.terminate()
+            else:
+                with contextlib.suppress(OSError):  # OSError: it is gone already
+                    self._conn.send(None)  # finish (once done importing)
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+            self._conn.close()
+        self._proc, self._conn, self._busy = None, None, False
 
 
 class GuardJob:
-    """One background refit of `version` (in a spawned process, or a thread for tests)."""
+    """One background refit of `version`: in the worker's :class:`GuardProcess`, or in a
+    thread when there is none (tests)."""
 
     def __init__(self, version: str, version_path: Path, verify: bool,
-                 separate_process: bool = True) -> None:
+                 process: GuardProcess | None = None) -> None:
         self.version = version
         self.dir = Path(tempfile.mkdtemp(prefix="obliviate-guard-"))
         args = (str(version_path), str(self.dir), verify)
-        self._runner: mp.process.BaseProcess | threading.Thread
-        if separate_process:
-            self._runner = mp.get_context("spawn").Process(target=_fit_guard_niced, args=args,
-                                                           daemon=True)
+        self._process = process
+        self._thread: threading.Thread | None = None
+        if process is not None:
+            process.submit(args)
         else:
-            self._runner = threading.Thread(target=fit_guard, args=args, daemon=True)
-        self._runner.start()
+            self._thread = threading.Thread(target=fit_guard, args=args, daemon=True)
+            self._thread.start()
 
     def done(self) -> bool:
-        return not self._runner.is_alive()
+        if self._process is not None:
+            return self._process.done()
+        return not self._thread.is_alive()
 
     def result(self) -> GuardResult:
         """The finished job's result; RuntimeError with the child's traceback if it failed."""
@@ -90,9 +174,8 @@ class GuardJob:
                            f"the guard job for {self.version} died without a result")
 
     def cancel(self) -> None:
-        if isinstance(self._runner, mp.process.BaseProcess) and self._runner.is_alive():
-            self._runner.terminate()
-            self._runner.join(5)
+        if self._process is not None and not self._process.done():
+            self._process.kill()
         self.discard()
 
     def discard(self) -> None:

@@ -38,7 +38,7 @@ from sqlalchemy import Connection
 from jobs import metrics
 from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
-from jobs.guard_job import GuardJob
+from jobs.guard_job import GuardJob, GuardProcess
 from jobs.learners.base import UpdateReport
 from jobs.registry import ModelVersion, PublishConflict, Registry, manifest, version_tag
 from jobs.served_model import ServedModel
@@ -90,6 +90,7 @@ class Worker:
         self._model: ServedModel | None = None
         self._version: ModelVersion | None = None
         self._guard_job: GuardJob | None = None
+        self._guard_process = GuardProcess() if self.config.guard_process else None
         self._guard_owed_since: float | None = None  # monotonic time the debt began
         self._last_update = 0.0
         self.stop_event = threading.Event()
@@ -136,6 +137,8 @@ class Worker:
     def warm_up(self) -> None:
         """Load the current version and run one throwaway deletion on a copy, so the
         first real request does not pay for loading and compiling."""
+        if self._guard_process is not None:
+            self._guard_process.start()
         if self.registry.current() is None:
             return
         _, version = self._current()
@@ -321,7 +324,7 @@ class Worker:
                 not applied and not _guard_owed(cur.manifest)):
             return False
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
-                                   self.config.verify_exactness, self.config.guard_process)
+                                   self.config.verify_exactness, self._guard_process)
         return True
 
     def _finish_guard(self, job: GuardJob) -> None:
@@ -362,6 +365,8 @@ class Worker:
             self._model = None
 
     def close(self) -> None:
+        if self._guard_process is not None:
+            self._guard_process.close()  # ends a job in hand too
         if self._guard_job is not None:
             self._guard_job.cancel()
             self._guard_job = None
