@@ -98,9 +98,10 @@ class ServedModel(abc.ABC):
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(class index, certain) per clipped query; certain is all False when not ready."""
 
-    @abc.abstractmethod
     def refresh_guard(self) -> dict[str, Any]:
-        """Make the guard valid for the current learner; returns its manifest record."""
+        """Make the guard valid for the current learner; returns its manifest record.
+        Here, a rule with nothing to fit."""
+        return {**self.guard_record(), "seconds": 0.0}
 
     @abc.abstractmethod
     def guard_record(self) -> dict[str, Any]:
@@ -213,9 +214,6 @@ class ShardVoteModel(ServedModel):
             np.add.at(votes, (np.flatnonzero(voted), row[voted]), 1)
         return votes
 
-    def refresh_guard(self) -> dict[str, Any]:
-        return {**self.guard_record(), "seconds": 0.0}
-
     def guard_record(self) -> dict[str, Any]:
         return {"rule": "sisa-vote", "ready": True, "shard_bound": "inf",
                 "n_shards": int(self.learner.n_shards)}
@@ -231,9 +229,6 @@ class GameModel(ServedModel):
 
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.plain_labels(X), np.zeros(len(X), dtype=bool)
-
-    def refresh_guard(self) -> dict[str, Any]:
-        return {**self.guard_record(), "seconds": 0.0}
 
     def guard_record(self) -> dict[str, Any]:
         return {"rule": "noise-all", "ready": False,
