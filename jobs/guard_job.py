@@ -137,9 +137,8 @@ class GuardProcess:
             self._proc.join(5)
             if self._proc.is_alive():
                 self._proc.kill()
-                self._proc.join(5)
-            self._conn.close()
-        self._proc, self._conn, self._busy = None, None, False
+            self._forget_process()
+        self._busy = False
 
 
 class GuardJob:
@@ -154,7 +153,11 @@ class GuardJob:
         self._process = process
         self._thread: threading.Thread | None = None
         if process is not None:
-            process.submit(args)
+            try:
+                process.submit(args)
+            except Exception:
+                self.discard()
+                raise
         else:
             self._thread = threading.Thread(target=fit_guard, args=args, daemon=True)
             self._thread.start()

@@ -43,11 +43,11 @@ def test_jobs_run_one_after_another_in_the_same_process(version_dir: Path) -> No
             _wait(job)
             res = job.result()
             assert res.guard["ready"] is True and res.check["exact"] is True
-            assert (res.guard_dir).is_dir()
+            assert res.guard_dir.is_dir()
             job.discard()
             assert proc._proc.pid == pid  # warm: no new process per job
+        GuardJob("v1", version_dir, verify=True, process=proc)
         with pytest.raises(RuntimeError, match="still running"):
-            GuardJob("v1", version_dir, verify=True, process=proc)
             GuardJob("v1", version_dir, verify=True, process=proc)
     finally:
         proc.close()
