@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from jobs.adaptive.budget import budget_policy
 from jobs.registry import Registry
 from jobs.served_model import KINDS
-from jobs.worker import Worker, WorkerConfig, worker_name
+from jobs.worker import RollbackRefused, Worker, WorkerConfig, worker_name
 from ledger.chain import iso
 from ledger.cli import settings_from, start_long_running
 
@@ -46,6 +47,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
     p = msub.add_parser("show", help="the current version and its manifest")
     p.set_defaults(func=cmd_show)
+    p = msub.add_parser("rollback", help="publish an earlier version again (refused for "
+                        "one that holds deleted records or another training set)")
+    p.add_argument("version", help="e.g. v000007")
+    p.set_defaults(func=cmd_rollback)
     p = msub.add_parser("lineage", help="published versions, newest first")
     p.add_argument("--limit", type=int, default=20)
     p.set_defaults(func=cmd_lineage)
@@ -77,10 +82,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
                      guard_max_wait_s=args.guard_max_wait,
+                     destroy_grace_s=s.destroy_grace_s,
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     if args.train:
         worker.bootstrap(args.learner or s.learner)
     worker.run(max_seconds=args.max_seconds)
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    try:
+        version = _worker(args).rollback(args.version)
+    except RollbackRefused as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.version} is served again as {version}")
     return 0
 
 
@@ -98,7 +114,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     s = settings_from(args)
     for v in Registry(s.open_ledger().engine, s.model_name).lineage(args.limit):
         m = v.manifest
+        state = ("destroyed" if v.destroyed_at else
+                 "to destroy" if v.superseded_by_deletion else "kept")
         print(f"{v.version}  {iso(v.created_at)}  parent={v.parent or '-':8}  "
-              f"{m['change']['op']:6}  guard={'ready' if m['guard']['ready'] else 'noise-all'}  "
-              f"records={m['training_set']['count']}  hash={m['content_hash'][:12]}")
+              f"{m['change']['op']:8}  guard={'ready' if m['guard']['ready'] else 'noise-all'}  "
+              f"records={m['training_set']['count']}  hash={m['content_hash'][:12]}  {state}")
     return 0

@@ -24,11 +24,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from jobs import sealing
 from jobs.served_model import ServedModel
 
 RESULT_FILE = "result.json"
 ERROR_FILE = "error.txt"
 GUARD_SUBDIR = "guard"
+JOB_DIR_PREFIX = "obliviate-guard-"
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,14 @@ class GuardResult:
     guard_dir: Path  # fitted guard state, for ServedModel.load_guard
 
 
-def fit_guard(version_path: str, out_dir: str, verify: bool) -> None:
-    """Refit a stored version's guard and check exactness; results go to `out_dir`."""
+def fit_guard(version_path: str, key_hex: str, out_dir: str, verify: bool) -> None:
+    """Refit a stored version's guard and check exactness; results go to `out_dir`, the
+    fitted guard sealed under the version's key like the version itself."""
+    with sealing.sealed_with(bytes.fromhex(key_hex)):
+        _fit_guard(version_path, out_dir, verify)
+
+
+def _fit_guard(version_path: str, out_dir: str, verify: bool) -> None:
     out = Path(out_dir)
     try:
         model = ServedModel.load(version_path)
@@ -94,7 +102,7 @@ class GuardProcess:
         child.close()
         self._conn, self._busy = parent, False
 
-    def submit(self, args: tuple[str, str, bool]) -> None:
+    def submit(self, args: tuple[str, str, str, bool]) -> None:
         if self._busy:
             raise RuntimeError("the guard process is still running a job")
         self.start()
@@ -145,11 +153,11 @@ class GuardJob:
     """One background refit of `version`: in the worker's :class:`GuardProcess`, or in a
     thread when there is none (tests)."""
 
-    def __init__(self, version: str, version_path: Path, verify: bool,
+    def __init__(self, version: str, version_path: Path, key: bytes, verify: bool,
                  process: GuardProcess | None = None) -> None:
         self.version = version
-        self.dir = Path(tempfile.mkdtemp(prefix="obliviate-guard-"))
-        args = (str(version_path), str(self.dir), verify)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}-"))
+        args = (str(version_path), key.hex(), str(self.dir), verify)
         self._process = process
         self._thread: threading.Thread | None = None
         if process is not None:
@@ -183,3 +191,25 @@ class GuardJob:
 
     def discard(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove_orphaned_job_dirs() -> list[Path]:
+    """Remove the job directories of workers that are gone (killed mid-job): they hold a
+    half-fitted guard. Called when a worker starts."""
+    removed = []
+    for d in Path(tempfile.gettempdir()).glob(f"{JOB_DIR_PREFIX}*"):
+        pid = d.name.removeprefix(JOB_DIR_PREFIX).split("-", 1)[0]
+        if d.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -30,18 +30,26 @@ from sqlalchemy import (
     Connection,
     DateTime,
     Engine,
+    delete,
     insert,
     select,
     update,
 )
 from sqlmodel import Field, SQLModel
 
+from jobs import sealing
 from jobs.served_model import ServedModel
 from ledger.chain import iso, utc_now
 
 
 class ModelVersion(SQLModel, table=True):
-    """One published version and its manifest (the lineage auditors read)."""
+    """One published version and its manifest (the lineage auditors read).
+
+    ``superseded_by_deletion`` names the first later version that removed records on
+    request: from then on this version holds (or predates) data that was deleted, so it
+    may never be loaded or served again, and it is destroyed after the grace period
+    (:mod:`jobs.retention`), when ``destroyed_at`` is set.
+    """
 
     __tablename__ = "model_versions"
 
@@ -51,6 +59,28 @@ class ModelVersion(SQLModel, table=True):
     parent: str | None = Field(default=None, max_length=64)
     manifest: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
     created_at: datetime = Field(sa_type=DateTime(timezone=True))
+    superseded_by_deletion: str | None = Field(default=None, max_length=64)
+    destroyed_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why this version may not be loaded or served; None when it may."""
+        if self.destroyed_at is not None:
+            return f"{self.version} was destroyed at {iso(self.destroyed_at)}"
+        if self.superseded_by_deletion is not None:
+            return (f"{self.version} holds records that {self.superseded_by_deletion} "
+                    "removed on request; it is being destroyed")
+        return None
+
+
+class VersionKey(SQLModel, table=True):
+    """The key a version's files are sealed under (:mod:`jobs.sealing`); deleted with it."""
+
+    __tablename__ = "version_keys"
+
+    name: str = Field(max_length=64, primary_key=True)
+    version: str = Field(max_length=64, primary_key=True)
+    key: str = Field(max_length=64)  # hex
 
 
 class ModelPointer(SQLModel, table=True):
@@ -67,10 +97,15 @@ class ModelPointer(SQLModel, table=True):
 MANIFEST_FILE = "manifest.json"
 VERSIONS = ModelVersion.__table__
 POINTER = ModelPointer.__table__
+KEYS = VersionKey.__table__
 
 
 class PublishConflict(RuntimeError):
     """The current version moved since this one was built (another worker published)."""
+
+
+class VersionUnavailable(LookupError):
+    """A version that was destroyed, or holds deleted records, was asked to be loaded."""
 
 
 def version_tag(seq: int) -> str:
@@ -83,7 +118,7 @@ class Registry:
     def __init__(self, engine: Engine, name: str = "obliviate") -> None:
         self.engine = engine
         self.name = name
-        SQLModel.metadata.create_all(engine, tables=[VERSIONS, POINTER])
+        SQLModel.metadata.create_all(engine, tables=[VERSIONS, POINTER, KEYS])
 
     # ------------------------------------------------------------------ reading
     def current(self) -> ModelVersion | None:
@@ -117,7 +152,27 @@ class Registry:
         return [ModelVersion.model_validate(dict(r._mapping)) for r in rows]
 
     def load(self, version: str) -> ServedModel:
-        return ServedModel.load(self.path(version))
+        """The version's model; VersionUnavailable for one destroyed or holding deleted
+        records (whatever the pointer says)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(VERSIONS).where(VERSIONS.c.name == self.name,
+                                                      VERSIONS.c.version == version)).first()
+        if row is not None:
+            why = ModelVersion.model_validate(dict(row._mapping)).unavailable
+            if why:
+                raise VersionUnavailable(why)
+        with sealing.sealed_with(self.key(version)):
+            return ServedModel.load(self.path(version))
+
+    def key(self, version: str) -> bytes:
+        """The key `version`'s files are sealed under; VersionUnavailable once destroyed."""
+        with self.engine.connect() as conn:
+            key = conn.execute(select(KEYS.c.key).where(KEYS.c.name == self.name,
+                                                        KEYS.c.version == version)).scalar()
+        if key is None:
+            raise VersionUnavailable(f"{self.name}:{version} has no key: it was destroyed, "
+                                     "or never saved")
+        return bytes.fromhex(key)
 
     def path(self, version: str) -> Path:
         """Where a version's files are: the shared model store, else the running Bento's."""
@@ -144,26 +199,38 @@ class Registry:
         store = self._home_store()
         with contextlib.suppress(NotFound):
             store.delete(tag)
+        key = sealing.new_key()
+        with self.engine.begin() as conn:  # the key first: no sealed file without its key
+            conn.execute(delete(KEYS).where(KEYS.c.name == self.name, KEYS.c.version == version))
+            conn.execute(insert(KEYS), {"name": self.name, "version": version, "key": key.hex()})
         # BentoML metadata takes basic types only; the full manifest is a file beside.
         meta = {"learner": model.kind, "content_hash": manifest["content_hash"],
                 "version_seq": seq, "parent": manifest["parent"] or ""}
         with bentoml.models.create(tag, metadata=meta,
                                    labels={"learner": model.kind, "obliviate": "version"}) as m:
-            model.save(m.path)
+            with sealing.sealed_with(key):
+                model.save(m.path)
             (Path(m.path) / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
         return version
 
     def publish(self, conn: Connection, version: str, seq: int, parent: str | None,
-                manifest: dict[str, Any]) -> None:
+                manifest: dict[str, Any], removes_records: bool = False) -> None:
         """Make `version` current inside the caller's (ledger) transaction.
 
-        Raises PublishConflict unless `parent` is still the current version.
+        Raises PublishConflict unless `parent` is still the current version. When the
+        version removes records on request (`removes_records`), every earlier version
+        becomes unavailable at once and is destroyed after the grace period.
         """
         ptr = conn.execute(select(POINTER).where(POINTER.c.name == self.name)).first()
         if (ptr.version if ptr else None) != parent:
             raise PublishConflict(f"{self.name}: current is {ptr.version if ptr else None}, "
                                   f"not {parent}")
         now = utc_now()
+        if removes_records:
+            conn.execute(update(VERSIONS).where(
+                VERSIONS.c.name == self.name, VERSIONS.c.seq < seq,
+                VERSIONS.c.superseded_by_deletion.is_(None)).values(
+                superseded_by_deletion=version))
         conn.execute(insert(VERSIONS), {"name": self.name, "version": version, "seq": seq,
                                         "parent": parent, "manifest": manifest,
                                         "created_at": now})
@@ -174,13 +241,30 @@ class Registry:
             conn.execute(update(POINTER).where(POINTER.c.name == self.name).values(**values))
 
     def discard_unpublished(self, version: str) -> None:
-        """Remove a saved version that lost its publication race."""
-        with contextlib.suppress(NotFound):
+        """Remove a saved version that lost its publication race, and its key."""
+        self.remove_files(version)
+        with self.engine.begin() as conn:
+            conn.execute(delete(KEYS).where(KEYS.c.name == self.name, KEYS.c.version == version))
+
+    def remove_files(self, version: str) -> bool:
+        """Delete a version's directory from the model store; False if it had none."""
+        try:
             self._home_store().delete(Tag(self.name, version))
+        except NotFound:
+            return False
+        return True
+
+    def stored_versions(self) -> list[str]:
+        """Versions of this model name that have files in the model store."""
+        d = self._home_dir() / self.name
+        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
 
     @staticmethod
-    def _home_store() -> ModelStore:
-        return ModelStore(Path(BentoMLContainer.bentoml_home.get()) / "models")
+    def _home_dir() -> Path:
+        return Path(BentoMLContainer.bentoml_home.get()) / "models"
+
+    def _home_store(self) -> ModelStore:
+        return ModelStore(self._home_dir())
 
 
 def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: int,

@@ -10,6 +10,11 @@ from scratch, compare hashes) in a separate process; if the version is still
 current when that ends, it publishes the guarded version and appends
 `verified`.
 
+A version that removed records makes every earlier version unservable in the
+same transaction; the idle passes destroy those versions once the grace period
+is over (:mod:`jobs.retention`) and run the ledger's purge maintenance, which
+erases purged rows and destroyed keys from the database's files.
+
 Crash safety follows from the order: files are written before the
 transaction that publishes them, and requests stay `claimed` (retaken by the
 same worker name on restart, or by anyone after the lease) until the version
@@ -38,15 +43,22 @@ from sqlalchemy import Connection
 from jobs import metrics
 from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
-from jobs.guard_job import GuardJob, GuardProcess
+from jobs.guard_job import GuardJob, GuardProcess, remove_orphaned_job_dirs
 from jobs.learners.base import UpdateReport
 from jobs.registry import ModelVersion, PublishConflict, Registry, manifest, version_tag
+from jobs.retention import destroy_due, sweep
+from jobs.sealing import sealed_with
 from jobs.served_model import ServedModel
 from ledger.chain import as_utc, utc_now
 from ledger.models import Request
 from ledger.store import Ledger
 
 log = logging.getLogger("obliviate.worker")
+
+
+class RollbackRefused(ValueError):
+    """A rollback that would serve deleted records or another training set."""
+
 Publish = Callable[[Connection], None]
 
 
@@ -65,13 +77,15 @@ class WorkerConfig:
     guard_max_wait_s: float = 60.0
     # measure each deletion's privacy (jobs.eval) into its `applied` event: seconds per pass
     evaluate: bool = False
+    # versions superseded by a deletion are destroyed this long after it (jobs.retention)
+    destroy_grace_s: float = 30.0
     # private prediction mode (SISA): every seed lineage gets this budget, and a spent
     # one is replaced by a retrain with fresh seeds (jobs.adaptive.budget)
     budget: BudgetPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_window_s", "poll_s", "lease_s", "guard_after_idle_s",
-                     "guard_max_wait_s"):
+                     "guard_max_wait_s", "destroy_grace_s"):
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"worker setting {name} must be >= 0 seconds, got {value}")
@@ -93,6 +107,7 @@ class Worker:
         self._guard_process = GuardProcess() if self.config.guard_process else None
         self._guard_owed_since: float | None = None  # monotonic time the debt began
         self._last_update = 0.0
+        self._last_retention = 0.0
         self.stop_event = threading.Event()
         self.budgets = SeedBudgets(ledger.engine, registry.name) if self.config.budget else None
 
@@ -117,6 +132,30 @@ class Worker:
                   "seconds": time.perf_counter() - t0}
         return self._publish(model, None, change, self._announce("model_trained", change))
 
+    def rollback(self, version: str) -> str:
+        """Publish an earlier version again, as the next version; RollbackRefused when that
+        would serve deleted records or a model of another training set."""
+        try:
+            target = self.registry.get(version)
+        except KeyError:
+            raise RollbackRefused(f"there is no published version {version!r}") from None
+        if target.unavailable:
+            raise RollbackRefused(f"refused: {target.unavailable}")
+        model, cur = self._current()
+        if cur.version == version:
+            raise RollbackRefused(f"{version} is the current version already")
+        live = self.ledger.live_records()
+        count, root = self.ledger.records_digest(live.record_ids)
+        had = target.manifest["training_set"]
+        if (had["count"], had["merkle_root"]) != (count, root):
+            raise RollbackRefused(
+                f"refused: {version} was trained on {had['count']} records, the ledger's "
+                f"training set is {count} records now (another set: requests applied since "
+                f"{version} would be undone without a ledger record of it)")
+        change = {"op": "rollback", "to": version, "from": cur.version}
+        return self._publish(self.registry.load(version), cur.version, change,
+                             self._announce("rolled_back", change))
+
     # ------------------------------------------------------------------ loop
     def run(self, max_seconds: float | None = None) -> None:
         """Work until SIGTERM/SIGINT (or `max_seconds`); a pass in progress finishes first."""
@@ -137,12 +176,14 @@ class Worker:
     def warm_up(self) -> None:
         """Load the current version and run one throwaway deletion on a copy, so the
         first real request does not pay for loading and compiling."""
+        for d in remove_orphaned_job_dirs():
+            log.info("removed %s, left by a guard job whose worker is gone", d)
         if self._guard_process is not None:
             self._guard_process.start()
         if self.registry.current() is None:
             return
         _, version = self._current()
-        spare = ServedModel.load(self.registry.path(version.version))
+        spare = self.registry.load(version.version)
         ids = spare.learner.record_ids_
         if len(ids) > 1:
             spare.learner.delete(ids[:1])
@@ -164,7 +205,7 @@ class Worker:
                 self._model = None
                 raise
             return True
-        return self._rotate_spent_seeds() or self._guard_pass()
+        return self._rotate_spent_seeds() or self._guard_pass() or self._retention_pass()
 
     # ------------------------------------------------------------------ apply
     def _claim(self) -> list[Request]:
@@ -223,7 +264,9 @@ class Worker:
 
         # with no update at all (every record named is gone already) the version is the
         # parent's model again, published so that the requests are verified as usual
-        self._publish(model, parent.version, change, commit)
+        self._publish(model, parent.version, change, commit, removes_records=bool(deleted))
+        if deleted:
+            self.ledger.purge_maintenance()
         now = utc_now()
         for r in ok:
             metrics.APPLIED.labels(op=r.op).inc()
@@ -324,6 +367,7 @@ class Worker:
                 not applied and not _guard_owed(cur.manifest)):
             return False
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
+                                   self.registry.key(cur.version),
                                    self.config.verify_exactness, self._guard_process)
         return True
 
@@ -337,7 +381,8 @@ class Worker:
             self._guard_owed_since = time.monotonic()  # updates flow again meanwhile
             return
         model, parent = self._current()
-        model.load_guard(result.guard_dir)
+        with sealed_with(self.registry.key(parent.version)):
+            model.load_guard(result.guard_dir)
         job.discard()
         metrics.BOUND_SECONDS.labels(learner=model.kind).observe(result.guard["seconds"])
         check = result.check
@@ -364,6 +409,19 @@ class Worker:
         except PublishConflict:
             self._model = None
 
+    def _retention_pass(self) -> bool:
+        """At most once a second: destroy the versions a deletion superseded once their
+        grace period is over, sweep files no servable version owns, and run the ledger's
+        purge maintenance if it is due (a throttled run after the last deletion)."""
+        now = time.monotonic()
+        if now - self._last_retention < 1.0:
+            return False
+        self._last_retention = now
+        destroyed = destroy_due(self.registry, self.ledger, self.config.destroy_grace_s)
+        swept = sweep(self.registry)
+        ran = self.ledger.purge_maintenance()["ran"]
+        return bool(destroyed or swept or ran)
+
     def close(self) -> None:
         if self._guard_process is not None:
             self._guard_process.close()  # ends a job in hand too
@@ -373,9 +431,10 @@ class Worker:
 
     # ------------------------------------------------------------------ publish
     def _publish(self, model: ServedModel, parent: str | None, change: dict[str, Any],
-                 commit: Callable[[str, Publish], None]) -> str:
+                 commit: Callable[[str, Publish], None], removes_records: bool = False) -> str:
         """Save `model` as the next version, then let `commit` write the ledger events
-        and call `publish(conn)` inside that same transaction."""
+        and call `publish(conn)` inside that same transaction (`removes_records`: it
+        deleted records, so every earlier version is to be destroyed)."""
         t0 = time.perf_counter()
         seq = self.registry.next_seq()
         man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.last_seq(),
@@ -389,7 +448,7 @@ class Worker:
         t1 = time.perf_counter()
 
         def publish(conn: Connection) -> None:
-            self.registry.publish(conn, version, seq, parent, man)
+            self.registry.publish(conn, version, seq, parent, man, removes_records)
             if self.budgets is not None and fresh_seeds:
                 self.budgets.open(conn, version, self.config.budget)
 

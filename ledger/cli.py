@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 from ledger import datasets
 from ledger.config import Settings
 from ledger.consumer import RequestConsumer, ensure_topics
+from ledger.forgotten import forgotten, render
 from ledger.producer import produce, request_stream
 
 
@@ -47,6 +48,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = lsub.add_parser("show", help="a request's history with inclusion proofs")
     p.add_argument("request_id")
     p.set_defaults(func=cmd_show)
+
+    p = lsub.add_parser("forgotten", help="what a deletion removed, when, and from which "
+                        "versions (with the proof of exactness)")
+    p.add_argument("request_id")
+    p.add_argument("--json", action="store_true", help="the full report, events and "
+                   "inclusion proofs included")
+    p.set_defaults(func=cmd_forgotten)
 
     p = lsub.add_parser("export", help="events as JSON lines for auditors")
     p.add_argument("--since", help="a sequence number or an ISO 8601 time")
@@ -119,6 +127,19 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forgotten(args: argparse.Namespace) -> int:
+    try:
+        report = forgotten(settings_from(args).open_ledger(), args.request_id)
+    except (KeyError, ValueError) as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print("\n".join(render(report)))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     since: str | int | None = args.since
     if since is not None and since.isdigit():
@@ -146,7 +167,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_produce(args: argparse.Namespace) -> int:
     s = settings_from(args)
-    ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+    ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
     if args.file:
         messages: Any = (line.encode() for line in Path(args.file).read_text().splitlines()
                          if line.strip())
@@ -177,7 +198,7 @@ def start_long_running(args: argparse.Namespace, default_metrics_port: int) -> N
 def cmd_consume(args: argparse.Namespace) -> int:
     s = settings_from(args)
     start_long_running(args, s.consumer_metrics_port)
-    ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+    ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
     consumer = RequestConsumer(s.open_ledger(), s.kafka_bootstrap, s.requests_topic,
                                s.dead_letter_topic, group_id=args.group or s.consumer_group,
                                batch_size=args.batch_size)

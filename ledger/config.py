@@ -26,7 +26,13 @@ class Settings:
     requests_topic: str = "obliviate.requests"
     dead_letter_topic: str = "obliviate.requests.dead"
     consumer_group: str = "obliviate-ledger"
+    # how long Kafka keeps a raw request (adds carry features): long enough to survive a
+    # consumer outage, no longer; dead letters a little longer, for an operator to look
+    requests_retention_s: float = 86_400.0
+    dead_letter_retention_s: float = 259_200.0
     checkpoint_every: int = 1000
+    # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
+    purge_maintenance_s: float | None = None
     # the sidecar (jobs and service read these; the ledger only stores them)
     model_name: str = "obliviate"
     learner: str = "dare"
@@ -43,6 +49,9 @@ class Settings:
     epsilon_budget: float = 1000.0
     memo_size: int = 100_000
     registry_poll_s: float = 0.1
+    # versions superseded by a deletion are destroyed this long after it was published;
+    # a serving process that could not check the registry for half of it stops answering
+    destroy_grace_s: float = 30.0
     worker_metrics_port: int = 9101
     consumer_metrics_port: int = 9102
 
@@ -54,7 +63,7 @@ class Settings:
             env = os.environ.get(f"OBLIVIATE_{f.name.upper()}")
             if env is not None:
                 try:
-                    values[f.name] = {"int": int, "float": float}.get(str(f.type), str)(env)
+                    values[f.name] = _PARSERS.get(str(f.type), str)(env)
                 except ValueError:
                     raise ValueError(f"OBLIVIATE_{f.name.upper()}={env!r} is not "
                                      f"a valid {f.type}") from None
@@ -68,6 +77,11 @@ class Settings:
             raise ValueError(f"OBLIVIATE_{name.upper()} must be one of {', '.join(options)}; "
                              f"got {value!r}")
         return value
+
+    def topic_configs(self) -> dict[str, dict[str, str]]:
+        """Retention settings of the requests and dead-letter topics, when created here."""
+        return {self.requests_topic: retention_configs(self.requests_retention_s),
+                self.dead_letter_topic: retention_configs(self.dead_letter_retention_s)}
 
     def hmac_key(self) -> bytes:
         """The deployment secret for record fingerprints; created on first use if embedded."""
@@ -83,7 +97,22 @@ class Settings:
         if self.database_url.startswith("sqlite:///"):
             Path(self.database_url.removeprefix("sqlite:///")).parent.mkdir(
                 parents=True, exist_ok=True)
-        return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every)
+        return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every,
+                      self.purge_maintenance_s)
+
+
+# how an OBLIVIATE_<FIELD> value is read, by the field's annotation (default: the string)
+_PARSERS = {"int": int, "float": float,
+            "float | None": lambda v: None if v.strip() in ("", "auto") else float(v)}
+
+
+def retention_configs(retention_s: float) -> dict[str, str]:
+    """Topic settings under which Kafka deletes a message at most ~`retention_s` after it
+    was written: a segment is deleted whole, once its newest message is past retention, so
+    segments roll at a tenth of it (Kafka's default roll is 7 days)."""
+    ms = max(1000, round(retention_s * 1000))
+    return {"cleanup.policy": "delete", "retention.ms": str(ms),
+            "segment.ms": str(max(1000, ms // 10))}
 
 
 def _secret_file(path_str: str) -> str:

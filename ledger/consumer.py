@@ -34,12 +34,16 @@ from ledger.store import IncomingMessage, IntakeResult, Ledger
 log = logging.getLogger("obliviate.consumer")
 
 
-def ensure_topics(bootstrap: str, topics: list[str], partitions: int = 1) -> None:
-    """Create the topics if they do not exist yet."""
+def ensure_topics(bootstrap: str, topics: list[str], partitions: int = 1,
+                  configs: dict[str, dict[str, str]] | None = None) -> None:
+    """Create the topics if they do not exist yet (with `configs[topic]` when given; an
+    existing topic keeps its own settings)."""
+    configs = configs or {}
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="obliviate-admin")
     try:
         existing = set(admin.list_topics())
-        new = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
+        new = [NewTopic(t, partitions, 1, topic_configs=configs.get(t, {}))
+               for t in topics if t not in existing]
         if new:
             with contextlib.suppress(TopicAlreadyExistsError):  # a racing creator won
                 admin.create_topics(new)

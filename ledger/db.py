@@ -3,13 +3,23 @@
 Appending to a hash chain needs one writer at a time: SQLite gets that from
 BEGIN IMMEDIATE, PostgreSQL from a transaction-scoped advisory lock, so that
 several consumers, workers and service processes can share one ledger.
+
+Purged bytes: SQLite connections run with secure_delete (freed space is zeroed)
+and a TRUNCATE checkpoint empties the WAL after a purge (`sqlite_checkpoint`);
+its files are created 0600. On PostgreSQL, `pg_vacuum_full` rewrites a table
+into new files so that dead tuples do not survive in the old ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -24,10 +34,13 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    make_url,
     select,
     text,
 )
 from sqlmodel import SQLModel
+
+log = logging.getLogger("obliviate.ledger")
 
 # Arbitrary constant naming the ledger's append lock among PostgreSQL advisory locks.
 _APPEND_LOCK_KEY = 0x0B11_71A7E
@@ -43,6 +56,7 @@ def normalise_url(url: str) -> str:
 def make_engine(url: str) -> Engine:
     url = normalise_url(url)
     if url.startswith("sqlite"):
+        secure_sqlite_files(url)
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _configure_sqlite(engine)
     elif url.startswith("postgresql"):
@@ -61,11 +75,114 @@ def _configure_sqlite(engine: Engine) -> None:
         cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=60000")
+        # zero deleted content in pages and freed pages instead of leaving it as free space
+        if cur.execute("PRAGMA secure_delete=ON").fetchone()[0] != 1:
+            raise RuntimeError("this SQLite build refuses PRAGMA secure_delete")
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL; None for in-memory and `file:` URI databases."""
+    database = make_url(normalise_url(url)).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def sqlite_files(path: Path) -> list[Path]:
+    """The database file and its WAL and shared-memory index."""
+    return [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+
+
+def secure_sqlite_files(url: str) -> None:
+    """Create the database file 0600 before SQLite does, and tighten existing files.
+
+    SQLite gives the -wal and -shm files the database file's permission bits, so
+    they are 0600 too.
+    """
+    path = sqlite_path(url)
+    if path is None:
+        return
+    # exists already, or no parent directory (SQLite will say so)
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    for p in sqlite_files(path):
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            try:
+                p.chmod(mode & 0o700)
+            except PermissionError:
+                log.warning("cannot make %s private (mode %o): not its owner", p, mode & 0o777)
+
+
+def sqlite_checkpoint(engine: Engine, attempts: int = 5, busy_ms: int = 100) -> bool:
+    """Copy the WAL into the database file and truncate the WAL to zero bytes.
+
+    A reader in the middle of a transaction blocks a full checkpoint: retry a few
+    times briefly (not the connection's 60 s busy timeout), then give up and say so.
+    """
+    raw = engine.raw_connection()
+    try:
+        dbapi = raw.driver_connection
+        dbapi.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
+        try:
+            for i in range(attempts):
+                try:
+                    busy = dbapi.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                except Exception as exc:  # noqa: BLE001 - sqlite3.OperationalError: locked
+                    busy, error = 1, exc
+                else:
+                    error = None
+                if busy == 0:
+                    return True
+                time.sleep(0.02 * 2 ** i)
+            log.warning("WAL checkpoint blocked by readers after %d tries%s; the next "
+                        "purge maintenance will retry", attempts,
+                        f" ({error})" if error else "")
+            return False
+        finally:
+            dbapi.execute("PRAGMA busy_timeout=60000")
+    finally:
+        raw.close()
+
+
+def sqlite_vacuum(engine: Engine) -> None:
+    """Rebuild the whole database file (used once for a database from before secure_delete)."""
+    raw = engine.raw_connection()
+    try:
+        raw.driver_connection.execute("VACUUM")
+    finally:
+        raw.close()
+
+
+def pg_vacuum_full(conn: Connection, table: Table | str) -> int:
+    """VACUUM FULL one table on an AUTOCOMMIT connection; returns its new relfrozenxid.
+
+    The table, its TOAST table and its indexes are rewritten into new files and the
+    old files are truncated at commit (unlinked at the next checkpoint). A deleted
+    row survives the rewrite only if its deleting transaction is not older than
+    every snapshot still open ("recently dead"); the new relfrozenxid is that
+    horizon (VACUUM FULL freezes as far as it can), so a deletion whose xid
+    precedes it is gone: see `xid_precedes`.
+    """
+    prep = conn.dialect.identifier_preparer
+    name = (prep.format_table(table) if isinstance(table, Table)
+            else ".".join(prep.quote(part) for part in table.split(".")))
+    conn.exec_driver_sql(f"VACUUM (FULL) {name}")
+    return int(conn.execute(text("SELECT relfrozenxid::text::bigint FROM pg_class "
+                                 "WHERE oid = CAST(:t AS regclass)"), {"t": name}).scalar())
+
+
+def xid_precedes(xid: int, than: int) -> bool:
+    """PostgreSQL's TransactionIdPrecedes on 32-bit xids (`xid` may be a 64-bit txid)."""
+    return ((xid & 0xFFFF_FFFF) - than) & 0xFFFF_FFFF >= 0x8000_0000
 
 
 def create_tables(engine: Engine) -> None:
@@ -111,6 +228,17 @@ def insert_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> N
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     conn.exec_driver_sql(f"INSERT INTO {table.name} ({', '.join(names)}) "
                          f"VALUES ({', '.join([mark] * len(names))})", params)
+
+
+def upsert(conn: Connection, table: Table, values: dict[str, Any],
+           on_conflict: dict[str, Any]) -> Any:
+    """INSERT `values`, or UPDATE SET `on_conflict` where the primary key exists."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    return dialect_insert(table).values(values).on_conflict_do_update(
+        index_elements=list(table.primary_key.columns), set_=on_conflict)
 
 
 def among(conn: Connection, column: ColumnElement[Any], values: list[Any]) -> ColumnElement[bool]:

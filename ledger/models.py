@@ -3,7 +3,8 @@
 `events` is the tamper-evident part: rows are only ever inserted, each carries
 the hash of its predecessor, and `checkpoints` hold Merkle roots over prefixes
 of it. `requests` and `training_records` are working state whose every change
-is announced by an event.
+is announced by an event. `record_payloads` holds the raw data of records not
+yet purged, and nothing else: a purge deletes its row.
 """
 
 from __future__ import annotations
@@ -64,23 +65,62 @@ class Event(SQLModel, table=True):
 class TrainingRecord(SQLModel, table=True):
     """A training record: `pending` (an add not yet applied), `live`, or `purged`.
 
-    Purging clears features and label; the keyed fingerprint stays.
+    What stays after a purge: ids, state and the keyed fingerprint. The raw
+    features and label live in `record_payloads`, whose row a purge deletes.
     """
 
     __tablename__ = "training_records"
 
     record_id: str = Field(max_length=128, primary_key=True)
     subject_id: str | None = Field(default=None, max_length=128, index=True)
-    # none_as_null: a purge must leave SQL NULL, not the JSON text 'null'
-    features: list[float] | None = Field(default=None,
-                                         sa_column=Column(JSON(none_as_null=True), nullable=True))
-    label: int | None = None
     record_hash: str = Field(max_length=64)
     state: str = Field(max_length=16, index=True)
     added_by: str | None = Field(default=None, max_length=128)
     added_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     purged_by: str | None = Field(default=None, max_length=128)
     purged_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class RecordPayload(SQLModel, table=True):
+    """The raw data of a pending or live record; a purge deletes the row.
+
+    A table of its own so that purge maintenance rewrites (PostgreSQL: VACUUM FULL)
+    only this narrow table, under a lock that deletion intake and the request
+    lifecycle never wait for: they read `training_records` and `requests` only.
+    """
+
+    __tablename__ = "record_payloads"
+
+    record_id: str = Field(max_length=128, primary_key=True)
+    features: list[float] = Field(sa_column=Column(JSON, nullable=False))
+    label: int
+
+
+class PurgeMaintenance(SQLModel, table=True):
+    """One row: which purges have left the database files (`Ledger.purge_maintenance`).
+
+    `purges` counts purging transactions; `erased` is the value of `purges` that the
+    last successful maintenance covered, so a crash between a purge and its
+    maintenance leaves `purges > erased` for the next call to find.
+    """
+
+    __tablename__ = "purge_maintenance"
+
+    id: int = Field(default=1, primary_key=True)
+    purges: int = Field(default=0, sa_type=BigInteger)
+    erased: int = Field(default=0, sa_type=BigInteger)
+    last_purge_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    # PostgreSQL: txid_current() of the latest purge (purges are serialised by the
+    # append lock, so it is also the largest purge xid)
+    last_purge_xid: int | None = Field(default=None, sa_type=BigInteger)
+    # a training_records table from before record_payloads must be rewritten once
+    rewrite_records: bool = False
+    # other tables of the database whose deleted rows must leave its files too
+    # (`Ledger.note_purge`: the registry's sealing keys, say)
+    pending_tables: list[str] | None = Field(default=None, sa_column=Column(JSON))
+    last_run_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_erased_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_outcome: str | None = Field(default=None, max_length=32)
 
 
 class Checkpoint(SQLModel, table=True):

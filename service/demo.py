@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -25,18 +26,23 @@ from typing import Any
 import httpx
 import numpy as np
 
+from jobs.guard_job import JOB_DIR_PREFIX
 from jobs.registry import Registry
+from jobs.retention import destroyed_versions
 from jobs.worker import Worker
 from ledger import datasets, merkle
 from ledger.chain import event_leaf
 from ledger.config import Settings
 from ledger.consumer import ensure_topics
+from ledger.forgotten import forgotten, render
 from ledger.local_broker import LocalBroker
 from ledger.producer import paced, produce, request_stream
 from ledger.store import Ledger
 from service.processes import LocalSidecar, sidecar_env
+from service.residue import TraceScanner
 
 FINAL = ("verified", "failed")
+DEMO_GRACE_S = 5.0
 
 
 def progress(label: str, done: int, total: int, width: int = 30) -> None:
@@ -62,11 +68,13 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
                               hmac_key_file=str(work / "hmac.key"),
                               admin_token_file=str(work / "admin.token"),
                               kafka_bootstrap=broker.bootstrap, learner=learner)
-        env = sidecar_env(work, s.database_url, s.kafka_bootstrap)
+        # versions that held deleted records are destroyed 5 s after the deletion (the
+        # default is 30 s), so the demo's final scan sees them gone
+        env = sidecar_env(work, s.database_url, s.kafka_bootstrap, destroy_grace_s=DEMO_GRACE_S)
         # this process trains the first version into the same model store
         os.environ.update({k: v for k, v in env.items() if k.startswith("BENTOML")})
         print(f"broker: tansu at {broker.bootstrap}; ledger: {s.database_url}")
-        ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+        ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load(dataset)
         ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
@@ -78,10 +86,12 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         try:
             print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
                   f"admin token in {s.admin_token_file})")
-            ok = _stream(ledger, s, ds, n_requests, rate, sidecar)
-            current = Registry(ledger.engine, s.model_name).current()
+            ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
+            registry = Registry(ledger.engine, s.model_name)
+            current = registry.current()
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
             _report(ledger, s, sidecar)
+            ok = _forgotten_report(ledger, registry, ds, stream, work) and ok
         finally:
             codes = sidecar.stop()
         print("\n== stopped: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()))
@@ -94,7 +104,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
 
 
 def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: float,
-            sidecar: LocalSidecar) -> bool:
+            sidecar: LocalSidecar) -> tuple[bool, list[Any]]:
     """Send the requests through Kafka while a client keeps asking for predictions."""
     stream = list(request_stream(ds.record_ids, ds.subject_ids, ds.X.shape[1],
                                  sorted(set(ds.y.tolist())), n, random_state=7))
@@ -112,7 +122,7 @@ def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: flo
             dead = sidecar.dead()
             if dead:
                 print(f"\n{dead} stopped unexpectedly:\n{sidecar.procs[dead].log_tail()}")
-                return False
+                return False, stream
             counts = ledger.status_counts()
             total = sum(counts.values())
             done = sum(counts.get(k, 0) for k in FINAL)
@@ -126,7 +136,7 @@ def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: flo
         client.join()
     print(f"predictions during the stream: {sum(answers.values())} "
           f"({', '.join(f'{k}={v}' for k, v in sorted(answers.items()))})")
-    return done == total and answers.get("error", 0) == 0
+    return done == total and answers.get("error", 0) == 0, stream
 
 
 def _await_served(base: str, version: str | None, timeout_s: float = 30.0) -> bool:
@@ -191,6 +201,57 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar) -> None:
                                 "obliviate_deletion_latency_seconds_count",
                                 "obliviate_requests_applied_total")):
                 print(f"  {line}")
+
+
+def _forgotten_report(ledger: Ledger, registry: Registry, ds: datasets.Dataset,
+                      stream: list[Any], work: Path) -> bool:
+    """Wait out the grace period, then scan every file the demo's sidecar wrote for the
+    records it purged; print what was destroyed and one deletion's `ledger forgotten`."""
+    deadline = time.monotonic() + DEMO_GRACE_S + 30
+    while time.monotonic() < deadline and any(
+            v.superseded_by_deletion and not v.destroyed_at for v in registry.lineage(1000)):
+        time.sleep(0.5)
+    features = {rid: x for rid, x in zip(ds.record_ids, ds.X, strict=True)}
+    for m in stream:
+        if isinstance(m, dict) and m.get("op") == "add":
+            features.update({r["record_id"]: np.asarray(r["features"], dtype=np.float64)
+                             for r in m["payload"]["records"]})
+    states = ledger.record_states()
+    gone = {r: features[r] for r, state in states.items() if state == "purged"}
+    kept = np.array([features[r] for r, state in states.items() if state != "purged"])
+    scanner = TraceScanner(gone, kept=kept, ids=False)
+    files = [p for p in work.rglob("*") if p.is_file()]
+    found = (scanner.scan([*files, *Path(tempfile.gettempdir()).glob(f"{JOB_DIR_PREFIX}*")])
+             + TraceScanner(gone, kept=kept).scan_model_store(registry))
+    destroyed = [v for v, _ in destroyed_versions(registry)]
+    print(f"\n== forget means gone: {len(gone)} purged records looked for in "
+          f"{len(files)} files ({sum(p.stat().st_size for p in files) / 2**20:.1f} MiB: "
+          "ledger database and WAL, model store raw and unsealed, logs, guard temp dirs)")
+    if found:
+        print(f"  TRACES FOUND ({len(found)}):")
+        for f in found[:10]:
+            print(f"  {f.record_id}: {f.trace} in {f.path}")
+    else:
+        print("  no artifact holds a purged record (values as float32/float64 bytes and "
+              "text; ids in the model store)")
+    kept_versions = registry.stored_versions()
+    print(f"  destroyed versions ({len(destroyed)}): {_ranges(destroyed)}; kept in the "
+          f"model store: {', '.join(kept_versions)}")
+    subject_deletions = [e["request_id"] for e in ledger.export() if e["kind"] == "received"
+                         and e["payload"].get("expanded_from_subject")]
+    verified = [r for r in subject_deletions
+                if ledger.history(r)["request"]["status"] == "verified"]
+    if verified:
+        print(f"\n== obliviate ledger forgotten {verified[-1]}")
+        for line in render(forgotten(ledger, verified[-1])):
+            print(f"  {line}")
+    return not found
+
+
+def _ranges(versions: list[str]) -> str:
+    if len(versions) > 6:
+        return f"{versions[0]} .. {versions[-1]}"
+    return ", ".join(versions) or "none"
 
 
 def deletion_latencies(events: list[dict[str, Any]]) -> list[float]:

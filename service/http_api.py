@@ -23,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 
 from jobs.registry import ModelVersion, Registry
 from ledger.chain import iso
+from ledger.forgotten import forgotten
 from ledger.store import Ledger
 from service.usage import GuardUsage
 
@@ -32,7 +33,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def _version_dict(v: ModelVersion) -> dict[str, Any]:
     return {"version": v.version, "seq": v.seq, "parent": v.parent,
-            "created_at": iso(v.created_at), "manifest": v.manifest}
+            "created_at": iso(v.created_at), "manifest": v.manifest,
+            "superseded_by_deletion": v.superseded_by_deletion,
+            "destroyed_at": None if v.destroyed_at is None else iso(v.destroyed_at)}
 
 
 @dataclass
@@ -83,6 +86,16 @@ def build_app(ctx: AppContext) -> Starlette:
             return JSONResponse({"error": f"no request {rid!r}"}, status_code=404)
         return JSONResponse(history)
 
+    async def forgotten_report(request: Request) -> Response:
+        rid = request.path_params["request_id"]
+        try:
+            report = await run_in_threadpool(forgotten, ctx.ledger, rid)
+        except KeyError:
+            return JSONResponse({"error": f"no request {rid!r}"}, status_code=404)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+        return JSONResponse(report)
+
     async def subject_requests(request: Request) -> Response:
         sid = request.path_params["subject_id"]
         rows = await run_in_threadpool(ctx.ledger.requests_of_subject, sid)
@@ -116,6 +129,7 @@ def build_app(ctx: AppContext) -> Starlette:
     routes = [
         Route("/v1/requests", admin(submit), methods=["POST"]),
         Route("/v1/requests/{request_id:path}", admin(request_history), methods=["GET"]),
+        Route("/v1/forgotten/{request_id:path}", admin(forgotten_report), methods=["GET"]),
         Route("/v1/subjects/{subject_id:path}/requests", admin(subject_requests),
               methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),

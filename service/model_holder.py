@@ -11,9 +11,11 @@ training set are never replayed for another.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +50,8 @@ class Serving:
 
 
 class NoModelError(RuntimeError):
-    """No version is published yet (the worker has not trained one)."""
+    """No version can be served: none is published yet, or this process could not confirm
+    that the one it holds is still current (it may hold records deleted since)."""
 
 
 class ModelHolder:
@@ -57,8 +60,13 @@ class ModelHolder:
     def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
                  epsilon_budget: float = 1000.0, poll_s: float = 0.1, guarded: bool = True,
                  usage: GuardUsage | None = None, budgets: SeedBudgets | None = None,
-                 reserve_block: int = 32, random_state: int | None = None) -> None:
+                 reserve_block: int = 32, random_state: int | None = None,
+                 max_unconfirmed_s: float = 15.0) -> None:
         self.registry = registry
+        # a version is destroyed a grace period after a deletion superseded it; a process
+        # that cannot see the registry stops answering well before that
+        self.max_unconfirmed_s = max_unconfirmed_s
+        self._confirmed_at = -math.inf
         self.budgets = budgets  # set: private prediction mode (jobs.adaptive)
         self.reserve_block = reserve_block
         self._reserved: dict[str, int] = {}  # answers reserved per lineage, not yet given
@@ -70,6 +78,7 @@ class ModelHolder:
         self.usage = usage
         self._rng = np.random.default_rng(random_state)
         self._serving: Serving | None = None
+        self._refused: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.process = f"{socket.gethostname()}:{os.getpid()}"
@@ -91,10 +100,21 @@ class ModelHolder:
         self._flush_usage()
 
     def refresh(self) -> bool:
-        """Install the registry's current version if it is not the one served; True if swapped."""
+        """Install the registry's current version if it is not the one served; True if swapped.
+
+        A pointer that names a version which may not be served (destroyed, or holding
+        deleted records: only a hand edit can do that) is refused: the installed version
+        is then no longer confirmed, and answers stop after ``max_unconfirmed_s``."""
         cur = self.registry.current()
-        if cur is None or (self._serving is not None
-                           and self._serving.version.version == cur.version):
+        if cur is None:
+            return False
+        if self._serving is not None and self._serving.version.version == cur.version:
+            self._confirmed_at = time.monotonic()
+            return False
+        if cur.unavailable:
+            if self._refused != cur.version:
+                log.error("refusing to serve %s: %s", cur.version, cur.unavailable)
+                self._refused = cur.version
             return False
         model = self.registry.load(cur.version)
         guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
@@ -106,6 +126,7 @@ class ModelHolder:
         self._flush_usage()
         self._serving = Serving(cur, model, guard, threading.Lock(), self.budgets is not None,
                                 budget)
+        self._confirmed_at = time.monotonic()
         metrics.MODEL_SWAPS.inc()
         metrics.SERVED_VERSION.set(cur.seq)
         metrics.GUARD_MODE.set(1 if guard.sound else 0)
@@ -132,6 +153,12 @@ class ModelHolder:
         s = self._serving
         if s is None:
             raise NoModelError("no model version is published yet; start `obliviate worker`")
+        unconfirmed = time.monotonic() - self._confirmed_at
+        if unconfirmed > self.max_unconfirmed_s:
+            raise NoModelError(f"{s.version.version} could not be confirmed as the current "
+                               f"version for {unconfirmed:.0f} s (registry unreachable, or "
+                               "its pointer names a version that may not be served); not "
+                               "answering with a version that may hold deleted records")
         return s
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, Serving]:

@@ -83,7 +83,8 @@ class Obliviate:
                                   epsilon_budget=settings.epsilon_budget,
                                   poll_s=settings.registry_poll_s,
                                   guarded=guard == "on", usage=self.usage,
-                                  budgets=self.budgets).start()
+                                  budgets=self.budgets,
+                                  max_unconfirmed_s=settings.destroy_grace_s / 2).start()
         CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
         CONTEXT.admin_token = settings.admin_bearer_token()
         CONTEXT.status = self.holder.status

@@ -206,6 +206,16 @@ def test_request_timeline(sidecar: Sidecar, page: WebDriver) -> None:
     assert "exactness checked" in cells(rows[-1])["detail"]
     assert "Tree head:" in text_of(page, "tree-head")
 
+    # what the deletion removed: the record, when, the versions that held it
+    wait_for(page, lambda d: d.find_element(By.ID, "forgotten").is_displayed(),
+             "what the deletion removed")
+    [rec] = page.find_elements(By.CSS_SELECTOR, "[data-testid=forgotten-record]")
+    assert rec.text.startswith("r015") and "still held" not in rec.text
+    assert f"published without it: {versions['applied']}" in text_of(page, "forgotten-first")
+    held = page.find_elements(By.CSS_SELECTOR, "[data-testid=held-by]")
+    assert held and held[0].text.startswith("v000001")
+    assert "hash matches" in text_of(page, "forgotten-exactness")
+
 
 def test_rejected_request_shows_its_reason(sidecar: Sidecar, page: WebDriver) -> None:
     admin(page, sidecar)

@@ -86,3 +86,36 @@ def test_init_from_csv(env: str, tmp_path, capsys) -> None:
     code, out, _ = run(capsys, "submit", '{"request_id": "x", "op": "delete", '
                                          '"subject_id": "p1"}')
     assert json.loads(out)["record_ids"] == ["a1", "a2"]
+
+
+def test_forgotten_and_rollback_from_the_command_line(env: str, tmp_path, monkeypatch,
+                                                      capsys) -> None:
+    """An operator's path: train, delete a subject, run the worker, then ask the ledger
+    what the deletion removed and try to roll back to the version that held it."""
+    monkeypatch.setenv("OBLIVIATE_MODEL_NAME", f"cli{tmp_path.name[-8:].replace('-', '')}")
+    monkeypatch.setenv("OBLIVIATE_DESTROY_GRACE_S", "0")
+    assert run(capsys, "ledger", "init", "--dataset", "wine")[0] == 0
+    code, out, _ = run(capsys, "model", "train", "--learner", "dare", "--params",
+                       '{"n_estimators": 4, "max_depth": 3}')
+    first = out.split()[-1]
+    assert code == 0 and first == "v000001"
+    code, out, _ = run(capsys, "ledger", "forgotten", "nope")
+    assert code == 1
+    assert run(capsys, "submit", '{"request_id": "q1", "op": "delete", '
+                                 '"subject_id": "s001"}')[0] == 0
+    code, out, _ = run(capsys, "ledger", "forgotten", "q1")
+    assert code == 0 and "not applied yet" in out
+    code, _, _ = run(capsys, "worker", "--metrics-port", "0", "--max-seconds", "4")
+    assert code == 0
+    code, out, _ = run(capsys, "ledger", "forgotten", "q1")
+    assert code == 0, out
+    assert out.count("purged at") == 3 and "first version without it: v000002" in out
+    assert "held by 1 version(s): 1 destroyed" in out and "hash matches" in out
+    assert f"{first} destroyed at" in out
+    code, out, _ = run(capsys, "ledger", "forgotten", "q1", "--json")
+    report = json.loads(out)
+    assert report["held_by"][0]["version"] == first and report["exactness"]["exact"] is True
+    code, out, err = run(capsys, "model", "rollback", first)
+    assert code == 1 and "destroyed" in err
+    code, out, _ = run(capsys, "model", "lineage")
+    assert code == 0 and "destroyed" in out.splitlines()[-1]

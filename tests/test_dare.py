@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.dare import DaREForest
+from service.residue import TraceScanner
 
 SMALL = dict(n_estimators=5, max_depth=4, k=3)
 #: hypothesis examples per property test (raise it for a long local run: DARE_EXAMPLES=2000)
@@ -405,3 +406,37 @@ def test_kernels_reproduce_the_reference_hashes(name, params):
     m.add(np.arange(n, n + 10), X[:10] + 0.05, y[:10])
     got.append(m.content_hash()[:16])
     assert tuple(got) == GOLDEN[name]
+
+
+def test_saved_forest_holds_only_live_records(tmp_path) -> None:
+    """Deleted records leave the forest when it is saved (ids, features, labels, and a
+    cache cut-off that still named a deleted value), and exactness survives rounds of
+    deletions, saves, loads and additions on a table whose features tie."""
+    rng = np.random.default_rng(5)
+    n = 3000
+    X = rng.random((n, 9))
+    X[:, 3:] = np.round(X[:, 3:] * 7)  # ordinal columns: many ties
+    y = (X[:, 0] + X[:, 1] / 2 + rng.normal(0, 0.3, n) > 0.8).astype(int)
+    ids = np.array([f"rec-{i:05d}" for i in range(n)], dtype=object)
+    f = DaREForest(n_estimators=8, max_depth=10, k=3, d_rmax=1, random_state=3).fit(ids, X, y)
+    live = list(range(n))
+    gone: list[int] = []
+    for rnd in range(6):
+        out = sorted(rng.choice(len(live), 60, replace=False).tolist(), reverse=True)
+        rows = [live.pop(i) for i in out]
+        f.delete(ids[rows])
+        gone += rows
+        f.save(tmp_path / f"m{rnd}")
+        scanner = TraceScanner({ids[i]: X[i] for i in gone}, kept=X[live])
+        assert scanner.scan([tmp_path / f"m{rnd}"]) == []
+        cid, ss = np.nonzero((f._c_attr >= 0) & ~f._c_all)
+        for c, s in zip(cid.tolist(), ss.tolist(), strict=True):
+            a = f._c_attr[c, s]
+            assert f._c_len[c, s] == 0 or f._c_cutv[c, s] in X[live, a], "a deleted cut-off"
+        f = DaREForest.load(tmp_path / f"m{rnd}")
+        if rnd == 2:
+            new = np.array([f"new-{i}" for i in range(4)], dtype=object)
+            f.add(new, np.round(rng.random((4, 9)) * 7), np.array([0, 1, 0, 1]))
+        assert f.verify().exact, rnd
+    found = TraceScanner({ids[i]: X[i] for i in live[:5]}).scan([tmp_path / "m5"])
+    assert {x.record_id for x in found} == set(ids[live[:5]].tolist())  # not a vacuous scan

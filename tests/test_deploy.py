@@ -23,7 +23,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from jobs import metrics as job_metrics
 from ledger import metrics as ledger_metrics
-from ledger.config import Settings
+from ledger.config import Settings, retention_configs
 from service import metrics as service_metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -565,3 +565,25 @@ def test_k8s_configuration_names() -> None:
     assert set(secret) == SECRET_ENV
     assert all("REPLACE_ME" in v for v in secret.values()), "the Secret is a template"
     assert config["OBLIVIATE_CONSUMER_GROUP"], "all consumer replicas share one group"
+
+
+def test_topics_are_created_with_the_documented_retention() -> None:
+    """Raw requests (additions carry features) live in Kafka for the retention the README
+    states, and segments roll often enough for it to be kept (Kafka deletes whole ones)."""
+    s = Settings()
+    want = {s.requests_topic: retention_configs(s.requests_retention_s),
+            s.dead_letter_topic: retention_configs(s.dead_letter_retention_s)}
+    assert want == s.topic_configs()
+    compose = " ".join(_services()["kafka-init"]["command"])
+    job = " ".join(_k8s("Job")["obliviate-kafka-topics"]["spec"]["template"]["spec"]
+                   ["containers"][0]["args"])
+    for script, names in ((compose, {t: t for t in want}),
+                          (job, {s.requests_topic: "$OBLIVIATE_REQUESTS_TOPIC",
+                                 s.dead_letter_topic: "$OBLIVIATE_DEAD_LETTER_TOPIC"})):
+        for topic, cfg in want.items():
+            create = next(c for c in script.split(";") if f"--topic {names[topic]} " in
+                          c.replace('"', "") + " ")
+            for key, value in cfg.items():
+                assert f"--config {key}={value}" in create, (topic, key)
+    assert int(want[s.requests_topic]["segment.ms"]) * 10 == int(
+        want[s.requests_topic]["retention.ms"])

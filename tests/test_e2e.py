@@ -29,7 +29,7 @@ from jobs.registry import Registry
 from ledger.config import Settings
 from ledger.datasets import load
 from ledger.local_broker import LocalBroker
-from ledger.models import TrainingRecord
+from ledger.models import RecordPayload, TrainingRecord
 from ledger.producer import produce
 from tests.conftest import _PG_REASON
 from tests.sidecar import Sidecar
@@ -37,6 +37,7 @@ from tests.sidecar import Sidecar
 SMALL = {"sisa": {"n_shards": 3, "epochs_per_slice": 5},
          "dare": {"n_estimators": 10, "max_depth": 5}}
 RECORDS = TrainingRecord.__table__
+PAYLOADS = RecordPayload.__table__
 # breast_cancer with 3 records per subject: subject s040 owns r120, r121, r122
 BY_RECORD = [{"request_id": "e2e-rec-1", "op": "delete", "record_ids": ["r010"]},
              {"request_id": "e2e-rec-2", "op": "delete", "record_ids": ["r020", "r021"]}]
@@ -108,16 +109,17 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             report = model.learner.verify()
             assert report.exact, (report.served_hash, report.retrained_hash)
 
-            # the raw records are gone: purged, features and label SQL NULL
+            # the raw records are gone: purged, their rows in record_payloads deleted
             with ledger.engine.connect() as conn:
                 rows = {r.record_id: r for r in conn.execute(
                     select(RECORDS).where(RECORDS.c.record_id.in_([*DELETED, ADDED])))}
-                nulls = conn.execute(select(func.count()).select_from(RECORDS).where(
-                    RECORDS.c.record_id.in_(DELETED), RECORDS.c.features.is_(None),
-                    RECORDS.c.label.is_(None))).scalar()
+                left = conn.execute(select(func.count()).select_from(PAYLOADS).where(
+                    PAYLOADS.c.record_id.in_(DELETED))).scalar()
+                added_label = conn.execute(select(PAYLOADS.c.label).where(
+                    PAYLOADS.c.record_id == ADDED)).scalar()
             assert {rows[r].state for r in DELETED} == {"purged"}
-            assert nulls == len(DELETED)
-            assert rows[ADDED].state == "live" and rows[ADDED].label == 1
+            assert left == 0
+            assert rows[ADDED].state == "live" and added_label == 1
         finally:
             ledger.close()
 

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_breast_cancer
 
+from jobs import sealing
 from jobs.guard_job import GuardJob, GuardProcess
 from jobs.served_model import ServedModel
+
+KEY = sealing.new_key()
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,8 @@ def version_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = ServedModel.train("dare", ids, X[:150], y[:150],
                               {"n_estimators": 5, "max_depth": 4, "k": 5}, fit_guard=False)
     path = tmp_path_factory.mktemp("version")
-    model.save(path)
+    with sealing.sealed_with(KEY):  # as the registry stores a version
+        model.save(path)
     return path
 
 
@@ -39,16 +43,16 @@ def test_jobs_run_one_after_another_in_the_same_process(version_dir: Path) -> No
         proc.start()
         pid = proc._proc.pid
         for _ in range(2):
-            job = GuardJob("v1", version_dir, verify=True, process=proc)
+            job = GuardJob("v1", version_dir, KEY, verify=True, process=proc)
             _wait(job)
             res = job.result()
             assert res.guard["ready"] is True and res.check["exact"] is True
             assert res.guard_dir.is_dir()
             job.discard()
             assert proc._proc.pid == pid  # warm: no new process per job
-        GuardJob("v1", version_dir, verify=True, process=proc)
+        GuardJob("v1", version_dir, KEY, verify=True, process=proc)
         with pytest.raises(RuntimeError, match="still running"):
-            GuardJob("v1", version_dir, verify=True, process=proc)
+            GuardJob("v1", version_dir, KEY, verify=True, process=proc)
     finally:
         proc.close()
     assert proc._proc is None
@@ -58,12 +62,12 @@ def test_a_cancelled_job_takes_its_process_along_and_a_fresh_one_waits(version_d
                                                                         ) -> None:
     proc = GuardProcess()
     try:
-        job = GuardJob("v1", version_dir, verify=True, process=proc)
+        job = GuardJob("v1", version_dir, KEY, verify=True, process=proc)
         old = proc._proc
         job.cancel()
         assert not old.is_alive() and not job.dir.exists()
         assert proc._proc is not old and proc._proc.is_alive()
-        job = GuardJob("v2", version_dir, verify=False, process=proc)
+        job = GuardJob("v2", version_dir, KEY, verify=False, process=proc)
         _wait(job)
         assert job.result().check == {}
     finally:
@@ -74,12 +78,12 @@ def test_a_process_killed_mid_job_reports_no_result_and_is_replaced(version_dir:
                                                                      ) -> None:
     proc = GuardProcess()
     try:
-        job = GuardJob("v1", version_dir, verify=True, process=proc)
+        job = GuardJob("v1", version_dir, KEY, verify=True, process=proc)
         os.kill(proc._proc.pid, 9)
         _wait(job)
         with pytest.raises(RuntimeError, match="died without a result"):
             job.result()
-        job = GuardJob("v2", version_dir, verify=True, process=proc)
+        job = GuardJob("v2", version_dir, KEY, verify=True, process=proc)
         _wait(job)
         assert job.result().check["exact"] is True
     finally:

@@ -104,7 +104,7 @@ def test_lifecycle_purges_deleted_records_and_keeps_their_fingerprint(seeded: Le
     before = {r: h for r, h in _hashes(seeded).items() if r == "r001"}
     assert apply_all(seeded, "v2") == ["d", "n"]
     rec = _record(seeded, "r001")
-    assert rec.state == "purged" and rec.features is None and rec.label is None
+    assert rec.state == "purged" and _payload(seeded, "r001") is None
     assert rec.record_hash == before["r001"] and rec.purged_by == "d"
     assert _record(seeded, "new1").state == "live"
     kinds = [e["kind"] for e in seeded.history("d")["events"]]
@@ -205,10 +205,11 @@ def test_verify_catches_rewritten_tail_through_the_checkpoint(seeded: Ledger) ->
 
 
 def test_verify_names_edited_records_and_unpurged_data(seeded: Ledger) -> None:
-    tamper(seeded, "UPDATE training_records SET label = 2 WHERE record_id = 'r004'")
+    tamper(seeded, "UPDATE record_payloads SET label = 2 WHERE record_id = 'r004'")
     seeded.receive(delete("d", "r001"))
     apply_all(seeded)
-    tamper(seeded, "UPDATE training_records SET label = 1 WHERE record_id = 'r001'")
+    tamper(seeded, "INSERT INTO record_payloads (record_id, features, label) "
+                   "VALUES ('r001', '[0.1, 0.2, 0.3, 0.4]', 1)")
     problems = {p.where: p.message for p in seeded.verify().problems}
     assert "fingerprint" in problems["record r004"]
     assert "still holds raw" in problems["record r001"]
@@ -324,6 +325,12 @@ def _record(ledger: Ledger, record_id: str):
     with ledger.engine.connect() as conn:
         return conn.execute(text("SELECT * FROM training_records WHERE record_id = :r"),
                             {"r": record_id}).one()
+
+
+def _payload(ledger: Ledger, record_id: str):
+    with ledger.engine.connect() as conn:
+        return conn.execute(text("SELECT * FROM record_payloads WHERE record_id = :r"),
+                            {"r": record_id}).first()
 
 
 def _hashes(ledger: Ledger) -> dict[str, str]:

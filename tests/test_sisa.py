@@ -12,10 +12,20 @@ from hypothesis import strategies as st
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
+from jobs.idp.loo import schedule_keys, train_single
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.keyed import prf_u64
-from jobs.learners.nets import build_net, epoch_batches, hash_state, init_net, state_to_cpu
+from jobs.learners.nets import (
+    build_net,
+    epoch_batches,
+    hash_state,
+    init_net,
+    mlp_state,
+    state_to_cpu,
+    states_equal,
+)
 from jobs.learners.sisa import SISAEnsemble
+from tests.leaks import traces_found
 
 TINY = {"hidden": (8,), "epochs_per_slice": 2, "batch_size": 8, "lr": 0.05}
 
@@ -48,6 +58,18 @@ def _live(m: SISAEnsemble):
 def _where(m: SISAEnsemble, some_ids) -> tuple[np.ndarray, np.ndarray]:
     """(memberships (n, S), slices) of live records."""
     return m.memberships(some_ids), m.slice_of_[np.searchsorted(m.record_ids_, some_ids)]
+
+
+def _tombstones_of(m: SISAEnsemble, member: np.ndarray, gone) -> dict[int, list[int]]:
+    """Expected tombstones: per shard, the sorted schedule keys (under the shard's
+    seed) of the deleted records ``gone`` whose memberships (n, S) put them there."""
+    gone = np.asarray(gone, dtype=object)
+    return {s: sorted(schedule_keys(prf_u64(m.seed_, "init", s), gone[member[:, s]]).tolist())
+            for s in np.flatnonzero(member.any(axis=0)).tolist()}
+
+
+def _keys(m: SISAEnsemble) -> dict[int, list[int]]:
+    return {s: keys.tolist() for s, keys in m.tombstones_.items()}
 
 
 def _earliest(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
@@ -564,9 +586,6 @@ def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
     """schedule="loo": shard s is jobs.idp.loo.train_single on its live records with
     shard_training_args(s) (which carry the shard's tombstones); the batch count follows
     the live shard size, also after a deletion that changes it."""
-    from jobs.idp.loo import train_single
-    from jobs.learners.nets import mlp_state, states_equal
-
     ids, X, y = _pool(90)
     m = _model(n_shards=3, classes=(0, 1, 2)).fit(ids, X, y)
     for s in range(3):
@@ -580,7 +599,8 @@ def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
     B0 = m.shard_training_args(s)["n_batches"]
     m.delete(victims)
     assert m.shard_training_args(s)["n_batches"] == B0 - 1
-    assert m.shard_training_args(s)["tombstones"] == sorted(victims)
+    assert m.shard_training_args(s)["tombstones"] == sorted(
+        schedule_keys(prf_u64(m.seed_, "init", s), victims).tolist())
     for k in range(3):
         rid, Xs, ys = m.shard_records(k)
         p = train_single(Xs, ys, rid, **m.shard_training_args(k))
@@ -640,23 +660,82 @@ def test_vote_rule_is_sound_when_records_sit_in_several_shards():
         assert (g.predict(Q[certain]) == m.classes_[winner[certain]]).all(), rid
 
 
-def test_loo_schedule_keeps_deleted_ids_as_tombstones(tmp_path):
-    """Deleted ids stay in the schedule as masked rows (ids only, no data) so that the
-    shard after a deletion is the LOO network bit for bit; re-adding an id lifts its
-    tombstone; the bundle keeps them; adam ensembles keep none."""
-    ids, X, y = _pool(40)
+def test_loo_schedule_keeps_deleted_records_as_tombstone_keys(tmp_path):
+    """Deleted records stay in the schedule as masked rows, given by their schedule keys
+    under the shard seed (no id, no data), so that the shard after a deletion is the LOO
+    network bit for bit; re-adding an id lifts its tombstone; the bundle keeps the keys
+    (an older bundle's tombstone ids become keys on load); adam ensembles keep none."""
+    _, X, y = _pool(40)
+    ids = np.array([f"rec-{i:04d}" for i in range(40)], dtype=object)  # none inside another
     m = _model(n_shards=2).fit(ids, X, y)
     assert len(m.tombstones_) == 0
+    member = m.memberships(ids[:3])
     m.delete(ids[:3])
-    assert m.tombstones_.tolist() == sorted(ids[:3].tolist())
-    assert not set(m.tombstones_.tolist()) & set(m.record_ids_.tolist())
+    assert _keys(m) == _tombstones_of(m, member, ids[:3])
+    assert all(k.dtype == np.uint64 for k in m.tombstones_.values())
     m.save(tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert "tombstones" not in meta
+    assert meta["tombstone_keys"] == {str(s): k for s, k in _keys(m).items()}
     back = SISAEnsemble.load(tmp_path / "m")
-    assert back.tombstones_.tolist() == m.tombstones_.tolist()
+    assert _keys(back) == _keys(m)
     assert back.verify().exact
+    # an older bundle named the deleted ids: loading keeps only their keys
+    meta["tombstones"] = ids[:3].tolist()
+    del meta["tombstone_keys"]
+    (tmp_path / "m" / "meta.json").write_text(json.dumps(meta))
+    old = SISAEnsemble.load(tmp_path / "m")
+    assert _keys(old) == _keys(m)
+    old.save(tmp_path / "resaved")
+    assert traces_found(tmp_path / "resaved", ids[:3], X[:3]) == set()
     m.add(ids[:1], X[:1], y[:1])
-    assert m.tombstones_.tolist() == sorted(ids[1:3].tolist())
+    assert _keys(m) == _tombstones_of(m, member[1:], ids[1:3])
     assert m.verify().exact
     adam = _model(n_shards=2, schedule="adam").fit(ids, X, y)
     adam.delete(ids[:3])
     assert len(adam.tombstones_) == 0 and adam.verify().exact
+
+
+@pytest.mark.parametrize("sampling", ["partition", "independent"])
+def test_saved_bundle_holds_no_trace_of_deleted_records(tmp_path, sampling):
+    """Security requirement: no byte of the saved bundle is a deleted record's id or two
+    adjacent features of it (float32 or float64), while every shard stays bit for bit
+    the retrain with those records masked in place (independent sampling: a deleted
+    record sits in several shards, and leaves its key in each)."""
+    rng = np.random.default_rng(11)
+    n = 60
+    X = rng.random((n, 5))
+    y = (X[:, 0] * 3).astype(int).clip(0, 2)
+    ids = np.array([f"rec-{i:04d}" for i in range(n)], dtype=object)
+    m = _model(n_shards=3, sampling=sampling, shard_prob=0.5).fit(ids, X, y)
+    member_all = m.memberships(ids)
+    held = member_all.sum(axis=1)
+    gone_rows = [0, 17, 42]
+    if sampling == "independent":  # two records held by several shards, one by a single shard
+        gone_rows = [*np.flatnonzero(held >= 2)[:2].tolist(), int(np.flatnonzero(held == 1)[0])]
+    gone = ids[gone_rows]
+    member = member_all[gone_rows]
+    # the deleted records masked in place: each shard's retrain with the smaller B
+    expect = {}
+    for s in range(3):
+        rid, Xs, ys = m.shard_records(s)
+        out = [r for r in gone.tolist() if r in rid]
+        if out:
+            kw = m.shard_training_args(s, len(rid) - len(out))
+            p = train_single(Xs, ys, rid, exclude=out, **kw)
+            expect[s] = mlp_state(p.weights, p.biases)
+    m.delete(gone)
+    assert sorted(expect) == sorted(_keys(m))
+    assert _keys(m) == _tombstones_of(m, member, gone)
+    for s, state in expect.items():
+        assert states_equal(state, m.shard_state(s)), s
+    m.save(tmp_path / "m")
+    assert traces_found(tmp_path / "m", gone, X[gone_rows]) == set()
+    # the scan does see what the bundle keeps: the live records' ids and float32 features
+    live = [i for i in range(n) if i not in gone_rows][:3]
+    seen = traces_found(tmp_path / "m", ids[live], X[live])
+    assert {r for r, t in seen if t.startswith("id")} == set(ids[live].tolist())
+    assert {r for r, t in seen if t.endswith("float32")} == set(ids[live].tolist())
+    back = SISAEnsemble.load(tmp_path / "m")
+    assert _keys(back) == _keys(m) and back.content_hash() == m.content_hash()
+    assert back.verify().exact

@@ -14,7 +14,7 @@ from jobs.registry import PublishConflict, Registry
 from jobs.served_model import ServedModel
 from jobs.worker import Worker, WorkerConfig, _plan
 from ledger.chain import utc_now
-from ledger.models import Request, TrainingRecord
+from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
 from tests.conftest import seed
 
@@ -86,7 +86,9 @@ def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> Non
     with ledger.engine.connect() as conn:
         rows = conn.execute(select(TrainingRecord.__table__)
                             .where(TrainingRecord.__table__.c.record_id.in_(gone))).all()
-    assert all(r.state == "purged" and r.features is None and r.label is None for r in rows)
+        left = conn.execute(select(RecordPayload.__table__)
+                            .where(RecordPayload.__table__.c.record_id.in_(gone))).all()
+    assert len(rows) == len(gone) and all(r.state == "purged" for r in rows) and not left
 
     # the manifest names the training set by the Merkle root of its fingerprints
     count, root = ledger.records_digest(model.learner.record_ids_.tolist())

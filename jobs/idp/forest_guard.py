@@ -81,7 +81,13 @@ import numpy as np
 from numba import njit
 
 from jobs.idp.guard import LabelGuard
-from jobs.learners.base import check_features, hash_arrays, read_bundle_meta, write_bundle
+from jobs.learners.base import (
+    check_features,
+    hash_arrays,
+    read_bundle_meta,
+    read_bundle_payload,
+    write_bundle,
+)
 from jobs.learners.dare import DaREForest
 
 SOUND = "sound"
@@ -602,7 +608,7 @@ class ForestGuard:
         if h != meta["forest_hash"]:
             raise ValueError(f"{p}: the guard was fitted to forest {meta['forest_hash'][:16]}..., "
                              f"not to the given forest {h[:16]}...; refit it")
-        with np.load(p / _TABLES, allow_pickle=False) as z:
+        with np.load(read_bundle_payload(p, _TABLES), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         if sorted(arrays) != sorted((*_Table.ARRAYS, "leaf_tree", "leaf_path")) or hash_arrays(
             *(arrays[k] for k in sorted(arrays))

@@ -29,10 +29,11 @@ Deletion, the fast path (papers/NOTES.md §1, "Connection to unlearning"):
    about N_{-x}, and no LOO set for the new data exists yet;
 2. :meth:`GuardedNetwork.recompute_bounds` (a background job in the service)
    retrains the LOO set of the remaining records with the frozen
-   hyper-parameters, the frozen batch count ``B`` and ``x`` as a tombstone
-   (an always-masked slot), checks that the new full network is bit-identical
-   to the served N_{-x} (refusing to install otherwise), computes the new
-   bounds and installs them: sound mode again, same served network.
+   hyper-parameters, the frozen batch count ``B`` and ``x``'s schedule key as a
+   tombstone (an always-masked slot; the LOO set keeps the key in
+   ``meta["tombstones"]``, never the id), checks that the new full network is
+   bit-identical to the served N_{-x} (refusing to install otherwise), computes
+   the new bounds and installs them: sound mode again, same served network.
 
 One swap at a time: N_{-x,-y} is not in any LOO set, so a second deletion
 before the recompute raises (the caller can fall back to a full retrain and
@@ -54,7 +55,7 @@ import numpy as np
 
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import LabelGuard, clip_unit, lucid_certain
-from jobs.idp.loo import LOOSet, MLPParams, train_loo
+from jobs.idp.loo import LOOSet, MLPParams, schedule_keys, train_loo
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +329,8 @@ class GuardedNetwork:
 
     def retrain(self, X: np.ndarray, y: np.ndarray, ids: Sequence[object], *,
                 chunk_size: int = 512, device: str | None = None) -> LOOSet:
-        """The LOO set of the served data: frozen config, frozen B, deleted records as tombstones.
+        """The LOO set of the served data: frozen config, frozen B, deleted records' keys
+        as tombstones.
 
         While a swap of x is pending, ``ids`` must be the old records minus x,
         and the new full network is checked to be bit-identical to the served
@@ -349,7 +351,7 @@ class GuardedNetwork:
         cfg = base.config
         tombstones = list(base.meta.get("tombstones", []))
         if pending is not None:
-            tombstones.append(pending)
+            tombstones += schedule_keys(cfg.seed, [pending]).tolist()
         meta = base.meta
         new = train_loo(
             X, y, given, n_classes=cfg.n_classes, hidden=cfg.hidden, epochs=cfg.epochs,

@@ -7,9 +7,12 @@ a ReLU MLP (:class:`jobs.learners.nets.MLP` architecture, inputs in [0, 1]^d)
 with plain SGD (no momentum; ``p <- p - lr * (grad + weight_decay * p)``), float32:
 
 * initial weights: :func:`jobs.learners.nets.init_net` from ``seed`` alone;
-* rows sorted by record id; per epoch ``e``, record ``r`` goes to mini-batch
-  ``mix64(prf(seed, "loo-batch", r) ^ prf(seed, "loo-epoch", e)) mod B``,
-  ordered within the batch by that hash (:func:`jobs.learners.nets.epoch_batches`);
+* record ``r`` enters the schedule only through its 64-bit schedule KEY
+  ``k_r = prf(seed, "loo-batch", r)`` (:func:`schedule_keys`): rows in key order;
+  per epoch ``e``, record ``r`` goes to mini-batch
+  ``mix64(k_r ^ prf(seed, "loo-epoch", e)) mod B``, ordered within the batch by
+  that hash (:func:`jobs.learners.nets.epoch_batches`). Two records of one
+  training set with the same key (a 64-bit collision) raise ``ValueError``;
 * ``B`` (the number of batches) is a hyper-parameter frozen from ``|D|`` of the
   FULL set: ``B = max(1, ceil(|D| / batch_size))``. Removing a record therefore
   removes it from one batch per epoch and moves no other record;
@@ -67,8 +70,11 @@ batched kernels is not verified here (compare with ``train_single(...,
 device=...)`` before relying on it).
 
 Tombstones: records deleted earlier can stay in the schedule as always-masked
-slots (``tombstones=``), so that after deleting x the new training set's full
-network equals the old N_{-x} (T with tombstone x and the old B).
+zero rows (``tombstones=``), so that after deleting x the new training set's
+full network equals the old N_{-x} (T with tombstone x and the old B). A
+tombstone is given by its schedule key alone -- that is all the schedule needs
+of it -- so what is kept of a deleted record is a keyed hash, never its id
+or data.
 """
 
 from __future__ import annotations
@@ -232,34 +238,54 @@ class MLPParams:
 # --------------------------------------------------------------------------- data + schedule
 
 
+def schedule_keys(seed: int, ids: Iterable[object]) -> np.ndarray:
+    """The schedule keys ``prf(seed, "loo-batch", id)`` of ``ids`` (uint64): what a
+    record is to the schedule, and what a tombstone of it is given as."""
+    return prf_u64_many(seed, "loo-batch", ids)
+
+
+def _tombstone_keys(tombstones: Iterable[object]) -> np.ndarray:
+    """Tombstones as uint64 keys; anything else (e.g. a record id) is refused."""
+    keys = list(tombstones)
+    for t in keys:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < 2**64:
+            raise TypeError("tombstones are uint64 schedule keys (schedule_keys(seed, ids)), "
+                            f"got {t!r}")
+    return np.array([int(t) for t in keys], dtype=np.uint64)
+
+
 def _sorted_data(
-    X: np.ndarray, y: np.ndarray, ids: Sequence[object], tombstones: Iterable[object]
+    X: np.ndarray, y: np.ndarray, ids: np.ndarray, tombstones: Iterable[object], seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rows sorted by id, tombstones inserted as zero rows; returns (X, y, ids, is_tomb)."""
+    """Rows in schedule-key order, tombstones inserted as zero rows.
+
+    Returns (X, y, keys, src): ``src[i]`` is row i's position in ``ids``, -1 for a tombstone.
+    """
     X = np.asarray(X, dtype=np.float32)
     y = np.asarray(y, dtype=np.int64)
-    ids_arr = np.asarray(list(ids))
-    if X.ndim != 2 or len(X) != len(y) or len(y) != len(ids_arr):
+    if X.ndim != 2 or len(X) != len(y) or len(y) != len(ids):
         raise ValueError("X must be (n, d) and y, ids of length n")
-    tomb = [t for t in tombstones]
-    if tomb:
-        tomb_arr = np.asarray(tomb)
-        if np.isin(tomb_arr, ids_arr).any():
-            raise ValueError("a tombstone id is also a live record id")
-        ids_arr = np.concatenate([ids_arr, tomb_arr])
-        X = np.concatenate([X, np.zeros((len(tomb_arr), X.shape[1]), dtype=np.float32)])
-        y = np.concatenate([y, np.zeros(len(tomb_arr), dtype=np.int64)])
-    is_tomb = np.zeros(len(ids_arr), dtype=bool)
-    if tomb:
-        is_tomb[-len(tomb):] = True
-    if len(np.unique(ids_arr)) != len(ids_arr):
+    if len(np.unique(ids)) != len(ids):
         raise ValueError("record ids must be unique")
-    order = np.argsort(ids_arr, kind="stable")
-    return X[order], y[order], ids_arr[order], is_tomb[order]
+    live_keys = schedule_keys(seed, ids.tolist())
+    tomb_keys = _tombstone_keys(tombstones)
+    if np.isin(tomb_keys, live_keys).any():
+        raise ValueError("a tombstone's key is also a live record's key (the deleted record "
+                         "is back, or a 64-bit key collision)")
+    keys = np.concatenate([live_keys, tomb_keys])
+    if len(np.unique(keys)) != len(keys):
+        raise ValueError("two records or tombstones share a 64-bit schedule key (a collision "
+                         "of the keyed hash, or a repeated tombstone): the schedule needs "
+                         "distinct keys")
+    order = np.argsort(keys, kind="stable")
+    n_tomb = len(tomb_keys)
+    X = np.concatenate([X, np.zeros((n_tomb, X.shape[1]), dtype=np.float32)])
+    y = np.concatenate([y, np.zeros(n_tomb, dtype=np.int64)])
+    src = np.concatenate([np.arange(len(ids)), np.full(n_tomb, -1)])
+    return X[order], y[order], keys[order], src[order]
 
 
-def _schedule(ids: np.ndarray, seed: int, epochs: int, B: int) -> list[list[np.ndarray]]:
-    keys = prf_u64_many(seed, "loo-batch", ids.tolist())
+def _schedule(keys: np.ndarray, seed: int, epochs: int, B: int) -> list[list[np.ndarray]]:
     return [epoch_batches(keys, prf_u64(seed, "loo-epoch", e), B) for e in range(epochs)]
 
 
@@ -425,7 +451,7 @@ def train_loo(
     weight_decay: float = 1e-5,
     seed: int = 0,
     n_batches: int | None = None,
-    tombstones: Iterable[object] = (),
+    tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     chunk_size: int = 512,
     cpu_threads: int | None = 1,
@@ -436,15 +462,19 @@ def train_loo(
 
     ``y`` holds class indices in ``[0, n_classes)``; ``classes`` optionally names
     them (stored, not used). ``n_batches`` defaults to ``ceil(|D| / batch_size)``
-    with ``|D|`` counting tombstones. ``chunk_size`` networks train at a time
-    (memory bound); the result does not depend on it. ``progress(done, total)``
-    is called after each chunk.
+    with ``|D|`` counting tombstones, which are schedule keys of deleted records
+    (:func:`schedule_keys`). ``chunk_size`` networks train at a time (memory
+    bound); the result does not depend on it. ``progress(done, total)`` is
+    called after each chunk.
     """
-    Xs, ys, ids_s, tomb = _sorted_data(X, y, ids, tombstones)
-    cfg = _make_config(Xs, ys[~tomb], len(ids_s), n_classes=n_classes, hidden=hidden,
+    ids_arr = np.asarray(list(ids))
+    Xs, ys, keys, src = _sorted_data(X, y, ids_arr, tombstones, int(seed))
+    tomb = src < 0
+    cfg = _make_config(Xs, ys[~tomb], len(keys), n_classes=n_classes, hidden=hidden,
                        epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
                        weight_decay=weight_decay, seed=seed)
     live = np.flatnonzero(~tomb)
+    live = live[np.argsort(ids_arr[src[live]], kind="stable")]  # networks in id order
     tomb_rows = np.flatnonzero(tomb)
     n = len(live)
     # row 0: the full network; row 1 + j: without live record j; every row skips tombstones
@@ -452,7 +482,7 @@ def train_loo(
     excl = np.full((n + 1, k), -1, dtype=np.int64)
     excl[1:, 0] = live
     excl[:, 1:] = tomb_rows[None, :]
-    schedule = _schedule(ids_s, cfg.seed, cfg.epochs, cfg.n_batches)
+    schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
     t0 = time.perf_counter()
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
                 cpu_threads=cpu_threads, progress=progress)
@@ -467,9 +497,9 @@ def train_loo(
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": cpu_threads if dev.type == "cpu" else None,
         "granule": [GRANULE, WIDTH_GRANULE],
-        "tombstones": [_jsonable_id(t) for t in ids_s[tomb].tolist()],
+        "tombstones": keys[tomb].tolist(),
     }
-    return LOOSet(cfg, ids_s[live], Ws, bs,
+    return LOOSet(cfg, ids_arr[src[live]], Ws, bs,
                   classes=None if classes is None else np.asarray(list(classes)), meta=meta)
 
 
@@ -487,7 +517,7 @@ def train_single(
     weight_decay: float = 1e-5,
     seed: int = 0,
     n_batches: int | None = None,
-    tombstones: Iterable[object] = (),
+    tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     cpu_threads: int | None = 1,
 ) -> MLPParams:
@@ -495,7 +525,7 @@ def train_single(
 
     ``exclude`` may name a record present in ``ids`` (its features are zeroed
     before training: they must not matter) or an id that is not there (a
-    tombstone slot is inserted). ``B`` counts excluded records, so with the
+    tombstone of its key is inserted). ``B`` counts excluded records, so with the
     same arguments this reproduces ``train_loo(...).loo(exclude)`` bit for bit
     (pass ``n_classes`` when the excluded record is not in ``ids``).
     """
@@ -511,23 +541,20 @@ def train_single(
     if n_classes is None and len(y):  # as train_loo infers it: from every given label
         n_classes = int(y.max()) + 1
     present = {v: i for i, v in enumerate(ids_list)}
-    missing = []
-    for e in ex_list:
-        if e in present:
-            X[present[e]] = 0.0
-            y[present[e]] = 0
-        else:
-            missing.append(e)
-    Xs, ys, ids_s, tomb = _sorted_data(X, y, ids_list, list(tombstones) + missing)
-    ex_set = set(ex_list)
-    live_mask = ~tomb & np.array([v not in ex_set for v in ids_s.tolist()], dtype=bool)
-    cfg = _make_config(Xs, ys[live_mask], len(ids_s), n_classes=n_classes, hidden=hidden,
+    excluded = np.array([present[e] for e in ex_list if e in present], dtype=np.int64)
+    X[excluded] = 0.0
+    y[excluded] = 0
+    missing = schedule_keys(int(seed), [e for e in ex_list if e not in present])
+    Xs, ys, keys, src = _sorted_data(X, y, np.asarray(ids_list), [*tombstones, *missing],
+                                     int(seed))
+    live_mask = (src >= 0) & ~np.isin(src, excluded)
+    cfg = _make_config(Xs, ys[live_mask], len(keys), n_classes=n_classes, hidden=hidden,
                        epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
                        weight_decay=weight_decay, seed=seed)
     skip = np.flatnonzero(~live_mask)
     excl = np.full((1, max(1, len(skip))), -1, dtype=np.int64)
     excl[0, :len(skip)] = skip
-    schedule = _schedule(ids_s, cfg.seed, cfg.epochs, cfg.n_batches)
+    schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1,
                 cpu_threads=cpu_threads)
     layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
@@ -544,7 +571,9 @@ class LOOSet:
     """Stacked networks: index 0 is N, index ``1 + j`` is N_{-record_ids[j]}.
 
     ``weights[l]`` has shape ``(M, out_l, in_l)``, ``biases[l]`` ``(M, out_l)``,
-    float32, ``M = 1 + len(record_ids)``; ``record_ids`` sorted.
+    float32, ``M = 1 + len(record_ids)``; ``record_ids`` sorted (networks in id
+    order; training rows are in key order). ``meta["tombstones"]``: the schedule
+    keys of the tombstones it was trained with (no deleted record's id).
     """
 
     config: LOOConfig
@@ -667,6 +696,7 @@ __all__ = [
     "LOOConfig",
     "LOOSet",
     "MLPParams",
+    "schedule_keys",
     "train_loo",
     "train_single",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import io
 import json
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import numpy as np
+
+from jobs import sealing
 
 Guarantee = Literal["exact", "approximate"]
 
@@ -196,24 +199,31 @@ def write_bundle(path: str | Path, meta: dict[str, Any], payload_name: str,
     """Write a model directory: the payload, then `meta.json`, each via a temp file.
 
     Each file appears whole or not at all, and `meta.json` (which names the content
-    hash) is replaced last.
+    hash) is replaced last. Inside the registry both are sealed under the version's key
+    (:mod:`jobs.sealing`).
     """
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     tmp_payload, tmp_meta = p / (payload_name + ".tmp"), p / (META_FILE + ".tmp")
-    with open(tmp_payload, "wb") as fh:
-        write_payload(fh)
-    tmp_meta.write_text(json.dumps(meta, indent=1))
+    buf = io.BytesIO()
+    write_payload(buf)
+    sealing.write_file(tmp_payload, buf.getbuffer())
+    sealing.write_file(tmp_meta, json.dumps(meta, indent=1).encode())
     tmp_payload.replace(p / payload_name)
     tmp_meta.replace(p / META_FILE)
 
 
 def read_bundle_meta(path: str | Path, fmt: str, what: str) -> dict[str, Any]:
     """`meta.json` of a model directory, refusing one written for another format."""
-    meta = json.loads((Path(path) / META_FILE).read_text())
+    meta = json.loads(sealing.read_file(Path(path) / META_FILE))
     if meta.get("format") != fmt:
         raise ValueError(f"{path} is not a {what} bundle ({meta.get('format')!r})")
     return meta
+
+
+def read_bundle_payload(path: str | Path, payload_name: str) -> BinaryIO:
+    """The payload of a model directory, as a file object (unsealed in memory)."""
+    return io.BytesIO(sealing.read_file(Path(path) / payload_name))
 
 
 def hash_arrays(*arrays: np.ndarray) -> str:

@@ -73,6 +73,16 @@ nearly tied, successive deletions can flip the argmax back and forth, and each
 flip retrains the subtree, exactly as a retrain would choose; this, not the
 count updates, dominates the deletion time of G-DaRE.
 
+What the forest stores per record
+---------------------------------
+Each live record's id, features, label and its position in every tree's layout.
+A deletion leaves the record's slot behind in memory (so a batch needs no
+renumbering); :meth:`DaREForest.save` drops every such slot first
+(:meth:`DaREForest._compact_store`): the value domains are re-derived from the
+live records and a cache cut-off that still named a deleted value is lowered to a
+live one, so a saved bundle holds nothing of a deleted record. Thresholds are
+midpoints of two live values or keyed draws.
+
 The content hash covers the structure, thresholds, counts, the selected
 candidates of cached nodes with their counts, the keyed draw indices, each
 leaf's records (by id) and the live training set; nothing in it depends on
@@ -102,6 +112,7 @@ from jobs.learners.base import (
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
+    read_bundle_payload,
     unique_ids,
     write_bundle,
 )
@@ -343,6 +354,87 @@ class DaREForest(Learner, BaseEstimator):
         rank[:, : self._nrec] = self._rank[:, : self._nrec]
         self._rank = rank
         self._cap = cap
+
+    def _compact_store(self) -> None:
+        """Drop the slots of deleted records, so that their features, label and id leave
+        the forest (and every bundle saved from it) instead of waiting in dead slots.
+
+        Slots are renumbered everywhere they are referenced (layout, positions, ranks); the
+        value domains are re-derived from the live records, so a deleted record's value
+        leaves them too, and so does a cache cut-off that still names one (see
+        :meth:`_forget_cutoffs`). Nothing the content hash covers changes."""
+        n = self._nrec
+        live = np.flatnonzero(self._alive[:n])
+        if len(live) == n:
+            return
+        m = len(live)
+        new = np.full(self._cap, -1, dtype=np.int32)
+        new[live] = np.arange(m, dtype=np.int32)
+        self._X = np.ascontiguousarray(self._X[:, live])
+        self._y = self._y[live].copy()
+        self._alive = np.ones(m, dtype=bool)
+        self._ids = self._ids[live].copy()
+        self._pos = np.ascontiguousarray(self._pos[:, live])
+        self._rank = np.ascontiguousarray(self._rank[:, live])
+        held = self._samp >= 0
+        self._samp[held] = new[self._samp[held]]
+        self._nrec = self._cap = m
+        self._slot = {rid: k for k, rid in enumerate(self._ids.tolist())}
+        self._remap_ranks(self._rerank())
+        self._forget_cutoffs()
+        # what freed nodes and cache slots last held is no longer anyone's state
+        self._n_thr[~self._n_used] = 0.0
+        unused = (self._c_attr < 0).all(axis=1)
+        self._c_cutp[unused] = 0
+        self._c_cutv[unused] = 0.0
+
+    def _forget_cutoffs(self) -> None:
+        """Lower every cache cut-off whose value no live record holds to its last live pair.
+
+        A slot's list holds every valid pair whose key (priority, v1) is at most its
+        cut-off, in key order. The cut-off key keeps the value of the pair that was last
+        when the cache was built, which may be a deleted record's value. Every valid pair
+        up to the last live entry is in the list (it is below the old cut-off), so lowering
+        the cut-off to that entry's key keeps the invariant, and with it exactness; a slot
+        with no live entry gets a cut-off below every key (it is recomputed when next
+        touched, as it has fewer than k pairs). A slot that holds every valid pair has no
+        use for a cut-off: its own is cleared."""
+        every = (self._c_attr >= 0) & self._c_all
+        self._c_cutp[every] = 0
+        self._c_cutv[every] = 0.0
+        cids, ss = np.nonzero((self._c_attr >= 0) & ~self._c_all)
+        if cids.size == 0:
+            return
+        a = self._c_attr[cids, ss].astype(np.int64)
+        va = self._voff[a]
+        nv = self._voff[a + 1] - va
+        cutv = self._c_cutv[cids, ss]
+        at = np.zeros(len(a), dtype=np.int64)
+        for k in range(len(a)):
+            at[k] = np.searchsorted(self._vals[va[k] : va[k] + nv[k]], cutv[k])
+        held = (at < nv) & (self._vals[va + np.minimum(at, nv - 1)] == cutv)
+        stale = np.flatnonzero(~held)
+        if stale.size == 0:
+            return
+        cids, ss, a, va = cids[stale], ss[stale], a[stale], va[stale]
+        last = np.full(len(stale), -1, dtype=np.int64)
+        for k in range(len(stale)):
+            off = int(self._c_off[cids[k], ss[k]])
+            seg = self._er1[off : off + int(self._c_len[cids[k], ss[k]])]
+            alive = np.flatnonzero(seg >= 0)
+            if alive.size:
+                last[k] = seg[alive[-1]]
+        node = np.zeros(self._ccap, dtype=np.int64)
+        owners = np.flatnonzero(self._n_used & (self._n_cid >= 0))
+        node[self._n_cid[owners]] = owners
+        nd = node[cids]
+        nk = self._nodekey(self._n_tree[nd], self._n_path[nd])
+        sk = _h2(nk ^ _TAG_THR, a.astype(_U64))
+        has = last >= 0
+        r = np.where(has, last, 0)
+        prio = (_mix(sk ^ self._vmix[va + r]) >> _S32).astype(np.int64)
+        self._c_cutp[cids, ss] = np.where(has, prio, -1)
+        self._c_cutv[cids, ss] = np.where(has, self._vals[va + r], 0.0)
 
     def _rerank(self) -> list[np.ndarray] | None:
         """Dense ranks of every slot's values per attribute, the global sorted order and the
@@ -1663,8 +1755,12 @@ class DaREForest(Learner, BaseEstimator):
     )  # fmt: skip
 
     def save(self, path: str | Path) -> None:
-        """Write ``path/meta.json`` (JSON) and ``path/arrays.npz`` (plain arrays, no pickle)."""
+        """Write ``path/meta.json`` (JSON) and ``path/arrays.npz`` (plain arrays, no pickle).
+
+        Deleted records' slots are dropped first (:meth:`_compact_store`): the bundle holds
+        the live records' ids, features and labels and nothing of a deleted one."""
         self._check_fitted()
+        self._compact_store()
         p = Path(path)
         arrays = {name.lstrip("_"): getattr(self, name) for name in self._SAVED}
         arrays["X"] = self._X[:, : self._nrec]
@@ -1689,7 +1785,7 @@ class DaREForest(Learner, BaseEstimator):
         meta = read_bundle_meta(p, FORMAT, "DaRE")
         self = cls(**meta["params"])
         self._validate_params()
-        with np.load(p / _ARRAYS, allow_pickle=False) as z:
+        with np.load(read_bundle_payload(p, _ARRAYS), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         for name, v in meta["scalars"].items():
             setattr(self, name, int(v))

@@ -57,6 +57,14 @@ class; the defaults are the ones ``tests/test_game.py`` pins and
 the same calls on the same data give the same bits (same device type, torch
 build and ``cpu_threads``).
 
+What the model stores per record
+--------------------------------
+The live records' ids, features and labels (the retain set, ``D_third`` and the
+surrogate's subset are taken from them), and the networks. A deletion drops the
+record from all of them (the surrogate is retrained without it when it held it);
+the networks' weights are what the game leaves, which is why the guarantee is
+approximate. Nothing else of a deleted record is kept or saved.
+
 What "retrain from scratch" means here
 --------------------------------------
 ``M_o``'s training on the live training records (held-out ``D_third`` records
@@ -823,7 +831,8 @@ class GameUnlearningNet(Learner, BaseEstimator):
         """Read a bundle written by :meth:`save`; checks the content hash."""
         p = Path(path)
         meta = base.read_bundle_meta(p, FORMAT, "game-theoretic NN")
-        state = torch.load(p / _STATE, map_location="cpu", weights_only=True)
+        state = torch.load(base.read_bundle_payload(p, _STATE), map_location="cpu",
+                           weights_only=True)
         params = dict(meta["params"])
         params["hidden"] = tuple(params["hidden"])
         params["attack_hidden"] = tuple(params["attack_hidden"])

@@ -32,14 +32,16 @@ Two training schedules
 ``schedule="loo"`` (the default for ``model="mlp", n_slices=1``, the
 configuration the sidecar serves): shard ``s`` is trained by the masked
 leave-one-out kernel of :mod:`jobs.idp.loo` -- :func:`jobs.idp.loo.train_single`
-on the shard's live records with ``seed = prf(seed, "init", s)`` (the same
-initialisation), per-epoch batch ``mix64(prf(seed_s, "loo-batch", id) ^
-prf(seed_s, "loo-epoch", e)) mod B``, ``B = max(1, ceil(n_s / batch_size))``
-(``n_s`` the shard's live record count), plain SGD with ``lr`` and
-``weight_decay``, ``epochs_per_slice`` epochs, the padded batched kernels.
-Records deleted since ``fit`` stay in the schedule as TOMBSTONES (``tombstones_``:
-their ids only, no features or labels): always-masked rows in the batch each
-id hashes to. A tombstone contributes an exact zero to every sum, so it
+on the shard's live records with ``seed_s = prf(seed, "init", s)`` (the same
+initialisation), rows in the order of their schedule keys ``k = prf(seed_s,
+"loo-batch", id)``, per-epoch batch ``mix64(k ^ prf(seed_s, "loo-epoch", e))
+mod B``, ``B = max(1, ceil(n_s / batch_size))`` (``n_s`` the shard's live
+record count), plain SGD with ``lr`` and ``weight_decay``, ``epochs_per_slice``
+epochs, the padded batched kernels. Records deleted since ``fit`` stay in the
+schedule of every shard that held them as TOMBSTONES (``tombstones_``: shard ->
+sorted uint64 schedule keys under that shard's seed; no id, features or
+label): always-masked rows at the key's place, in the batch the key hashes
+to. A tombstone contributes an exact zero to every sum, so it
 changes nothing arithmetically, but it keeps every other row where it was:
 the gemm kernels of some CPUs (seen on Sapphire Rapids, MKL, AVX-512) sum a
 batch's rows in an order that depends on row positions, so "x masked in
@@ -51,8 +53,8 @@ tombstones), and ``train_loo``'s ``N_{-x}`` with ``B = ceil((n_s - 1) /
 batch_size)`` is bit for bit the shard after ``delete([x])``, on any CPU:
 that is what lets :func:`jobs.idp.sisa_bounds.shard_bounds` compute
 per-shard LUCID bounds for the SERVED ensemble. One checkpoint per shard
-(``R = 1``). A later ``add`` of a tombstoned id removes its tombstone;
-``fit`` starts with none.
+(``R = 1``). A later ``add`` of a tombstoned id removes its tombstones (its
+keys are recomputed from the id); ``fit`` starts with none.
 
 ``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
 ``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
@@ -71,7 +73,7 @@ What "retrain from scratch" means
 Computing ``T`` on the live set: every shard re-initialised from the seed and
 every stage retrained, using each live record's recorded origin (hence its
 slice: the keyed slice, or the last slice for records that arrived by
-``add``) and, under ``schedule="loo"``, the tombstones' ids.
+``add``) and, under ``schedule="loo"``, the shards' tombstone keys.
 :meth:`SISAEnsemble.verify` does exactly that and compares every checkpoint
 and the served weights bit for bit. When no record was ever added (or
 ``add_slice="keyed"``) and none deleted under ``schedule="loo"``, this is the
@@ -109,9 +111,16 @@ count (``cpu_threads``, fixed during training and inference on CPU). A model
 saved on one device type and updated on another is still a correct model of
 the live set, but its checkpoints then mix platforms and ``verify`` would
 report a mismatch; :meth:`SISAEnsemble.load` warns when that can happen.
-The saved bundle contains the live records' features and labels (updates
-need them); deleted records are removed from it, only their ids stay as
-tombstones (``schedule="loo"``).
+
+What the saved bundle stores per record
+---------------------------------------
+A live record: its id, features, label and origin (updates and ``verify``
+need them). A deleted record: nothing but, under ``schedule="loo"``, its
+schedule key in each shard that held it -- a 64-bit keyed hash of its id
+under that shard's seed; no id, features or label anywhere in the bundle.
+Someone holding the model files (the seed included) who can enumerate
+candidate ids can test whether one of them was deleted from the model; the
+ledger names deleted ids anyway.
 """
 
 from __future__ import annotations
@@ -130,7 +139,7 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from jobs.idp.loo import train_single
+from jobs.idp.loo import schedule_keys, train_single
 from jobs.learners.base import (
     Learner,
     UnknownRecordError,
@@ -141,6 +150,7 @@ from jobs.learners.base import (
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
+    read_bundle_payload,
     unique_ids,
     write_bundle,
 )
@@ -163,6 +173,8 @@ FORMAT = "obliviate.sisa/1"
 _STATE = "state.pt"
 
 State = dict[str, torch.Tensor]
+Tombstones = dict[int, np.ndarray]  # shard -> sorted uint64 schedule keys (non-empty only)
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 
 class SISAEnsemble(Learner, BaseEstimator):
@@ -390,7 +402,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         self,
         s: int,
         data: dict[str, np.ndarray],
-        tombstones: np.ndarray,
+        tombstones: Tombstones,
         from_slice: int,
         start: State | None,
     ) -> list[State]:
@@ -399,7 +411,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
         ``from_slice == 0``: the shard starts from its seed-only initialisation).
         ``data`` holds the live records' arrays sorted by id; ``tombstones`` the
-        deleted ids (``schedule="loo"`` only). This one function serves fit,
+        deleted records' keys per shard (``schedule="loo"`` only). This one function serves fit,
         delete, add and verify: the same kernels and shapes.
         """
         cfg = self.config_
@@ -437,7 +449,7 @@ class SISAEnsemble(Learner, BaseEstimator):
                 out.append(state_to_cpu(net))
         return out
 
-    def _loo_args(self, s: int, n_records: int, tombstones: np.ndarray) -> dict[str, Any]:
+    def _loo_args(self, s: int, n_records: int, tombstones: Tombstones) -> dict[str, Any]:
         cfg = self.config_
         return {
             "n_classes": len(self.classes_),
@@ -448,13 +460,13 @@ class SISAEnsemble(Learner, BaseEstimator):
             "weight_decay": cfg["weight_decay"],
             "seed": self._init_seed(s),
             "n_batches": n_batches(n_records, cfg["batch_size"]),
-            "tombstones": self._shard_tombstones(s, tombstones),
+            "tombstones": tombstones.get(s, _NO_KEYS).tolist(),
             "device": self.device_,
             "cpu_threads": cfg["cpu_threads"],
         }
 
     def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
-                         tombstones: np.ndarray) -> State:
+                         tombstones: Tombstones) -> State:
         """Shard ``s`` trained by :func:`jobs.idp.loo.train_single` (schedule ``"loo"``)."""
         rows = np.flatnonzero(data["member"][:, s])
         params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
@@ -527,16 +539,16 @@ class SISAEnsemble(Learner, BaseEstimator):
             "keys": self._batch_keys(ids),
         }
 
-    def _shard_tombstones(self, s: int, tombstones: np.ndarray) -> list[Any]:
-        """The tombstones whose keyed membership puts them in shard ``s``."""
-        if len(tombstones) == 0:
-            return []
-        return tombstones[self._keyed_members(tombstones)[:, s]].tolist()
+    def _tombstone_keys(self, ids: np.ndarray) -> Tombstones:
+        """Per shard holding any of ``ids``, their sorted schedule keys under its seed."""
+        member = self._keyed_members(ids)
+        return {s: np.sort(schedule_keys(self._init_seed(s), ids[member[:, s]].tolist()))
+                for s in np.flatnonzero(member.any(axis=0)).tolist()}
 
     def _commit(
         self,
         data: dict[str, np.ndarray],
-        tombstones: np.ndarray,
+        tombstones: Tombstones,
         checkpoints: list[list[State]],
         changed: list[int] | None = None,
     ) -> None:
@@ -598,9 +610,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.platform_ = self._platform()
         yi = self._encode_y(yarr, len(rids))
         data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
-        none = as_ids([])
-        ckpts = [self._train_shard(s, data, none, 0, None) for s in range(self._S)]
-        self._commit(data, none, ckpts)
+        ckpts = [self._train_shard(s, data, {}, 0, None) for s in range(self._S)]
+        self._commit(data, {}, ckpts)
         return self
 
     def _platform(self) -> dict[str, Any]:
@@ -611,7 +622,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         }
 
     def _retrain(
-        self, data: dict[str, np.ndarray], tombstones: np.ndarray, from_slice: dict[int, int]
+        self, data: dict[str, np.ndarray], tombstones: Tombstones, from_slice: dict[int, int]
     ) -> tuple[list[list[State]], float]:
         t0 = time.perf_counter()
         ckpts = list(self.checkpoints_)
@@ -665,9 +676,10 @@ class SISAEnsemble(Learner, BaseEstimator):
         keep[rows] = False
         old = self._data()
         data = {k: v[keep] for k, v in old.items()}
-        tombstones = self.tombstones_
+        tombstones = dict(self.tombstones_)
         if self.config_["schedule"] == "loo":
-            tombstones = as_ids(sorted([*tombstones.tolist(), *rids.tolist()]))
+            for s, keys in self._tombstone_keys(rids).items():
+                tombstones[s] = np.union1d(tombstones.get(s, _NO_KEYS), keys)
         ckpts, train_s = self._retrain(data, tombstones, from_slice)
         self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
         return self._report("delete", rids, t0, from_slice, data, train_s)
@@ -695,8 +707,10 @@ class SISAEnsemble(Learner, BaseEstimator):
         )
         new_rows = np.isin(data["ids"], rids)
         from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
-        back = set(rids.tolist())
-        tombstones = as_ids([t for t in self.tombstones_.tolist() if t not in back])
+        back = self._tombstone_keys(rids)  # a re-added id's tombstones are lifted
+        left = {s: np.setdiff1d(keys, back.get(s, _NO_KEYS))
+                for s, keys in self.tombstones_.items()}
+        tombstones = {s: keys for s, keys in left.items() if len(keys)}
         ckpts, train_s = self._retrain(data, tombstones, from_slice)
         self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
         return self._report("add", rids, t0, from_slice, data, train_s)
@@ -828,8 +842,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         detail = {
             "definition": "every shard re-initialised from the seed and all slices retrained "
             "on the live records with their recorded origin-based slices (and the "
-            "deleted ids as masked tombstones, schedule 'loo')",
-            "n_tombstones": len(self.tombstones_),
+            "deleted records' schedule keys as masked tombstones, schedule 'loo')",
+            "n_tombstones": sum(len(keys) for keys in self.tombstones_.values()),
             "shards_checked": list(shards),
             "checkpoints_checked": len(shards) * self._R,
             "mismatched_checkpoints": mismatched,
@@ -897,7 +911,8 @@ class SISAEnsemble(Learner, BaseEstimator):
             "classes_dtype": self.classes_.dtype.str,
             "n_features": self.n_features_in_,
             "record_ids": self.record_ids_.tolist(),
-            "tombstones": self.tombstones_.tolist(),
+            "tombstone_keys": {str(s): keys.tolist()
+                               for s, keys in sorted(self.tombstones_.items())},
             "platform": self.platform_,
             "content_hash": self.content_hash(),
         }
@@ -914,7 +929,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         """Read a bundle written by :meth:`save`; checks the content hash."""
         p = Path(path)
         meta = read_bundle_meta(p, FORMAT, "SISA")
-        state = torch.load(p / _STATE, map_location="cpu", weights_only=True)
+        state = torch.load(read_bundle_payload(p, _STATE), map_location="cpu", weights_only=True)
         params = dict(meta["params"])
         params["hidden"] = tuple(params["hidden"])
         config = dict(meta["config"])
@@ -947,7 +962,12 @@ class SISAEnsemble(Learner, BaseEstimator):
         ]
         if len(ckpts) != self._S or any(len(c) != self._R for c in ckpts):
             raise ValueError(f"{p}: checkpoint layout does not match n_shards x n_slices")
-        self._commit(data, as_ids(meta.get("tombstones", [])), ckpts)
+        if "tombstones" in meta:  # older bundles kept deleted ids: keep only their keys
+            tombstones = self._tombstone_keys(as_ids(meta["tombstones"]))
+        else:
+            tombstones = {int(s): np.asarray(keys, dtype=np.uint64)
+                          for s, keys in meta.get("tombstone_keys", {}).items()}
+        self._commit(data, tombstones, ckpts)
         if self.content_hash() != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
         return self

@@ -353,6 +353,42 @@
       checkProof(e, head, proof);
     }
     $("request-section").hidden = false;
+    $("forgotten").hidden = true;
+    if (req && req.op === "delete") showForgotten(rid);
+  }
+
+  // what a deletion removed, when, and from which versions (GET /v1/forgotten/{id})
+  async function showForgotten(rid) {
+    const r = await api("v1/forgotten/" + encodeURIComponent(rid), true);
+    if (r.status !== 200 || $("request-id").textContent !== rid) return;
+    const f = r.body;
+    const recs = $("forgotten-records").tBodies[0];
+    recs.replaceChildren(...f.records.map((x) => el("tr", { "data-testid": "forgotten-record" },
+      el("td", { class: "mono", text: x.record_id }),
+      el("td", { class: "hash", title: x.fingerprint, text: short(x.fingerprint) }),
+      el("td", { "data-field": "purged-at",
+                 text: x.purged_at ? fmtTime(x.purged_at) : "still held (" + x.state + ")" }))));
+    const first = f.first_version_without;
+    $("forgotten-first").textContent = first ?
+      `First version published without it: ${first.version} (${fmtTime(first.published_at)} ` +
+      `UTC, event ${first.event_seq}).` : "Not applied yet: every version still holds it.";
+    const vers = $("forgotten-versions").tBodies[0];
+    vers.replaceChildren(...f.held_by.map((v) => el("tr", { "data-testid": "held-by",
+                                                           "data-destroyed": v.destroyed },
+      el("td", { class: "mono", text: v.version }),
+      el("td", {}, el("span", { class: "badge " + (v.destroyed ? "ok" : "applied"),
+        text: v.destroyed ? "destroyed " + fmtTime(v.destroyed_at) : "awaiting destruction" })),
+      el("td", { class: "num", text: v.event_seq ?? "—" }),
+      el("td", { class: "hash", title: v.manifest_sha256 || "",
+                 text: v.manifest_sha256 ? short(v.manifest_sha256) : "—" }))));
+    const ex = f.exactness;
+    $("forgotten-exactness").textContent = !ex ? "Exactness: not verified yet." :
+      ex.guarantee === "exact" ?
+        `Exactness of ${ex.version}: retrained from scratch, hash ` +
+        `${ex.exact ? "matches" : "DOES NOT match"} (${short(ex.retrained_hash)}; event ` +
+        `${ex.event_seq}).` :
+        `${ex.version} is approximate: its gap to a retrain is in event ${ex.event_seq}.`;
+    $("forgotten").hidden = false;
   }
 
   async function checkProof(e, head, cell) {
@@ -445,7 +481,10 @@
         el("td", { class: "num", "data-field": "count", text: ts.count ?? "—" }),
         el("td", { class: "root", "data-field": "merkle-root", title: ts.merkle_root || "",
                    text: short(ts.merkle_root) }),
-        el("td", { "data-field": "created", text: fmtTime(v.created_at) })));
+        el("td", { "data-field": "created", text: fmtTime(v.created_at) }),
+        el("td", { "data-field": "files", text: v.destroyed_at ?
+          "destroyed " + fmtTime(v.destroyed_at) :
+          v.superseded_by_deletion ? "to destroy (held deleted records)" : "kept" })));
     }
     $("lineage-table").dataset.loads = me;  // lets a test wait for this render
     if (versions.length) {

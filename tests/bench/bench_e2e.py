@@ -84,7 +84,7 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
         env = sidecar_env(work, s.database_url, s.kafka_bootstrap, model_name=s.model_name)
         # BentoML reads its home once per process: every run here shares main()'s store
         env["BENTOML_HOME"] = os.environ["BENTOML_HOME"]
-        ensure_topics(s.kafka_bootstrap, [s.requests_topic, s.dead_letter_topic])
+        ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load("synthetic", n_samples=n_records)
         ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)

@@ -13,8 +13,9 @@ import torch
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import clip_unit, top_margin
 from jobs.idp.guarded import NOISE_ALL, SOUND, BoundBinding, GuardedNetwork
-from jobs.idp.loo import LOOSet, train_loo, train_single
+from jobs.idp.loo import LOOSet, schedule_keys, train_loo, train_single
 
+from ..leaks import traces_found
 from .conftest import TINY, tiny_loo
 
 torch.set_num_threads(1)
@@ -96,7 +97,7 @@ def test_noise_all_until_a_bound_for_the_served_network() -> None:
     assert gn.counters()["certain"] > 0
 
 
-def test_swap_in_loo_then_recompute_restores_a_sound_guard() -> None:
+def test_swap_in_loo_then_recompute_restores_a_sound_guard(tmp_path) -> None:
     loo, rep, X, y, ids = loo_and_report(2)
     x = ids[17]
     gn = GuardedNetwork(loo, rep, epsilon=50.0, random_state=0)  # eps 50: noise ~ 1e-11
@@ -128,11 +129,17 @@ def test_swap_in_loo_then_recompute_restores_a_sound_guard() -> None:
     assert gn.served_hash == loo.loo(x).content_hash()  # still the old N_{-x}, bit for bit
     assert new_rep.loo_hash == gn.loo_hash != loo.content_hash()
     assert gn.bound.beta == tuple(new_rep.serving_beta()[c] for c in range(2))
-    # a recompute on the same data reproduces the same LOO set (tombstone x, frozen B)
+    # a recompute on the same data reproduces the same LOO set (x's key as a tombstone,
+    # frozen B); saved, it holds no trace of x (id or features), only live records' ids
     new = gn.retrain(X[keep], y[keep], rest)
     assert new.content_hash() == gn.loo_hash and x not in set(new.record_ids.tolist())
-    assert new.meta["tombstones"] == [x] and new.config.n_batches == loo.config.n_batches
+    assert new.meta["tombstones"] == schedule_keys(loo.config.seed, [x]).tolist()
+    assert new.config.n_batches == loo.config.n_batches
     assert new.full().equal(loo.loo(x))
+    new.save(tmp_path / "loo.npz")
+    assert traces_found(tmp_path / "loo.npz", [x], X[ids.index(x)][None]) == set()
+    kept = traces_found(tmp_path / "loo.npz", rest[:1], np.zeros((1, 1)))
+    assert any(t.startswith("id ") for _, t in kept)  # the scan does see a live id
     # ... whose LOO networks are the two-deletion retrains
     z = rest[5]
     assert new.loo(z).equal(train_single(X, y, ids, exclude=[x, z], **TINY))

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from jobs.idp.loo import LOOSet, train_loo, train_single
+from jobs.idp import loo as loo_mod
+from jobs.idp.loo import LOOSet, schedule_keys, train_loo, train_single
+from jobs.learners.keyed import prf_u64_many
 from jobs.learners.nets import MLP, init_net
 
 from .conftest import tiny_data
@@ -54,15 +56,37 @@ def test_odd_shapes_and_singleton_batches() -> None:
 
 
 def test_swap_in_the_loo_network_after_a_deletion() -> None:
-    """After deleting x, T with tombstone x and the old B gives N' == old N_{-x}."""
+    """After deleting x, T with x's schedule key as a tombstone and the old B gives
+    N' == old N_{-x}; the tombstone is the key, never the id."""
     X, y, ids = tiny_data(2)
     loo = train_loo(X, y, ids, **KW)
     x = ids[11]
     keep = [i for i, r in enumerate(ids) if r != x]
     rest = [ids[i] for i in keep]
-    new = train_loo(X[keep], y[keep], rest, tombstones=[x], n_batches=loo.config.n_batches, **KW)
+    key = schedule_keys(KW["seed"], [x]).tolist()
+    new = train_loo(X[keep], y[keep], rest, tombstones=key, n_batches=loo.config.n_batches,
+                    **KW)
     assert new.full().equal(loo.loo(x))
+    assert new.meta["tombstones"] == key and list(new.record_ids) == rest
     assert train_single(X[keep], y[keep], rest, exclude=x, **KW).equal(loo.loo(x))
+    assert train_single(X[keep], y[keep], rest, tombstones=key, **KW).equal(loo.loo(x))
+    with pytest.raises(TypeError, match="schedule keys"):
+        train_single(X[keep], y[keep], rest, tombstones=[x], **KW)  # an id is refused
+
+
+def test_schedule_keys_must_be_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are ordered by key alone, so two records (or tombstones) with one key raise."""
+    X, y, ids = tiny_data(2)
+    keys = schedule_keys(KW["seed"], ids)
+    with pytest.raises(ValueError, match="live record's key"):
+        train_single(X, y, ids, tombstones=keys[:1].tolist(), **KW)
+    with pytest.raises(ValueError, match="share a 64-bit schedule key"):
+        train_single(X[1:], y[1:], ids[1:], tombstones=[keys[0], keys[0]], **KW)
+    monkeypatch.setattr(loo_mod, "prf_u64_many", lambda seed, tag, it: np.fromiter(
+        (7 if i in ("r003", "r009") else prf_u64_many(seed, tag, [i])[0] for i in it),
+        dtype=np.uint64))
+    with pytest.raises(ValueError, match="share a 64-bit schedule key"):
+        train_loo(X, y, ids, **KW)
 
 
 def test_masked_mean_is_the_mean_over_present_records() -> None:

@@ -1,0 +1,87 @@
+"""Version files sealed under a per-version key (crypto-shredding).
+
+The registry can remove a destroyed version's files from its own model store,
+but not from copies it does not control: backups, object-store replicas, a Bento
+built earlier. So every file a learner or guard writes for a version is
+encrypted (AES-256-GCM) under a key that belongs to that version alone and is
+kept in the ledger database; destroying the version destroys the key, and every
+copy of its files, wherever it went, becomes unreadable.
+
+The key is taken from the context (:func:`sealed_with`) rather than passed
+through every learner's ``save``/``load``: the learners write plain files
+outside the registry (tests, benchmarks, a user's own scripts) and sealed files
+inside it, through the same two functions, :func:`write_file` and
+:func:`read_file`. A sealed file starts with :data:`MAGIC`; its name is bound
+into the authenticated data, so sealed files cannot be swapped for one another.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+MAGIC = b"OBLVSEAL1\n"
+KEY_BYTES = 32
+_NONCE_BYTES = 12
+_KEY: ContextVar[bytes | None] = ContextVar("obliviate_sealing_key", default=None)
+
+
+class SealedFileError(ValueError):
+    """A sealed file read without its key, with another key, or altered."""
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+@contextmanager
+def sealed_with(key: bytes | None) -> Iterator[None]:
+    """Files written and read inside the block are sealed under `key` (None: plain)."""
+    if key is not None and len(key) != KEY_BYTES:
+        raise ValueError(f"a sealing key has {KEY_BYTES} bytes, not {len(key)}")
+    token = _KEY.set(key)
+    try:
+        yield
+    finally:
+        _KEY.reset(token)
+
+
+def write_file(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path`, sealed when a key is in context."""
+    p = Path(path)
+    key = _KEY.get()
+    if key is not None:
+        nonce = os.urandom(_NONCE_BYTES)
+        data = MAGIC + nonce + AESGCM(key).encrypt(nonce, data, _aad(p))
+    p.write_bytes(data)
+
+
+def read_file(path: str | Path) -> bytes:
+    """The contents of `path`, unsealed with the key in context if it is sealed."""
+    p = Path(path)
+    blob = p.read_bytes()
+    if not blob.startswith(MAGIC):
+        return blob
+    key = _KEY.get()
+    if key is None:
+        raise SealedFileError(f"{p} is sealed and no key was given (a destroyed version's "
+                              "files stay unreadable)")
+    body = blob[len(MAGIC):]
+    try:
+        return AESGCM(key).decrypt(body[:_NONCE_BYTES], body[_NONCE_BYTES:], _aad(p))
+    except InvalidTag:
+        raise SealedFileError(f"{p} does not open with this version's key (another "
+                              "version's file, or altered)") from None
+
+
+def _aad(p: Path) -> bytes:
+    # files are written under a temporary name and renamed: bind the final name
+    name = p.name.removesuffix(".tmp")
+    return b"obliviate-version-file:" + name.encode()
