@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import sealing
+from jobs.leftovers import remove_dead_dirs
 from jobs.served_model import ServedModel
 
 RESULT_FILE = "result.json"
@@ -196,20 +197,4 @@ class GuardJob:
 def remove_orphaned_job_dirs() -> list[Path]:
     """Remove the job directories of workers that are gone (killed mid-job): they hold a
     half-fitted guard. Called when a worker starts."""
-    removed = []
-    for d in Path(tempfile.gettempdir()).glob(f"{JOB_DIR_PREFIX}*"):
-        pid = d.name.removeprefix(JOB_DIR_PREFIX).split("-", 1)[0]
-        if d.is_dir() and not (pid.isdigit() and _alive(int(pid))):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return remove_dead_dirs(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)

@@ -11,18 +11,12 @@ the same version.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import bentoml
-from bentoml import Tag
-from bentoml._internal.configuration.containers import BentoMLContainer
-from bentoml._internal.models.model import ModelStore
-from bentoml.exceptions import NotFound
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -31,6 +25,7 @@ from sqlalchemy import (
     DateTime,
     Engine,
     delete,
+    func,
     insert,
     select,
     update,
@@ -38,8 +33,10 @@ from sqlalchemy import (
 from sqlmodel import Field, SQLModel
 
 from jobs import sealing
+from jobs.model_store import VersionStore
 from jobs.served_model import ServedModel
 from ledger.chain import iso, utc_now
+from ledger.db import upsert
 
 
 class ModelVersion(SQLModel, table=True):
@@ -73,6 +70,16 @@ class ModelVersion(SQLModel, table=True):
         return None
 
 
+class VersionCounter(SQLModel, table=True):
+    """The last version number handed out per model name: numbers are allocated by one
+    atomic upsert, so several workers never build two versions under one tag."""
+
+    __tablename__ = "model_version_counters"
+
+    name: str = Field(max_length=64, primary_key=True)
+    last_seq: int = Field(sa_type=BigInteger)
+
+
 class VersionKey(SQLModel, table=True):
     """The key a version's files are sealed under (:mod:`jobs.sealing`); deleted with it."""
 
@@ -98,6 +105,7 @@ MANIFEST_FILE = "manifest.json"
 VERSIONS = ModelVersion.__table__
 POINTER = ModelPointer.__table__
 KEYS = VersionKey.__table__
+COUNTERS = VersionCounter.__table__
 
 
 class PublishConflict(RuntimeError):
@@ -118,17 +126,18 @@ class Registry:
     def __init__(self, engine: Engine, name: str = "obliviate") -> None:
         self.engine = engine
         self.name = name
-        SQLModel.metadata.create_all(engine, tables=[VERSIONS, POINTER, KEYS])
+        self.store = VersionStore(name)
+        SQLModel.metadata.create_all(engine, tables=[VERSIONS, POINTER, KEYS, COUNTERS])
 
     # ------------------------------------------------------------------ reading
     def current(self) -> ModelVersion | None:
+        """The version the pointer names (read in one statement: the pointer and the row
+        it names are of one publication)."""
         with self.engine.connect() as conn:
-            ptr = conn.execute(select(POINTER).where(POINTER.c.name == self.name)).first()
-            if ptr is None:
-                return None
-            row = conn.execute(select(VERSIONS).where(VERSIONS.c.name == self.name,
-                                                      VERSIONS.c.version == ptr.version)).one()
-        return ModelVersion.model_validate(dict(row._mapping))
+            row = conn.execute(select(VERSIONS).join(POINTER, (POINTER.c.name == VERSIONS.c.name)
+                                                     & (POINTER.c.version == VERSIONS.c.version))
+                               .where(POINTER.c.name == self.name)).first()
+        return None if row is None else ModelVersion.model_validate(dict(row._mapping))
 
     def current_seq(self) -> int:
         """Sequence number of the current version; 0 before the first one."""
@@ -176,41 +185,40 @@ class Registry:
 
     def path(self, version: str) -> Path:
         """Where a version's files are: the shared model store, else the running Bento's."""
-        tag = Tag(self.name, version)
-        try:
-            return Path(self._home_store().get(tag).path)
-        except NotFound:
-            return Path(bentoml.models.get(tag).path)
+        return self.store.path(version)
 
     # ------------------------------------------------------------------ writing
-    def next_seq(self) -> int:
-        with self.engine.connect() as conn:
-            return (conn.execute(select(VERSIONS.c.seq).where(VERSIONS.c.name == self.name)
-                                 .order_by(VERSIONS.c.seq.desc()).limit(1)).scalar() or 0) + 1
+    def allocate_seq(self) -> int:
+        """A version number no one else has or will get (one atomic upsert; numbers that
+        are not published are skipped, never reused)."""
+        start = (select(func.coalesce(func.max(VERSIONS.c.seq), 0) + 1)
+                 .where(VERSIONS.c.name == self.name).scalar_subquery())
+        with self.engine.begin() as conn:
+            return int(conn.execute(
+                upsert(conn, COUNTERS, {"name": self.name, "last_seq": start},
+                       {"last_seq": COUNTERS.c.last_seq + 1})
+                .returning(COUNTERS.c.last_seq)).scalar_one())
 
     def save(self, model: ServedModel, seq: int, manifest: dict[str, Any]) -> str:
         """Write a version's files to the model store (not yet current); returns its tag.
 
-        A store entry under the same tag that was never published (a worker died
-        between saving and publishing) is replaced.
+        `seq` comes from :meth:`allocate_seq`, so no other version has this tag: the
+        store is never asked to replace a version's files.
         """
         version = version_tag(seq)
-        tag = Tag(self.name, version)
-        store = self._home_store()
-        with contextlib.suppress(NotFound):
-            store.delete(tag)
         key = sealing.new_key()
         with self.engine.begin() as conn:  # the key first: no sealed file without its key
-            conn.execute(delete(KEYS).where(KEYS.c.name == self.name, KEYS.c.version == version))
             conn.execute(insert(KEYS), {"name": self.name, "version": version, "key": key.hex()})
+
+        def fill(path: Path) -> None:
+            with sealing.sealed_with(key):
+                model.save(path)
+            (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
         # BentoML metadata takes basic types only; the full manifest is a file beside.
         meta = {"learner": model.kind, "content_hash": manifest["content_hash"],
                 "version_seq": seq, "parent": manifest["parent"] or ""}
-        with bentoml.models.create(tag, metadata=meta,
-                                   labels={"learner": model.kind, "obliviate": "version"}) as m:
-            with sealing.sealed_with(key):
-                model.save(m.path)
-            (Path(m.path) / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+        self.store.write(version, meta, {"learner": model.kind, "obliviate": "version"}, fill)
         return version
 
     def publish(self, conn: Connection, version: str, seq: int, parent: str | None,
@@ -248,23 +256,11 @@ class Registry:
 
     def remove_files(self, version: str) -> bool:
         """Delete a version's directory from the model store; False if it had none."""
-        try:
-            self._home_store().delete(Tag(self.name, version))
-        except NotFound:
-            return False
-        return True
+        return self.store.remove(version)
 
     def stored_versions(self) -> list[str]:
         """Versions of this model name that have files in the model store."""
-        d = self._home_dir() / self.name
-        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
-
-    @staticmethod
-    def _home_dir() -> Path:
-        return Path(BentoMLContainer.bentoml_home.get()) / "models"
-
-    def _home_store(self) -> ModelStore:
-        return ModelStore(self._home_dir())
+        return self.store.versions()
 
 
 def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: int,

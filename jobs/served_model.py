@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,12 +44,19 @@ GUARD_DIR = "guard"
 KIND_FILE = "served.json"
 
 # Sidecar defaults: small enough to retrain, verify and guard in seconds on 2 cores.
+# The seed is drawn afresh for every training (`secrets`): which shard holds whom, and every
+# keyed choice, must not be guessable; it is recorded in the manifest (admins only).
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
-    "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_state": 0},
+    "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1},
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
-             "batch_size": 32, "lr": 0.01, "random_state": 0},
-    "game": {"hidden": [64], "epochs": 30, "random_state": 0},
+             "batch_size": 32, "lr": 0.01},
+    "game": {"hidden": [64], "epochs": 30},
 }
+
+
+def fresh_seed() -> int:
+    """A seed no one can guess (never 0, never a default)."""
+    return 1 + secrets.randbelow(2**31 - 1)
 
 
 class ServedModel(abc.ABC):
@@ -66,7 +74,7 @@ class ServedModel(abc.ABC):
         """Fit a new learner of `kind` on the records, and its guard unless told not to
         (then it answers in noise-all mode until a worker refits it)."""
         sub = _kind(kind)
-        merged = {**DEFAULT_PARAMS[kind], **(params or {})}
+        merged = {**DEFAULT_PARAMS[kind], "random_state": fresh_seed(), **(params or {})}
         for key in ("hidden", "attack_hidden"):
             if key in merged:
                 merged[key] = tuple(merged[key])

@@ -25,10 +25,10 @@ and publishing is a compare-and-set on the version it was built from.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -45,11 +45,19 @@ from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
 from jobs.guard_job import GuardJob, GuardProcess, remove_orphaned_job_dirs
 from jobs.learners.base import UpdateReport
-from jobs.registry import ModelVersion, PublishConflict, Registry, manifest, version_tag
-from jobs.retention import destroy_due, sweep
+from jobs.registry import (
+    ModelVersion,
+    PublishConflict,
+    Registry,
+    VersionUnavailable,
+    manifest,
+    version_tag,
+)
+from jobs.retention import destroy_due, manifest_sha256, sweep
 from jobs.sealing import sealed_with
-from jobs.served_model import ServedModel
+from jobs.served_model import ServedModel, fresh_seed
 from ledger.chain import as_utc, utc_now
+from ledger.db import single_sqlite_worker
 from ledger.models import Request
 from ledger.store import Ledger
 
@@ -60,6 +68,7 @@ class RollbackRefused(ValueError):
     """A rollback that would serve deleted records or another training set."""
 
 Publish = Callable[[Connection], None]
+Commit = Callable[[str, dict[str, Any], Publish], None]
 
 
 @dataclass(frozen=True)
@@ -163,27 +172,29 @@ class Worker:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop_event.set())
-        self.warm_up()
-        log.info("worker %s started", self.config.name)
-        while not self.stop_event.is_set():
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            if not self.step():
-                self.stop_event.wait(self.config.poll_s)
-        self.close()
+        with single_sqlite_worker(self.ledger.url):
+            self.warm_up()
+            log.info("worker %s started", self.config.name)
+            while not self.stop_event.is_set():
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self.ledger.maybe_sign_head()  # an idle tail gets its signed head too
+                if not self.step():
+                    self.stop_event.wait(self.config.poll_s)
+            self.close()
         log.info("worker %s stopped", self.config.name)
 
     def warm_up(self) -> None:
         """Load the current version and run one throwaway deletion on a copy, so the
         first real request does not pay for loading and compiling."""
-        for d in remove_orphaned_job_dirs():
-            log.info("removed %s, left by a guard job whose worker is gone", d)
+        for d in [*remove_orphaned_job_dirs(), *self.registry.store.remove_leftovers()]:
+            log.info("removed %s, left by a process that is gone", d)
         if self._guard_process is not None:
             self._guard_process.start()
         if self.registry.current() is None:
             return
-        _, version = self._current()
-        spare = self.registry.load(version.version)
+        model, _ = self._current()
+        spare = copy.deepcopy(model)
         ids = spare.learner.record_ids_
         if len(ids) > 1:
             spare.learner.delete(ids[:1])
@@ -219,13 +230,21 @@ class Worker:
         return batch
 
     def _current(self) -> tuple[ServedModel, ModelVersion]:
-        cur = self.registry.current()
-        if cur is None:
-            raise RuntimeError("no model version is published; run `obliviate model train`")
-        if self._version is None or self._version.version != cur.version or self._model is None:
-            self._model = self.registry.load(cur.version)
+        for _ in range(5):
+            cur = self.registry.current()
+            if cur is None:
+                raise RuntimeError("no model version is published; run `obliviate model train`")
+            if (self._version is not None and self._version.version == cur.version
+                    and self._model is not None):
+                return self._model, self._version
+            try:
+                self._model = self.registry.load(cur.version)
+            except VersionUnavailable:  # another worker published a deletion meanwhile
+                continue
             self._version = cur
-        return self._model, self._version
+            return self._model, self._version
+        raise VersionUnavailable(f"the current version {cur.version} cannot be loaded: "
+                                 f"{cur.unavailable or 'its files or key are gone'}")
 
     def _apply(self, batch: list[Request]) -> None:
         model, parent = self._current()
@@ -259,8 +278,9 @@ class Worker:
                                     {"skipped": "the learner holds out no records: there are "
                                                 "no non-members to compare the forgotten with"})
 
-        def commit(version: str, publish: Publish) -> None:
-            self.ledger.mark_applied(request_ids, version, detail, in_transaction=publish)
+        def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
+            self.ledger.mark_applied(request_ids, version, {**detail, **stamp},
+                                     in_transaction=publish)
 
         # with no update at all (every record named is gone already) the version is the
         # parent's model again, published so that the requests are verified as usual
@@ -299,7 +319,7 @@ class Worker:
         t0 = time.perf_counter()
         ids = model.learner.record_ids_
         X, y = self.ledger.record_data(ids.tolist())
-        params = {**model.params(), "random_state": secrets.randbits(31)}
+        params = {**model.params(), "random_state": fresh_seed()}
         fresh = ServedModel.train(model.kind, ids, X, y, params)
         change = {"op": "retrain", "reason": reason, "n_records": len(ids),
                   "seconds": time.perf_counter() - t0}
@@ -400,8 +420,9 @@ class Worker:
         if request_ids and not failed:
             detail = {"guard": result.guard, "exactness": check}
 
-            def commit(version: str, publish: Publish) -> None:
-                self.ledger.mark_verified(request_ids, version, detail, in_transaction=publish)
+            def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
+                self.ledger.mark_verified(request_ids, version, {**detail, **stamp},
+                                          in_transaction=publish)
         else:
             commit = self._announce("guard_refreshed", change)
         try:
@@ -431,12 +452,14 @@ class Worker:
 
     # ------------------------------------------------------------------ publish
     def _publish(self, model: ServedModel, parent: str | None, change: dict[str, Any],
-                 commit: Callable[[str, Publish], None], removes_records: bool = False) -> str:
+                 commit: Commit, removes_records: bool = False) -> str:
         """Save `model` as the next version, then let `commit` write the ledger events
-        and call `publish(conn)` inside that same transaction (`removes_records`: it
-        deleted records, so every earlier version is to be destroyed)."""
+        (with `stamp`, the manifest's digest, in their payload, so the ledger vouches for
+        the manifest) and call `publish(conn)` inside that same transaction
+        (`removes_records`: it deleted records, so every earlier version is to be
+        destroyed)."""
         t0 = time.perf_counter()
-        seq = self.registry.next_seq()
+        seq = self.registry.allocate_seq()
         man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.last_seq(),
                        training_set=self.ledger.records_digest(model.learner.record_ids_),
                        change=change)
@@ -453,7 +476,7 @@ class Worker:
                 self.budgets.open(conn, version, self.config.budget)
 
         try:
-            commit(version, publish)
+            commit(version, {"manifest_sha256": manifest_sha256(man)}, publish)
         except PublishConflict:
             self.registry.discard_unpublished(version)
             raise
@@ -463,10 +486,11 @@ class Worker:
                  change["op"], t1 - t0, time.perf_counter() - t1)
         return version
 
-    def _announce(self, kind: str, change: dict[str, Any]) -> Callable[[str, Publish], None]:
+    def _announce(self, kind: str, change: dict[str, Any]) -> Commit:
         """A commit that records the publication as a ledger event of its own."""
-        def commit(version: str, publish: Publish) -> None:
-            self.ledger.record_event(kind, {"change": change}, version, in_transaction=publish)
+        def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
+            self.ledger.record_event(kind, {"change": change, **stamp}, version,
+                                     in_transaction=publish)
         return commit
 
 

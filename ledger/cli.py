@@ -10,16 +10,23 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import start_http_server
 
-from ledger import datasets
+from ledger import audit, datasets
 from ledger.config import Settings
 from ledger.consumer import RequestConsumer, ensure_topics
 from ledger.forgotten import forgotten, render
+from ledger.heads import HeadSigner, public_key_pem
 from ledger.producer import produce, request_stream
+from ledger.store import Ledger, Problem
+
+# a check of tables other packages own (the model registry's: jobs.consistency), which
+# the assembled command line (service.cli) hands to `ledger verify`
+VerifyCheck = Callable[[Ledger, Settings], list[Problem]]
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -28,7 +35,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                              requests_topic=getattr(args, "topic", None))
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[VerifyCheck] = ()
+                 ) -> None:
     led = sub.add_parser("ledger", help="inspect and prove the ledger")
     lsub = led.add_subparsers(dest="ledger_command", required=True)
 
@@ -42,8 +50,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--records-per-subject", type=int, default=3)
     p.set_defaults(func=cmd_init)
 
-    p = lsub.add_parser("verify", help="recompute the hash chain, checkpoints and fingerprints")
-    p.set_defaults(func=cmd_verify)
+    p = lsub.add_parser("verify", help="recompute the hash chain, checkpoints, signed heads "
+                        "and fingerprints, and hold the tables to what the events say")
+    p.set_defaults(func=cmd_verify, verify_checks=tuple(verify_checks))
 
     p = lsub.add_parser("show", help="a request's history with inclusion proofs")
     p.add_argument("request_id")
@@ -62,6 +71,30 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = lsub.add_parser("checkpoint", help="publish a Merkle tree head over all events")
     p.set_defaults(func=cmd_checkpoint)
+
+    p = lsub.add_parser("key", help="the public key that checks the signed heads (for "
+                        "auditors; the signing key stays where it is)")
+    p.add_argument("--pem", action="store_true", help="PEM instead of hex")
+    p.set_defaults(func=cmd_key)
+
+    p = lsub.add_parser("heads", help="the signed tree heads, as JSON (save them to audit "
+                        "the log later)")
+    p.add_argument("--since", type=int, default=0, help="heads over more than this many events")
+    p.add_argument("--limit", type=int, default=None, help="only the newest N heads")
+    p.set_defaults(func=cmd_heads)
+
+    p = lsub.add_parser("consistency", help="RFC 6962 consistency proof between two tree sizes")
+    p.add_argument("old_size", type=int)
+    p.add_argument("new_size", type=int)
+    p.set_defaults(func=cmd_consistency)
+
+    aud = sub.add_parser("audit", help="check the ledger as an auditor would")
+    asub = aud.add_subparsers(dest="audit_command", required=True)
+    p = asub.add_parser("check", help="hold the log to signed heads saved earlier: "
+                        "signatures, consistency proofs, the events' roots (exit 1 naming "
+                        "the first problem)")
+    audit.add_arguments(p)
+    p.set_defaults(func=cmd_audit_check)
 
     p = sub.add_parser("submit", help="record one request (JSON argument, file or '-')")
     p.add_argument("request", help="a JSON object, a path to one, or - for standard input")
@@ -104,10 +137,16 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = settings_from(args).open_ledger().verify()
-    if result.ok:
+    settings = settings_from(args)
+    ledger = settings.open_ledger()
+    result = ledger.verify()
+    for check in getattr(args, "verify_checks", ()):
+        result.problems.extend(check(ledger, settings))
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not result.problems:
         print(f"ledger OK: {result.events} events, {result.checkpoints} checkpoints, "
-              f"{result.records} records verified")
+              f"{result.heads} signed heads, {result.records} records verified")
         return 0
     first = result.problems[0]
     print(f"ledger FAILED verification: {len(result.problems)} problem(s); first: {first}",
@@ -150,12 +189,60 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    cp = settings_from(args).open_ledger().checkpoint()
+    ledger = settings_from(args).open_ledger()
+    cp = ledger.checkpoint()
     if cp is None:
         print("the ledger has no events yet")
         return 0
-    print(f"tree_size={cp.tree_size} root={cp.root_hash} created_at={cp.created_at}")
+    head = ledger.published_heads(since=cp.tree_size - 1, limit=1)["heads"]
+    signed = (f" signed={head[0]['signature'][:16]}... log_id={head[0]['log_id']}"
+              if head and head[0]["tree_size"] == cp.tree_size else " (not signed)")
+    print(f"tree_size={cp.tree_size} root={cp.root_hash} created_at={cp.created_at}{signed}")
     return 0
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    public = HeadSigner(settings_from(args).ledger_signing_key()).public_key
+    print(public_key_pem(public).rstrip() if args.pem else public.hex())
+    return 0
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    doc = settings_from(args).open_ledger().published_heads(args.since, args.limit)
+    print(json.dumps(doc, indent=1))
+    return 0
+
+
+def cmd_consistency(args: argparse.Namespace) -> int:
+    try:
+        proof = settings_from(args).open_ledger().consistency(args.old_size, args.new_size)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(json.dumps(proof, indent=1))
+    return 0
+
+
+def cmd_audit_check(args: argparse.Namespace) -> int:
+    """`audit check`: current heads from --current, --url or the database; events from
+    --events, else the database (not with --url: then only the proofs are checked)."""
+    ledger = None
+    if args.current:
+        current = audit.read_json(args.current)
+    elif args.url:
+        current = audit.fetch_json(args.url, "/v1/ledger/heads")
+    else:
+        ledger = settings_from(args).open_ledger()
+        current = ledger.published_heads()
+    events = None
+    if args.events:
+        events = audit.read_events(args.events)
+    elif not args.url:
+        events = (ledger or settings_from(args).open_ledger()).export()
+    result = audit.audit(audit.read_json(args.heads), current,
+                         public_key=audit.key_argument(args.public_key), events=events,
+                         consistency=audit.http_consistency(args.url) if args.url else None)
+    return audit.report(result)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

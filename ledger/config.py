@@ -7,6 +7,8 @@ OBLIVIATE_DATABASE_URL to PostgreSQL and supplies the HMAC key as a secret.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 from dataclasses import dataclass, fields, replace
@@ -31,6 +33,10 @@ class Settings:
     requests_retention_s: float = 86_400.0
     dead_letter_retention_s: float = 259_200.0
     checkpoint_every: int = 1000
+    # the Ed25519 key that signs tree heads (`ledger.heads`): kept out of the database
+    ledger_signing_key_hex: str | None = None
+    ledger_signing_key_file: str = str(STATE_DIR / "ledger-signing.key")
+    head_interval_s: float = 60.0  # a head once events are this old (and every checkpoint_every)
     # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
     purge_maintenance_s: float | None = None
     # the sidecar (jobs and service read these; the ledger only stores them)
@@ -89,6 +95,21 @@ class Settings:
             return bytes.fromhex(self.hmac_key_hex)
         return bytes.fromhex(_secret_file(self.hmac_key_file))
 
+    def ledger_signing_key(self) -> bytes:
+        """The 32-byte Ed25519 seed that signs the ledger's tree heads; created on first use
+        if embedded (a 0600 file, like the HMAC key). Publish its public key
+        (`obliviate ledger key`), never this."""
+        key = bytes.fromhex(self.ledger_signing_key_hex or
+                            _secret_file(self.ledger_signing_key_file))
+        if len(key) != 32:
+            raise ValueError("the ledger signing key must be 32 bytes (64 hex digits)")
+        return key
+
+    def guard_noise_secret(self) -> bytes:
+        """The key of the guard's noise draws, the same in every serving process (derived
+        from the deployment secret, so nothing more to distribute)."""
+        return hmac.new(self.hmac_key(), b"obliviate guard noise", hashlib.sha256).digest()
+
     def admin_bearer_token(self) -> str:
         """The token admin endpoints require; created on first use if embedded."""
         return self.admin_token or _secret_file(self.admin_token_file)
@@ -98,7 +119,8 @@ class Settings:
             Path(self.database_url.removeprefix("sqlite:///")).parent.mkdir(
                 parents=True, exist_ok=True)
         return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every,
-                      self.purge_maintenance_s)
+                      self.purge_maintenance_s, signing_key=self.ledger_signing_key(),
+                      head_interval_s=self.head_interval_s)
 
 
 # how an OBLIVIATE_<FIELD> value is read, by the field's annotation (default: the string)

@@ -6,6 +6,14 @@ dead-letter copies are flushed before that transaction commits, and only then
 is offset+1 committed to Kafka. A message seen again after a crash is
 recognised by its offset (or its request_id) and has no second effect.
 
+No message stops the consumer: whatever cannot be parsed, validated or stored is
+rejected with a reason (`Ledger.receive_batch`). A dead-letter copy that would not
+fit the broker's message limit is cut to a prefix, with headers that say so
+(`obliviate-truncated`: the original size) and the SHA-256 of the whole message
+(`obliviate-sha256`, the `message_sha256` of its `rejected` event). A batch is
+retried only when the dead-letter topic cannot be written (a broker outage); dead
+letters already delivered by an earlier try are not sent again.
+
 Group joins: tansu holds a JoinGroup for about half the session timeout
 (kafka-python's default of 45 s made joins take ~23 s). The default here is
 6 s, the smallest a stock Kafka broker accepts, so a join takes ~3 s; a dead
@@ -15,6 +23,7 @@ consumer's partitions are also handed on sooner.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import signal
 import threading
@@ -25,13 +34,33 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    TopicAlreadyExistsError,
+)
+from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from ledger import metrics
-from ledger.store import IncomingMessage, IntakeResult, Ledger
+from ledger.store import IncomingMessage, IntakeResult, Ledger, message_bytes
 
 log = logging.getLogger("obliviate.consumer")
+
+# The largest record the dead-letter producer sends: kafka-python's max_request_size
+# default, and within a stock broker's message.max.bytes (1 MiB + 12 bytes).
+DEAD_LETTER_MAX_BYTES = 1_048_576
+# If the broker refuses a copy as too large all the same (a topic with a lower
+# max.message.bytes), it is sent again cut to these sizes in turn.
+_SMALLER_LETTERS = (65_536, 0)
+# Room for what a record adds to its value and headers: the batch header (61 bytes),
+# the record's and each header's length varints, with plenty to spare.
+_RECORD_OVERHEAD = 512
+_MAX_REASON_BYTES = 4096
+_FLUSH_TIMEOUT_S = 30.0
+LetterKey = tuple[str | None, int | None, int | None]
 
 
 def ensure_topics(bootstrap: str, topics: list[str], partitions: int = 1,
@@ -73,7 +102,8 @@ class RequestConsumer:
                  group_id: str = "obliviate-ledger", batch_size: int = 500,
                  poll_timeout_ms: int = 200, session_timeout_ms: int = 6000,
                  heartbeat_interval_ms: int = 1000, retry_backoff_s: float = 1.0,
-                 fetch_max_wait_ms: int = 50) -> None:
+                 fetch_max_wait_ms: int = 50,
+                 dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES) -> None:
         self.ledger = ledger
         self.bootstrap = bootstrap
         self.topic = topic
@@ -87,7 +117,11 @@ class RequestConsumer:
         # tansu answered fetches late with kafka-python's 500 ms: at 50/s a request waited
         # 0.13 s at the median from produce to ledger, 0.03 s with 50 ms (bench_e2e.py)
         self.fetch_max_wait_ms = fetch_max_wait_ms
+        self.dead_letter_max_bytes = dead_letter_max_bytes
         self.stats = ConsumerStats()
+        # dead letters sent for messages the ledger has not recorded yet (a retried batch
+        # reuses them instead of sending duplicates)
+        self._letters: dict[LetterKey, FutureRecordMetadata] = {}
         self._stop = threading.Event()
         self._recorded: dict[TopicPartition, OffsetAndMetadata] = {}
 
@@ -109,10 +143,12 @@ class RequestConsumer:
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             fetch_max_wait_ms=self.fetch_max_wait_ms, client_id="obliviate-consumer")
         producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
+                                 max_request_size=self.dead_letter_max_bytes,
                                  client_id="obliviate-dead-letters")
         last_message = time.monotonic()
         try:
             while not self._stop.is_set():
+                self.ledger.maybe_sign_head()  # an idle tail gets its signed head too
                 polled = consumer.poll(timeout_ms=self.poll_timeout_ms,
                                        max_records=self.batch_size)
                 if not polled:
@@ -142,12 +178,7 @@ class RequestConsumer:
                 for recs in polled.values() for rec in recs]
 
         def dead_letter(pairs: list[tuple[IncomingMessage, IntakeResult]]) -> None:
-            for m, r in pairs:
-                producer.send(self.dead_letter_topic, value=m.value, headers=[
-                    ("reason", (r.reason or "").encode()),
-                    ("source", f"{m.topic}/{m.partition}/{m.offset}".encode()),
-                    ("ledger_seq", str(r.seq).encode())])
-            producer.flush(timeout=30)
+            self._dead_letter(producer, pairs)
             metrics.DEAD_LETTERS.inc(len(pairs))
 
         try:
@@ -157,6 +188,8 @@ class RequestConsumer:
             self._rewind(consumer, polled)
             time.sleep(self.retry_backoff_s)
             return None
+        for m in msgs:  # recorded now: a redelivery is skipped by offset, not dead-lettered
+            self._letters.pop((m.topic, m.partition, m.offset), None)
         # The ledger already holds the batch and its offsets, so the Kafka commit need
         # not block the next poll: if it is lost, the redelivery is recognised by offset.
         recorded = {tp: OffsetAndMetadata(recs[-1].offset + 1, "", -1)
@@ -165,10 +198,67 @@ class RequestConsumer:
         consumer.commit_async(recorded, callback=_log_commit_failure)
         return results
 
+    def _dead_letter(self, producer: KafkaProducer,
+                     pairs: list[tuple[IncomingMessage, IntakeResult]]) -> None:
+        """Deliver a copy of each rejected message, or raise a KafkaError.
+
+        A copy delivered (or still in flight) from an earlier try of the same batch is
+        not sent again; one the broker refuses as too large is sent again shorter.
+        """
+        todo = pairs
+        for cap in (self.dead_letter_max_bytes, *_SMALLER_LETTERS):
+            for m, r in todo:
+                key = (m.topic, m.partition, m.offset)
+                future = self._letters.get(key)
+                if future is None or future.failed():  # a failed send delivered nothing
+                    self._letters[key] = self._send_letter(producer, m, r, cap)
+            producer.flush(timeout=_FLUSH_TIMEOUT_S)
+            todo = [(m, r) for m, r in todo if _too_large(self._letters[(m.topic, m.partition,
+                                                                         m.offset)])]
+            if not todo:
+                break
+        for m, _ in pairs:
+            future = self._letters[(m.topic, m.partition, m.offset)]
+            if not future.is_done:
+                raise KafkaTimeoutError(f"dead letters not acknowledged in {_FLUSH_TIMEOUT_S} s")
+            if future.failed():
+                raise future.exception
+
+    def _send_letter(self, producer: KafkaProducer, m: IncomingMessage, r: IntakeResult,
+                     cap: int) -> FutureRecordMetadata:
+        """Send the copy of `m`, cut to a prefix if the whole would make a record over `cap`."""
+        value = message_bytes(m.value)
+        reason = (r.reason or "").encode("utf-8", "replace")
+        if len(reason) > _MAX_REASON_BYTES:
+            reason = reason[:_MAX_REASON_BYTES].decode("utf-8", "ignore").encode()
+        headers = [("reason", reason),
+                   ("source", f"{m.topic}/{m.partition}/{m.offset}".encode()),
+                   ("ledger_seq", str(r.seq).encode()),
+                   ("obliviate-sha256", hashlib.sha256(value).hexdigest().encode())]
+        if m.value is None:
+            headers.append(("obliviate-null", b"the message's value was null"))
+        room = cap - _RECORD_OVERHEAD - sum(len(k) + len(v) for k, v in headers) - 64
+        if len(value) > room:
+            headers.append(("obliviate-truncated", str(len(value)).encode()))
+            value = value[:max(room, 0)]
+            log.warning("dead letter of %s/%s/%s cut from %s to %d bytes", m.topic, m.partition,
+                        m.offset, headers[-1][1].decode(), len(value))
+        try:
+            return producer.send(self.dead_letter_topic, value=value, headers=headers)
+        except MessageSizeTooLargeError:  # the estimate above fell short: headers only
+            if not value:
+                raise
+            return self._send_letter(producer, m, r, 0)
+
     @staticmethod
     def _rewind(consumer: KafkaConsumer, polled: dict[TopicPartition, list[Any]]) -> None:
         for tp, recs in polled.items():
             consumer.seek(tp, recs[0].offset)
+
+
+def _too_large(future: FutureRecordMetadata) -> bool:
+    return future.failed() and isinstance(future.exception,
+                                          MessageSizeTooLargeError | RecordListTooLargeError)
 
 
 def _log_commit_failure(offsets: dict[TopicPartition, OffsetAndMetadata],

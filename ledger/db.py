@@ -13,6 +13,7 @@ into new files so that dead tuples do not survive in the old ones.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -86,11 +87,41 @@ def _configure_sqlite(engine: Engine) -> None:
 
 
 def sqlite_path(url: str) -> Path | None:
-    """The file of a SQLite URL; None for in-memory and `file:` URI databases."""
-    database = make_url(normalise_url(url)).database
-    if not database or database == ":memory:" or database.startswith("file:"):
+    """The file of a SQLite URL; None for in-memory and `file:` URI databases, and for
+    any other database."""
+    parsed = make_url(normalise_url(url))
+    database = parsed.database
+    if (parsed.get_backend_name() != "sqlite" or not database or database == ":memory:"
+            or database.startswith("file:")):
         return None
     return Path(database)
+
+
+@contextmanager
+def single_sqlite_worker(url: str) -> Iterator[None]:
+    """Hold the SQLite ledger's worker lock (an exclusive flock on `<db>.worker.lock`)
+    for the block; RuntimeError at once if another worker holds it. On SQLite claims
+    cannot skip each other's rows (no SKIP LOCKED) and one writer runs at a time, so the
+    rule is one worker; PostgreSQL takes any number (nothing to hold there)."""
+    path = sqlite_path(url)
+    if path is None:
+        yield
+        return
+    lock = path.with_name(path.name + ".worker.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise RuntimeError(f"another worker (pid {holder}) runs on the SQLite ledger "
+                               f"{path}: SQLite takes one worker at a time; use PostgreSQL "
+                               "to run several") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def sqlite_files(path: Path) -> list[Path]:

@@ -2,7 +2,8 @@
 
 `events` is the tamper-evident part: rows are only ever inserted, each carries
 the hash of its predecessor, and `checkpoints` hold Merkle roots over prefixes
-of it. `requests` and `training_records` are working state whose every change
+of it, `signed_heads` the same roots signed with a key kept outside the database.
+`requests` and `training_records` are working state whose every change
 is announced by an event. `record_payloads` holds the raw data of records not
 yet purged, and nothing else: a purge deletes its row.
 """
@@ -135,6 +136,20 @@ class Checkpoint(SQLModel, table=True):
     # Roots of the perfect subtrees covering 1..tree_size, largest first, so the
     # next checkpoint extends this one instead of rehashing the whole log.
     frontier: list[str] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class SignedHead(SQLModel, table=True):
+    """A tree head signed with the ledger's Ed25519 key (`ledger.heads`), which is kept
+    outside this database: published so that auditors can hold the log to it."""
+
+    __tablename__ = "signed_heads"
+
+    tree_size: int = Field(sa_type=BigInteger, primary_key=True,
+                           sa_column_kwargs={"autoincrement": False})
+    root_hash: str = Field(max_length=64)
+    timestamp: str = Field(max_length=32)
+    log_id: str = Field(max_length=64)
+    signature: str = Field(max_length=128)
 
 
 class SourceOffset(SQLModel, table=True):

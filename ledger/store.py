@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 from sqlalchemy import Connection, case, delete, func, insert, inspect, select, text, update
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlmodel import Session
 
 from ledger import merkle, metrics
@@ -46,6 +46,7 @@ from ledger.db import (
     writing,
     xid_precedes,
 )
+from ledger.heads import HeadSigner, log_id, verify_head
 from ledger.models import (
     REQUEST_STATUSES,
     Checkpoint,
@@ -54,6 +55,7 @@ from ledger.models import (
     PurgeMaintenance,
     RecordPayload,
     Request,
+    SignedHead,
     SourceOffset,
     TrainingRecord,
 )
@@ -65,6 +67,7 @@ RECORDS = TrainingRecord.__table__
 PAYLOADS = RecordPayload.__table__
 MAINTENANCE = PurgeMaintenance.__table__
 CHECKPOINTS = Checkpoint.__table__
+HEADS = SignedHead.__table__
 OFFSETS = SourceOffset.__table__
 _CHUNK = 500  # rows per IN (...) lookup, well under every backend's parameter limit
 
@@ -83,9 +86,9 @@ _MAINTENANCE_LOCK_KEY = 0x0B11_71A7F  # PostgreSQL advisory lock: one maintenanc
 
 @dataclass(frozen=True)
 class IncomingMessage:
-    """A raw request as it arrived, with where it came from."""
+    """A raw request as it arrived, with where it came from (a Kafka value may be null)."""
 
-    value: bytes | str | dict[str, Any]
+    value: bytes | str | dict[str, Any] | None
     source: Literal["kafka", "http", "cli"] = "http"
     topic: str | None = None
     partition: int | None = None
@@ -138,6 +141,8 @@ class VerifyResult:
     checkpoints: int
     records: int
     problems: list[Problem] = field(default_factory=list)
+    heads: int = 0  # signed tree heads
+    notes: list[str] = field(default_factory=list)  # what verify could not check, and why
 
     @property
     def first_bad_seq(self) -> int | None:
@@ -162,7 +167,12 @@ class Ledger:
     """Append-only, hash-chained request ledger over SQLite or PostgreSQL."""
 
     def __init__(self, url: str, hmac_key: bytes, checkpoint_every: int = 1000,
-                 purge_maintenance_s: float | None = None) -> None:
+                 purge_maintenance_s: float | None = None, signing_key: bytes | None = None,
+                 head_interval_s: float = 60.0, public_key: bytes | None = None) -> None:
+        """`signing_key` (the Ed25519 seed, kept outside the database) signs the tree heads
+        taken every `checkpoint_every` events and once events are `head_interval_s` old;
+        without it the heads are plain checkpoints. `public_key` lets a ledger without
+        the signing key check the heads' signatures."""
         if len(hmac_key) < 16:
             raise ValueError("the HMAC key must be at least 16 bytes")
         self.url = url
@@ -176,6 +186,13 @@ class Ledger:
             if purge_maintenance_s is None else purge_maintenance_s)
         self._key = hmac_key
         self._schema: DatasetSchema | None = None
+        if not head_interval_s > 0:
+            raise ValueError(f"head_interval_s must be > 0 seconds, got {head_interval_s}")
+        self.head_interval_s = float(head_interval_s)
+        self._signer = HeadSigner(signing_key) if signing_key is not None else None
+        self.public_key: bytes | None = (self._signer.public_key if self._signer is not None
+                                         else public_key)
+        self._next_head_check = 0.0  # monotonic time before which maybe_sign_head is a no-op
 
     def close(self) -> None:
         self.engine.dispose()
@@ -235,6 +252,7 @@ class Ledger:
                 "records_root": merkle.root([merkle.leaf_hash(f) for f in fingerprints]).hex(),
             }, iso(now))
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
         self._schema = None
         return seq
 
@@ -320,6 +338,7 @@ class Ledger:
             if in_transaction is not None:
                 in_transaction(conn)
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
         return seq
 
     def requests_with_status(self, status: str, limit: int = 10_000) -> list[Request]:
@@ -370,27 +389,58 @@ class Ledger:
         skipped, so every message has exactly one effect. `before_commit` gets the
         rejected messages while the transaction is still open: if it raises (the
         dead-letter topic is down), nothing is recorded and the batch can be retried.
+
+        No input makes this raise: a message that cannot be parsed is rejected, and
+        a batch the database refuses for a reason of one message's making (a
+        DataError, say, for what validation let through) is recorded again message
+        by message, the one it fails on rejected with the error's first line.
+        Errors of the database itself (OperationalError) and of `before_commit` do
+        propagate, with nothing recorded.
         """
         schema = self.schema()
-        parsed: list[RequestMessage | InvalidRequest] = []
-        for m in messages:
-            try:
-                parsed.append(parse_request(m.value, schema))
-            except InvalidRequest as exc:
-                parsed.append(exc)
+        parsed = [_parse(m.value, schema) for m in messages]
+        results = self._record_batch(messages, parsed, before_commit)
+        for (op, status), n in Counter((r.op or "unknown", r.status) for r in results).items():
+            metrics.REQUESTS.labels(op=op, status=status).inc(n)
+        return results
+
+    def _record_batch(self, messages: Sequence[IncomingMessage],
+                      parsed: list[RequestMessage | InvalidRequest],
+                      before_commit: RejectHook | None) -> list[IntakeResult]:
+        try:
+            return self._write_batch(messages, parsed, before_commit)
+        except _Unstorable as exc:
+            if len(messages) > 1:  # isolate the message: one transaction each
+                log.warning("a batch of %d could not be stored (%s); recording it message "
+                            "by message", len(messages), exc.reason)
+                return [r for m, p in zip(messages, parsed, strict=True)
+                        for r in self._record_batch([m], [p], before_commit)]
+            if isinstance(parsed[0], InvalidRequest):  # not even its rejection: not input
+                raise exc.__cause__ from None  # type: ignore[misc]
+            log.warning("request %r could not be stored (%s); rejected",
+                        parsed[0].request_id, exc.reason)
+            refused = InvalidRequest(f"could not be stored: {exc.reason}", parsed[0].request_id)
+            return self._record_batch(messages, [refused], before_commit)
+
+    def _write_batch(self, messages: Sequence[IncomingMessage],
+                     parsed: list[RequestMessage | InvalidRequest],
+                     before_commit: RejectHook | None) -> list[IntakeResult]:
         with writing(self.engine) as conn:
             now = utc_now()  # read under the lock, so event times follow seq order
             now_s = iso(now)
-            intake = _BatchIntake(self._key, conn, parsed, now, now_s)
-            results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
-            intake.write(conn)
+            try:
+                intake = _BatchIntake(self._key, conn, parsed, now, now_s)
+                results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
+                intake.write(conn)
+            except Exception as exc:
+                if _caused_by_input(exc, self.engine.dialect.dbapi):
+                    raise _Unstorable(_first_line(exc)) from exc
+                raise
             self._maybe_checkpoint(conn, intake.appender.seq)
             rejected = [(m, r) for m, r in zip(messages, results, strict=True)
                         if r.status == "rejected"]
             if rejected and before_commit is not None:
                 before_commit(rejected)
-        for (op, status), n in Counter((r.op or "unknown", r.status) for r in results).items():
-            metrics.REQUESTS.labels(op=op, status=status).inc(n)
         return results
 
     # ------------------------------------------------------------------ lifecycle
@@ -428,6 +478,7 @@ class Ledger:
                          .where(REQUESTS.c.request_id.in_([r.request_id for r in rows]))
                          .values(status="claimed", claimed_by=worker, claimed_at=now))
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
         return rows
 
     def mark_applied(self, request_ids: Sequence[str], model_version: str,
@@ -464,6 +515,7 @@ class Ledger:
             if in_transaction is not None:
                 in_transaction(conn)
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
         if purged and self.engine.dialect.name == "sqlite":
             # the checkpoint that takes the purged pages out of the WAL: never fails the purge
             try:
@@ -684,6 +736,7 @@ class Ledger:
             if in_transaction is not None:
                 in_transaction(conn)
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
 
     def mark_failed(self, request_id: str, reason: str) -> None:
         with writing(self.engine) as conn:
@@ -692,13 +745,16 @@ class Ledger:
             appender.append("failed", request_id, {"reason": reason}, iso(utc_now()))
             self._set_status(conn, [request_id], "failed")
             appender.flush(conn)
+            self._maybe_checkpoint(conn, appender.seq)
 
     # ------------------------------------------------------------------ audit
     def checkpoint(self) -> Checkpoint | None:
-        """Publish a tree head over every event so far (no-op if the last one covers them)."""
+        """Publish a tree head over every event so far (no-op if the last one covers them);
+        signed when the ledger has its signing key."""
         with writing(self.engine) as conn:
             size = conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
-            self._write_checkpoint(conn, size)
+            self._take_head(conn, size)
+            self._write_checkpoint(conn, size)  # no-op unless the head was refused
             row = conn.execute(select(CHECKPOINTS).order_by(CHECKPOINTS.c.tree_size.desc())
                                .limit(1)).first()
         return None if row is None else Checkpoint.model_validate(dict(row._mapping))
@@ -732,7 +788,8 @@ class Ledger:
                     request[k] = iso(request[k])
         return {"request": request, "events": out_events,
                 "tree_head": {"tree_size": head.tree_size, "root_hash": head.root_hash,
-                              "created_at": head.created_at}}
+                              "created_at": head.created_at,
+                              "signed": self._head_at(head.tree_size)}}
 
     def export(self, since: str | int | None = None) -> Iterator[dict[str, Any]]:
         """Events for auditors, oldest first: since a sequence number or an ISO time."""
@@ -745,11 +802,88 @@ class Ledger:
             for row in conn.execution_options(yield_per=5000).execute(q):
                 yield _event_dict(row)
 
+    # ------------------------------------------------------------------ signed heads
+    def published_heads(self, since: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """The signed heads over more than `since` events (the newest `limit`, oldest
+        first), with the log's public key: what `ledger heads` prints and auditors save."""
+        q = select(HEADS).where(HEADS.c.tree_size > since)
+        if self.public_key is not None:
+            q = q.where(HEADS.c.log_id == self._log_id())
+        q = q.order_by(HEADS.c.tree_size.desc())
+        if limit is not None:
+            q = q.limit(limit)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        return {"format": "obliviate-tree-heads/v1", "log_id": self._log_id(),
+                "public_key": None if self.public_key is None else self.public_key.hex(),
+                "heads": [_head_dict(r) for r in reversed(rows)]}
+
+    def sign_head(self) -> dict[str, Any] | None:
+        """A signed head over every event now (the latest one if it covers them already);
+        None without a signing key or events, or when signing is refused (logged)."""
+        if self._signer is None:
+            return None
+        with writing(self.engine) as conn:
+            size = conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
+            if size == 0:
+                return None
+            return self._take_head(conn, size) or self._head_at(size, conn)
+
+    def maybe_sign_head(self) -> dict[str, Any] | None:
+        """Take a head if one is due: `checkpoint_every` events, or events older than
+        `head_interval_s`, not covered yet. Every long-running process calls this from its
+        loop (appends take heads when due too, but an idle log needs the timer). Cheap:
+        at most one look at the database a second, none at all in between. Never raises
+        (a database that cannot be reached is logged; the next call tries again)."""
+        now = time.monotonic()
+        if now < self._next_head_check:
+            return None
+        self._next_head_check = now + min(1.0, self.head_interval_s / 4)
+        try:
+            with self.engine.connect() as conn:
+                size = conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
+                if not self._head_due(conn, size):
+                    return None
+            with writing(self.engine) as conn:
+                size = conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
+                if not self._head_due(conn, size):  # another process took it meanwhile
+                    return None
+                return self._take_head(conn, size)
+        except Exception:  # noqa: BLE001 - a loop's housekeeping must not end the loop
+            log.exception("taking a tree head failed; the next call retries")
+            return None
+
+    def consistency(self, old_size: int, new_size: int) -> dict[str, Any]:
+        """RFC 6962 consistency proof that events 1..old_size are a prefix of 1..new_size,
+        with both roots as the events give them now (an auditor compares those with the
+        signed heads it holds, never trusts them). ValueError for impossible sizes."""
+        last = self.last_seq()
+        if not 0 <= old_size <= new_size <= last:
+            raise ValueError(f"need 0 <= old <= new <= {last} (the log's size); "
+                             f"got old={old_size}, new={new_size}")
+        with self.engine.connect() as conn:
+            leaves = [event_leaf(h) for h in conn.execution_options(yield_per=20_000).execute(
+                select(EVENTS.c.hash).where(EVENTS.c.seq <= new_size)
+                .order_by(EVENTS.c.seq)).scalars()]
+        if len(leaves) != new_size:
+            raise ValueError(f"events 1..{new_size} are not all there ({len(leaves)} found)")
+        return {"old_size": old_size, "new_size": new_size,
+                "old_root": merkle.root(leaves[:old_size]).hex(),
+                "new_root": merkle.root(leaves).hex(),
+                "proof": [p.hex() for p in merkle.consistency_proof(leaves, old_size)],
+                "old_head": self._head_at(old_size), "new_head": self._head_at(new_size)}
+
     def verify(self) -> VerifyResult:
-        """Recompute the chain, every checkpoint and every record fingerprint."""
+        """Recompute the chain, every checkpoint and signed head, every record fingerprint,
+        and hold the requests and records to what the events say happened to them."""
         problems: list[Problem] = []
+        notes: list[str] = []
+        facts = _LogFacts()
         with self.engine.connect() as conn:
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
+            heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
+            covered = self._check_heads(heads, checkpoints, problems, notes)
+            first_uncovered = last_at = None
             frontier = merkle.MerkleFrontier()
             prev, expected = GENESIS_HASH, 1
             last_kind: dict[str, str] = {}
@@ -772,17 +906,36 @@ class Ledger:
                 if root is not None and root != frontier.root().hex():
                     problems.append(Problem(f"checkpoint {frontier.size}", "Merkle root does not "
                                             "match the events it covers", frontier.size))
+                head = heads.get(frontier.size)
+                if head is not None and head.root_hash != frontier.root().hex():
+                    problems.append(Problem(f"signed head {frontier.size}", "Merkle root does "
+                                            "not match the events it covers (the log was "
+                                            "rewritten)", frontier.size))
                 if e.request_id and e.kind in REQUEST_STATUSES:
                     last_kind[e.request_id] = e.kind
+                facts.see(e, problems)
+                if e.seq == covered + 1:
+                    first_uncovered = e.created_at
+                last_at = e.created_at
             n_events = frontier.size
             for size in sorted(s for s in checkpoints if s > n_events):
                 problems.append(Problem(f"checkpoint {size}", f"covers {size} events but the log "
                                         f"has {n_events} (events removed?)", n_events + 1))
-            for r in conn.execute(select(REQUESTS.c.request_id, REQUESTS.c.status)):
+            for size in sorted(s for s in heads if s > n_events):
+                problems.append(Problem(f"signed head {size}", f"covers {size} events but the "
+                                        f"log has {n_events} (events removed)", n_events + 1))
+            self._check_tail(covered, n_events, first_uncovered, last_at, bool(heads)
+                             or self.public_key is not None, problems, notes)
+            status_of: dict[str, str] = {}
+            for r in conn.execute(select(REQUESTS.c.request_id, REQUESTS.c.status,
+                                         REQUESTS.c.received_seq)):
+                status_of[r.request_id] = r.status
                 if last_kind.get(r.request_id) != r.status:
                     problems.append(Problem(f"request {r.request_id}", f"status {r.status!r} "
                                             f"disagrees with its last event "
                                             f"{last_kind.get(r.request_id)!r}"))
+                problems.extend(facts.check_request(r))
+            problems.extend(facts.requests_without_rows(status_of))
             n_records = 0
             for rec in conn.execution_options(yield_per=5000).execute(
                     select(RECORDS, PAYLOADS.c.features, PAYLOADS.c.label,
@@ -791,6 +944,8 @@ class Ledger:
                                                    PAYLOADS.c.record_id == RECORDS.c.record_id))):
                 n_records += 1
                 problems.extend(self._check_record(rec))
+                problems.extend(facts.check_record(rec, status_of))
+            problems.extend(facts.check_loaded())
             for rid in conn.execute(
                     select(PAYLOADS.c.record_id)
                     .select_from(PAYLOADS.outerjoin(RECORDS,
@@ -798,7 +953,55 @@ class Ledger:
                     .where(RECORDS.c.record_id.is_(None))).scalars():
                 problems.append(Problem(f"record {rid}", "raw features and label in "
                                         "record_payloads belong to no training record"))
-        return VerifyResult(not problems, n_events, len(checkpoints), n_records, problems)
+        return VerifyResult(not problems, n_events, len(checkpoints), n_records, problems,
+                            heads=len(heads), notes=notes)
+
+    def _check_heads(self, heads: dict[int, Any], checkpoints: dict[int, str],
+                     problems: list[Problem], notes: list[str]) -> int:
+        """Signatures of the signed heads; returns how many events the heads (or, on a
+        ledger that never had a signing key, the checkpoints) cover."""
+        if self.public_key is None:
+            if heads:
+                notes.append("no public key: the signed heads' signatures were not checked "
+                             "(set the signing key, or check them with `obliviate audit check`)")
+            else:
+                notes.append("no signing key: the checkpoints are not signed, so whoever can "
+                             "write to the database can rewrite the log and its checkpoints")
+                return max(checkpoints, default=0)
+        good = []
+        for size, row in sorted(heads.items()):
+            why = None if self.public_key is None else verify_head(_head_dict(row),
+                                                                    self.public_key)
+            if why:
+                problems.append(Problem(f"signed head {size}", why))
+            else:
+                good.append(size)
+        return max(good, default=0)
+
+    def _check_tail(self, covered: int, n_events: int, first_at: str | None,
+                    last_at: str | None, signed: bool, problems: list[Problem],
+                    notes: list[str]) -> None:
+        """Events after the latest head: no one can check them yet, but none of them may
+        be `head_interval_s` older than the newest event: every append takes a head once
+        the oldest uncovered event is that old, so a longer tail had its heads dropped.
+        (The writers' OBLIVIATE_HEAD_INTERVAL_S is assumed; `checkpoint_every` is not
+        held to, since processes may differ in it.)"""
+        if covered >= n_events:
+            return
+        what = "signed head" if signed else "checkpoint"
+        n = n_events - covered
+        try:
+            span = (_parse_time(last_at) - _parse_time(first_at)).total_seconds()
+        except (TypeError, ValueError):
+            span = float("inf")
+        if span >= self.head_interval_s:
+            problems.append(Problem(
+                f"events {covered + 1}..{n_events}", f"no {what} covers these {n} events over "
+                f"{span:.1f} s, though one is taken once events are {self.head_interval_s:g} s "
+                "old: heads dropped, or written by something that takes none", covered + 1))
+        else:
+            notes.append(f"events {covered + 1}..{n_events} ({n}) come after the latest {what}: "
+                         "nothing can check an unsigned tail until the next head covers it")
 
     # ------------------------------------------------------------------ internals
     def _check_record(self, rec: Any) -> list[Problem]:
@@ -857,9 +1060,116 @@ class Ledger:
         return fps, n
 
     def _maybe_checkpoint(self, conn: Connection, size: int) -> None:
-        last = conn.execute(select(func.max(CHECKPOINTS.c.tree_size))).scalar() or 0
+        """In a transaction that appended events 1..size: take a head if one is due, so
+        that no event stays uncovered for `checkpoint_every` events or `head_interval_s`
+        while the log grows (`verify` holds the log to that)."""
+        if self._head_due(conn, size):
+            try:
+                self._take_head(conn, size)
+            except ValueError:  # an edited hash or frontier: the change itself still commits
+                log.exception("not taking a tree head over %d events; run `obliviate ledger "
+                              "verify`", size)
+
+    def _covered(self, conn: Connection) -> int:
+        """Events the latest head covers: this log's signed heads, else the checkpoints."""
+        if self._signer is not None:
+            q = select(func.max(HEADS.c.tree_size)).where(HEADS.c.log_id == self._signer.log_id)
+        else:
+            q = select(func.max(CHECKPOINTS.c.tree_size))
+        return conn.execute(q).scalar() or 0
+
+    def _head_due(self, conn: Connection, size: int) -> bool:
+        last = self._covered(conn)
+        if size <= last:
+            return False
         if size - last >= self.checkpoint_every:
+            return True
+        first = conn.execute(select(EVENTS.c.created_at).where(EVENTS.c.seq == last + 1)
+                             ).scalar()
+        try:
+            return first is None or (utc_now() - _parse_time(first)).total_seconds() \
+                >= self.head_interval_s
+        except ValueError:  # an edited time: verify names it; a head does no harm
+            return True
+
+    def _take_head(self, conn: Connection, size: int) -> dict[str, Any] | None:
+        """Sign a head over events 1..size, extending this log's latest signed head (only
+        once the events after it are all there and the events up to it still give its
+        signed root). Without a signing key: an unsigned checkpoint. None when nothing
+        was signed; a refusal is logged (and `verify` says why). A checkpoint (the
+        frontier the next heads start from) is written every `checkpoint_every` events."""
+        if self._signer is None:
             self._write_checkpoint(conn, size)
+            return None
+        frontier = self._trusted_frontier(conn)
+        if frontier is None or frontier.size >= size:
+            return None
+        _extend(conn, frontier, size)
+        if frontier.size != size:
+            log.error("not signing a head over %d events: only %d of them are there", size,
+                      frontier.size)
+            return None
+        if conn.execute(select(HEADS.c.log_id).where(HEADS.c.tree_size == size)).first():
+            log.error("not signing a head over %d events: the database holds another log's "
+                      "head of that size (run `obliviate ledger verify`)", size)
+            return None
+        root = frontier.root().hex()
+        head = self._signer.sign(size, root, iso(utc_now()))
+        conn.execute(insert(HEADS), head)
+        last_cp = conn.execute(select(func.max(CHECKPOINTS.c.tree_size))).scalar() or 0
+        if size - last_cp >= self.checkpoint_every:
+            conn.execute(insert(CHECKPOINTS), {"tree_size": size, "root_hash": root,
+                                               "created_at": head["timestamp"],
+                                               "frontier": [h.hex() for h in
+                                                            frontier.state()[1]]})
+        return head
+
+    def _trusted_frontier(self, conn: Connection) -> merkle.MerkleFrontier | None:
+        """The Merkle frontier at this log's latest signed head, once it rebuilds the root
+        that head signs: from the checkpoint below it, or else from event 1. None, logged,
+        when the head's signature fails or the events no longer give its root: signing
+        on would vouch for a rewritten log."""
+        row = conn.execute(select(HEADS).where(HEADS.c.log_id == self._signer.log_id)
+                           .order_by(HEADS.c.tree_size.desc()).limit(1)).first()
+        if row is None:
+            return merkle.MerkleFrontier()
+        why = verify_head(_head_dict(row), self._signer.public_key)
+        if why:
+            log.error("not signing: the latest head in the database (%d events) %s; run "
+                      "`obliviate ledger verify`", row.tree_size, why)
+            return None
+        cp = conn.execute(select(CHECKPOINTS).where(CHECKPOINTS.c.tree_size <= row.tree_size)
+                          .order_by(CHECKPOINTS.c.tree_size.desc()).limit(1)).first()
+        starts = [merkle.MerkleFrontier()]
+        if cp is not None:
+            try:
+                f = merkle.MerkleFrontier.from_state(cp.tree_size,
+                                                     [bytes.fromhex(h) for h in cp.frontier])
+                starts.insert(0, f)
+            except (TypeError, ValueError):
+                pass  # an edited frontier: start from event 1
+        for f in starts:
+            _extend(conn, f, row.tree_size)
+            if f.size == row.tree_size and f.root().hex() == row.root_hash:
+                return f
+        log.error("not signing: events 1..%d no longer give the root of the signed head over "
+                  "them (the log was rewritten); run `obliviate ledger verify`", row.tree_size)
+        return None
+
+    def _head_at(self, size: int, conn: Connection | None = None) -> dict[str, Any] | None:
+        """This log's signed head over exactly `size` events, if there is one."""
+        q = select(HEADS).where(HEADS.c.tree_size == size)
+        if self.public_key is not None:
+            q = q.where(HEADS.c.log_id == self._log_id())
+        if conn is not None:
+            row = conn.execute(q).first()
+        else:
+            with self.engine.connect() as c:
+                row = c.execute(q).first()
+        return None if row is None else _head_dict(row)
+
+    def _log_id(self) -> str | None:
+        return None if self.public_key is None else log_id(self.public_key)
 
     @staticmethod
     def _write_checkpoint(conn: Connection, size: int) -> None:
@@ -879,6 +1189,152 @@ class Ledger:
             "tree_size": size, "root_hash": frontier.root().hex(), "created_at": iso(utc_now()),
             "frontier": [h.hex() for h in frontier.state()[1]],
         })
+
+
+def _extend(conn: Connection, frontier: merkle.MerkleFrontier, size: int) -> None:
+    """Append the leaves of events frontier.size+1..size (those that are there)."""
+    for h in conn.execute(select(EVENTS.c.hash)
+                          .where(EVENTS.c.seq > frontier.size, EVENTS.c.seq <= size)
+                          .order_by(EVENTS.c.seq).execution_options(yield_per=20_000)
+                          ).scalars():
+        frontier.append(event_leaf(h))
+
+
+def _head_dict(row: Any) -> dict[str, Any]:
+    return {"log_id": row.log_id, "tree_size": row.tree_size, "root_hash": row.root_hash,
+            "timestamp": row.timestamp, "signature": row.signature}
+
+
+def _parse_time(ts: str) -> datetime:
+    """An event's `created_at` (ISO 8601, UTC, `Z`) as an aware datetime."""
+    return as_utc(datetime.fromisoformat(ts))
+
+
+# request lifecycle moves `verify` accepts: (kind before, kind after)
+_LIFECYCLE = frozenset({(None, "received"), ("received", "claimed"), ("claimed", "claimed"),
+                        ("claimed", "applied"), ("claimed", "failed"), ("applied", "verified")})
+
+
+class _LogFacts:
+    """What the events say happened to requests and records, gathered in `verify`'s one
+    pass over the log, to hold the working tables to it."""
+
+    def __init__(self) -> None:
+        self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
+        self.first: dict[str, int] = {}  # request -> seq of its first lifecycle event
+        self.received: dict[str, int] = {}  # request -> seq of its `received` event
+        self.purged: dict[str, list[tuple[str, str, int]]] = {}  # record -> (request, fp, seq)
+        self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
+        self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
+        self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
+        self.seen: set[str] = set()  # records in training_records
+
+    def see(self, e: Any, problems: list[Problem]) -> None:
+        rid = e.request_id
+        if rid and e.kind in REQUEST_STATUSES:
+            before = self.kind.get(rid)
+            if (before, e.kind) not in _LIFECYCLE:
+                problems.append(Problem(f"event {e.seq}", f"{e.kind!r} of request {rid} cannot "
+                                        f"follow {before!r} (forged, or events removed)", e.seq))
+            self.kind[rid] = e.kind
+            self.first.setdefault(rid, e.seq)
+            if e.kind == "received":
+                self.received.setdefault(rid, e.seq)
+        if e.kind not in ("received", "applied", "records_loaded"):
+            return
+        try:
+            payload = json.loads(e.payload)
+            if e.kind == "received":
+                for rec, fp in (payload.get("record_hashes") or {}).items():
+                    self.added[rec] = (rid, fp, e.seq)
+            elif e.kind == "applied":
+                for rec, fp in (payload.get("purged_record_hashes") or {}).items():
+                    self.purged.setdefault(rec, []).append((rid, fp, e.seq))
+            else:
+                self.loaded[e.created_at] = (int(payload["count"]), payload["records_root"],
+                                             e.seq)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            problems.append(Problem(f"event {e.seq}", f"{e.kind!r} payload is not what the "
+                                    "ledger writes", e.seq))
+
+    def check_request(self, r: Any) -> list[Problem]:
+        seq = self.received.get(r.request_id)
+        if seq is None:
+            return [Problem(f"request {r.request_id}", "has no `received` event: the row was "
+                            "not written by intake")]
+        if seq != r.received_seq:
+            return [Problem(f"request {r.request_id}", f"says it was received at event "
+                            f"{r.received_seq}, its `received` event is {seq}")]
+        return []
+
+    def requests_without_rows(self, rows: dict[str, str]) -> list[Problem]:
+        return [Problem(f"request {rid}", f"has lifecycle events (the first is event {seq}) "
+                        "but no request row (deleted?)")
+                for rid, seq in sorted(self.first.items(), key=lambda kv: kv[1])
+                if rid not in rows]
+
+    def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
+        where = f"record {rec.record_id}"
+        out = []
+        self.seen.add(rec.record_id)
+        by = self.purged.get(rec.record_id, [])
+        if rec.state == "purged":
+            if not by:
+                out.append(Problem(where, "is purged, but no applied deletion lists it (a "
+                                          "purge the log does not show)"))
+            elif rec.record_hash not in {fp for _, fp, _ in by}:
+                out.append(Problem(where, f"its fingerprint is not the one the deletion "
+                                          f"{by[0][0]} lists for it at event {by[0][2]} "
+                                          "(swapped)"))
+            elif rec.purged_by not in {req for req, _, _ in by}:
+                out.append(Problem(where, f"says {rec.purged_by!r} purged it, but only "
+                                          f"{', '.join(sorted({q for q, _, _ in by}))} list it"))
+        elif by:
+            out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
+                                      f"(event {by[0][2]}): its data was restored"))
+        if rec.added_by is None:
+            key = "-" if rec.added_at is None else iso(rec.added_at)
+            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
+            return out
+        added = self.added.get(rec.record_id)
+        if added is None or added[0] != rec.added_by:
+            out.append(Problem(where, f"says {rec.added_by!r} added it, but that request's "
+                                      "`received` event does not list it"))
+            return out
+        if added[1] != rec.record_hash:
+            out.append(Problem(where, f"its fingerprint is not the one its addition lists "
+                                      f"(event {added[2]})"))
+        applied = status_of.get(rec.added_by) in ("applied", "verified")
+        if applied == (rec.state == "pending"):
+            out.append(Problem(where, f"is {rec.state} while its addition {rec.added_by} is "
+                                      f"{status_of.get(rec.added_by)!r}"))
+        return out
+
+    def check_loaded(self) -> list[Problem]:
+        """The records not added by a request hold the fingerprints a `records_loaded`
+        event committed to (its Merkle root over them), as many as it says."""
+        out = []
+        for at, fps in sorted(self.loaded_fps.items()):
+            ev = self.loaded.get(at)
+            if ev is None:
+                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) that no "
+                                   "event announces (inserted behind the ledger's back)"))
+                continue
+            count, root, seq = ev
+            fps.sort()
+            if count != len(fps) or merkle.root([merkle.leaf_hash(f) for f in fps]).hex() != root:
+                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) whose "
+                                   f"fingerprints do not give the root event {seq} committed "
+                                   f"to over {count} (records swapped, added or removed)"))
+        for at, (count, _, seq) in sorted(self.loaded.items()):
+            if at not in self.loaded_fps:
+                out.append(Problem(f"records loaded at {at}", f"event {seq} loaded {count} "
+                                   "record(s); none of them is in training_records"))
+        for rec, by in sorted(self.purged.items()):
+            if rec not in self.seen:
+                out.append(Problem(f"record {rec}", f"the deletion {by[0][0]} purged it (event "
+                                   f"{by[0][2]}), but training_records has no row for it"))
+        return out
 
 
 def _event_dict(row: Any) -> dict[str, Any]:
@@ -1032,11 +1488,7 @@ class _BatchIntake:
 
     def _reject(self, msg: IncomingMessage, request_id: str | None, reason: str,
                 op: str | None) -> IntakeResult:
-        raw = msg.value
-        if isinstance(raw, dict):
-            raw = canonical_json(raw)
-        if isinstance(raw, str):
-            raw = raw.encode("utf-8", "surrogatepass")
+        raw = message_bytes(msg.value)
         # The raw message stays out of the immutable log (it may hold personal data):
         # its digest is enough to match it with the dead-letter copy.
         seq = self.appender.append("rejected", request_id, {
@@ -1061,6 +1513,59 @@ class _BatchIntake:
             else:
                 conn.execute(insert(OFFSETS), {"topic": topic, "partition": partition,
                                                "next_offset": nxt})
+
+
+def message_bytes(value: bytes | str | dict[str, Any] | None) -> bytes:
+    """The bytes a rejected message's digest is taken over (a null value: none)."""
+    if value is None:
+        return b""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, dict):
+        try:
+            value = canonical_json(value)
+        except (ValueError, TypeError, RecursionError):  # NaN, a huge int, a set...
+            value = object.__repr__(value)
+    return str(value).encode("utf-8", "surrogatepass")
+
+
+def _parse(value: Any, schema: DatasetSchema | None) -> RequestMessage | InvalidRequest:
+    try:
+        return parse_request(value, schema)
+    except InvalidRequest as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - a validator bug must not stop intake
+        log.exception("validation failed on a message; rejecting it")
+        return InvalidRequest(f"could not be validated: {_first_line(exc)}")
+
+
+class _Unstorable(Exception):
+    """The database refused a batch for a reason of a message's making."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _caused_by_input(exc: BaseException, dbapi: Any) -> bool:
+    """Whether storing failed on what a message holds, not on the database being down.
+
+    `dbapi` is the driver module: rows go in by COPY on PostgreSQL, whose errors come
+    straight from psycopg rather than wrapped by SQLAlchemy.
+    """
+    if isinstance(exc, DBAPIError):  # OperationalError, InterfaceError...: the database
+        return isinstance(exc, DataError | IntegrityError)
+    if dbapi is not None and isinstance(exc, dbapi.Error):
+        return isinstance(exc, dbapi.DataError | dbapi.IntegrityError)
+    return isinstance(exc, StatementError | ValueError | TypeError | ArithmeticError
+                      | RecursionError)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The class and first line of an error: no DETAIL or CONTEXT, which quote values."""
+    inner = getattr(exc, "orig", None) or exc
+    text = (str(inner).strip().splitlines() or [""])[0][:200]
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def _snapshot_holders(conn: Connection) -> str:

@@ -4,6 +4,12 @@ Checks that need the database (duplicates, unknown subjects or records) happen
 in `ledger.store` inside the transaction that records the request; everything
 that can be decided from the message alone is decided here, with a reason a
 producer can act on.
+
+Nothing a producer sends may get further than a rejection: a null value, an
+integer of any size, NaN or Infinity, JSON nested a thousand deep, non-UTF-8
+bytes and strings longer than the column they are stored in are all refused
+here, before the database sees them, and reasons never quote more than a short
+prefix of what was sent.
 """
 
 from __future__ import annotations
@@ -14,11 +20,25 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ledger.models import DatasetSchema
+from ledger.models import DatasetSchema, Event, RecordPayload, Request, TrainingRecord
+
+
+def _length(model: type, column: str) -> int:
+    return model.__table__.c[column].type.length  # type: ignore[attr-defined]
+
 
 MAX_MESSAGE_BYTES = 1_048_576
 MAX_RECORDS_PER_REQUEST = 10_000
-MAX_ID_LENGTH = 128
+# Every column a request's own identifiers are stored in: an id that passes fits them all.
+ID_COLUMNS = ((Request, "request_id"), (Request, "subject_id"), (Event, "request_id"),
+              (TrainingRecord, "record_id"), (TrainingRecord, "subject_id"),
+              (TrainingRecord, "added_by"), (RecordPayload, "record_id"))
+MAX_ID_LENGTH = min(_length(m, c) for m, c in ID_COLUMNS)  # 128
+MAX_TIMESTAMP_LENGTH = _length(Request, "requested_at")  # 64
+# An integer literal longer than this is refused while parsing: an id may not be longer
+# anyway, and every shorter one converts to a finite float and back to text.
+MAX_INT_DIGITS = MAX_ID_LENGTH
+MAX_REASON_CHARS = 1000  # a reason goes to the ledger and to a dead letter's header
 OPS = ("delete", "add")
 _FIELDS = {"request_id", "op", "subject_id", "record_ids", "payload", "requested_at"}
 
@@ -27,6 +47,8 @@ class InvalidRequest(ValueError):
     """The message cannot be accepted; `reason` says why in words a producer can act on."""
 
     def __init__(self, reason: str, request_id: str | None = None) -> None:
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS - 1] + "\u2026"
         super().__init__(reason)
         self.reason = reason
         self.request_id = request_id
@@ -54,11 +76,20 @@ class RequestMessage:
 def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | None,
                   max_bytes: int = MAX_MESSAGE_BYTES) -> RequestMessage:
     """Parse and validate one request; raise `InvalidRequest` with the reason."""
+    if raw is None:
+        raise InvalidRequest("the message has no value (null); send one request as JSON")
     if isinstance(raw, dict):
         doc: Any = raw
     else:
         if isinstance(raw, str):
-            raw = raw.encode()
+            try:
+                raw = raw.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequest("message is not UTF-8 text") from None
+        elif isinstance(raw, bytearray | memoryview):
+            raw = bytes(raw)
+        elif not isinstance(raw, bytes):
+            raise InvalidRequest(f"message must be JSON text, got {type(raw).__name__}")
         if len(raw) > max_bytes:
             raise InvalidRequest(f"message of {len(raw)} bytes exceeds the limit of {max_bytes}")
         try:
@@ -66,7 +97,7 @@ def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | Non
         except UnicodeDecodeError:
             raise InvalidRequest("message is not UTF-8 text") from None
         try:
-            doc = json.loads(text)
+            doc = json.loads(text, parse_int=_parse_int)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"malformed JSON: {exc.msg} at position {exc.pos}") from None
         except RecursionError:
@@ -85,14 +116,14 @@ def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | Non
 
 def _parse_fields(doc: dict[str, Any], request_id: str,
                   schema: DatasetSchema | None) -> RequestMessage:
-    unknown = sorted(set(doc) - _FIELDS)
+    unknown = sorted(set(doc) - _FIELDS, key=_show)
     if unknown:
-        raise InvalidRequest(f"unknown field(s): {', '.join(map(repr, unknown))}")
+        raise InvalidRequest(f"unknown field(s): {', '.join(map(_show, unknown))}")
     if "op" not in doc:
         raise InvalidRequest("missing field 'op'")
     op = doc["op"]
-    if op not in OPS:
-        raise InvalidRequest(f"unknown op {op!r}: expected 'delete' or 'add'")
+    if type(op) is not str or op not in OPS:
+        raise InvalidRequest(f"unknown op {_show(op)}: expected 'delete' or 'add'")
     subject_id = doc.get("subject_id")
     if subject_id is not None:
         subject_id = _identifier(subject_id, "subject_id")
@@ -134,9 +165,9 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
         where = f"payload.records[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest(f"{where} must be an object")
-        extra = sorted(set(item) - {"record_id", "features", "label"})
+        extra = sorted(set(item) - {"record_id", "features", "label"}, key=_show)
         if extra:
-            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(map(repr, extra))}")
+            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(map(_show, extra))}")
         for name in ("record_id", "features", "label"):
             if name not in item:
                 raise InvalidRequest(f"{where} is missing '{name}'")
@@ -148,13 +179,19 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
                                  f"numbers (schema {schema.name!r}), got {got}")
         values = []
         for j, v in enumerate(feats):
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise InvalidRequest(f"{where}.features[{j}] must be a finite number, got {v!r}")
-            values.append(float(v))
+            try:  # an int too large for a float (only a dict can hold one) is not finite
+                f = math.inf if isinstance(v, bool) or not isinstance(v, int | float) \
+                    else float(v)
+            except OverflowError:
+                f = math.inf
+            if not math.isfinite(f):
+                raise InvalidRequest(f"{where}.features[{j}] must be a finite number, "
+                                     f"got {_show(v)}")
+            values.append(f)
         label = item["label"]
         if isinstance(label, bool) or not isinstance(label, int) or label not in schema.classes:
-            raise InvalidRequest(f"{where}.label {label!r} is not one of the schema's classes "
-                                 f"{schema.classes}")
+            raise InvalidRequest(f"{where}.label {_show(label)} is not one of the schema's "
+                                 f"classes {schema.classes}")
         out.append(NewRecord(rid, values, label))
     ids = [r.record_id for r in out]
     if len(set(ids)) != len(ids):
@@ -167,7 +204,8 @@ def _identifier(value: Any, name: str, index: int | None = None) -> str:
     if type(value) is str:
         text = value
     elif type(value) is int:
-        text = str(value)
+        # longer than any id (and than str() may write): fails the length check below
+        text = str(value) if value.bit_length() <= _MAX_ID_BITS else "0" * (MAX_ID_LENGTH + 1)
     else:
         raise InvalidRequest(f"'{_at(name, index)}' must be a string, got {_kind(value)}")
     if not text or len(text) > MAX_ID_LENGTH or not text.isprintable() or text != text.strip():
@@ -195,11 +233,36 @@ def _id_list(value: Any, name: str) -> tuple[str, ...]:
 def _timestamp(value: Any) -> str:
     if not isinstance(value, str):
         raise InvalidRequest(f"'requested_at' must be an ISO 8601 string, got {_kind(value)}")
+    if len(value) > MAX_TIMESTAMP_LENGTH:
+        raise InvalidRequest(f"'requested_at' has {len(value)} characters; the limit is "
+                             f"{MAX_TIMESTAMP_LENGTH}")
     try:
         datetime.fromisoformat(value)
     except ValueError:
         raise InvalidRequest(f"'requested_at' {value[:40]!r} is not an ISO 8601 time") from None
     return value
+
+
+_MAX_ID_BITS = int(MAX_ID_LENGTH * math.log2(10))  # every int of this many bits has <= 128 digits
+
+
+def _parse_int(digits: str) -> int:
+    """json.loads' integer hook: refuses a literal longer than any field can use before
+    int() is asked to convert it (Python refuses beyond 4,300 digits, float() beyond 309)."""
+    if len(digits) > MAX_INT_DIGITS + 1:
+        raise InvalidRequest(f"an integer of {len(digits.lstrip('-'))} digits; at most "
+                             f"{MAX_INT_DIGITS} digits are accepted")
+    return int(digits)
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A short, safe repr of a value sent by a producer, for a reason."""
+    if type(value) is int and value.bit_length() > _MAX_ID_BITS:
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, str | int | float | bool | type(None)):
+        text = repr(value)
+        return text if len(text) <= limit else text[:limit] + "\u2026"
+    return _kind(value)
 
 
 def _kind(value: Any) -> str:

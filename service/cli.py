@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from jobs import cli as jobs_cli
+from jobs.consistency import registry_check
 from ledger import cli as ledger_cli
 
 SERVICE = "service.service:Obliviate"
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="obliviate", description="A model-serving sidecar that forgets on request.")
     ledger_cli.add_connection_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
-    ledger_cli.add_commands(sub)
+    ledger_cli.add_commands(sub, verify_checks=[registry_check])  # + the model registry
     jobs_cli.add_commands(sub)
     p = sub.add_parser("serve", help="run the BentoML service (guarded predictions, audit)")
     p.add_argument("--port", type=int, default=3000)
@@ -54,6 +55,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # every file the sidecar creates (ledger, keys, model store, logs) is its user's alone
+    os.umask(0o077)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from jobs.consistency import verify_registry
 from jobs.guard_job import JOB_DIR_PREFIX
 from jobs.registry import Registry
 from jobs.retention import destroyed_versions
@@ -66,6 +67,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
     with LocalBroker(log_path=work / "tansu.log") as broker:
         s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
                               hmac_key_file=str(work / "hmac.key"),
+                              ledger_signing_key_file=str(work / "ledger-signing.key"),
                               admin_token_file=str(work / "admin.token"),
                               kafka_bootstrap=broker.bootstrap, learner=learner)
         # versions that held deleted records are destroyed 5 s after the deletion (the
@@ -80,14 +82,14 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
         print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
               "subjects")
-        first = Worker(ledger, Registry(ledger.engine, s.model_name)).bootstrap(learner)
+        registry = Registry(ledger.engine, s.model_name)
+        first = Worker(ledger, registry).bootstrap(learner)
         print(f"model: {first} trained and guarded ({learner})")
         sidecar = LocalSidecar(work, env).start()
         try:
             print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
                   f"admin token in {s.admin_token_file})")
             ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
-            registry = Registry(ledger.engine, s.model_name)
             current = registry.current()
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
             _report(ledger, s, sidecar)
@@ -96,11 +98,12 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
             codes = sidecar.stop()
         print("\n== stopped: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()))
         result = ledger.verify()
-    print(f"== ledger verify: {'OK' if result.ok else 'FAILED'} -- {result.events} events, "
-          f"{result.checkpoints} checkpoints, {result.records} records")
-    for p in result.problems[:10]:
+        problems = [*result.problems, *verify_registry(ledger, registry)]
+    print(f"== ledger verify: {'OK' if not problems else 'FAILED'} -- {result.events} events, "
+          f"{result.heads} signed heads, {result.records} records, the model registry")
+    for p in problems[:10]:
         print(f"  {p}")
-    return 0 if ok and result.ok and not any(codes.values()) else 1
+    return 0 if ok and not problems and not any(codes.values()) else 1
 
 
 def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: float,

@@ -2,38 +2,59 @@
 
 Mounted into the BentoML service as an ASGI app. Intake and audit endpoints
 need the admin bearer token: a deletion request and a request's history are
-not for the public. The model manifest and the page itself are public (the
-page asks for the token and sends it with each call).
+not for the public. The model manifest, the ledger's signed tree heads and
+consistency proofs, and the page itself are public (the page asks for the
+token and sends it with each call).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.registry import ModelVersion, Registry
 from ledger.chain import iso
 from ledger.forgotten import forgotten
 from ledger.store import Ledger
+from ledger.validation import MAX_MESSAGE_BYTES
 from service.usage import GuardUsage
 
 AUDIT_DIR = Path(__file__).parent / "audit"
+# The largest request body any endpoint of this app reads: one intake request may be as
+# large as a Kafka message (1 MiB), the other endpoints take none.
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _version_dict(v: ModelVersion) -> dict[str, Any]:
+# what the public may not see of a manifest: the seeds (private prediction mode rests on
+# them staying secret) and where it was built
+_PRIVATE_MANIFEST = ("seed", "built_by")
+
+
+def _public_manifest(m: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in m.items() if k not in _PRIVATE_MANIFEST}
+    out["params"] = {k: v for k, v in m.get("params", {}).items() if k != "random_state"}
+    return out
+
+
+def _version_dict(v: ModelVersion, full: bool = False) -> dict[str, Any]:
     return {"version": v.version, "seq": v.seq, "parent": v.parent,
-            "created_at": iso(v.created_at), "manifest": v.manifest,
+            "created_at": iso(v.created_at),
+            "manifest": v.manifest if full else _public_manifest(v.manifest),
             "superseded_by_deletion": v.superseded_by_deletion,
             "destroyed_at": None if v.destroyed_at is None else iso(v.destroyed_at)}
 
@@ -56,16 +77,22 @@ class AppContext:
 def build_app(ctx: AppContext) -> Starlette:
     """The Starlette app over `ctx` (see the module docstring)."""
 
+    def bearer(request: Request) -> str | None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token if scheme.lower() == "bearer" and token else None
+
+    def is_admin(request: Request) -> bool:
+        token = bearer(request)
+        return token is not None and secrets.compare_digest(token.encode(),
+                                                            ctx.admin_token.encode())
+
     def admin(handler: Handler) -> Handler:
         async def checked(request: Request) -> Response:
-            admin_token = ctx.admin_token
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not token:
+            if bearer(request) is None:
                 return JSONResponse({"error": "this endpoint needs 'Authorization: Bearer "
                                               "<admin token>'"}, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
-            if not secrets.compare_digest(token.encode(), admin_token.encode()):
+            if not is_admin(request):
                 return JSONResponse({"error": "the admin token is not valid"}, status_code=403)
             return await handler(request)
         return checked
@@ -76,7 +103,10 @@ def build_app(ctx: AppContext) -> Starlette:
             return JSONResponse({"error": "empty body; send one request as JSON"},
                                 status_code=400)
         result = await run_in_threadpool(ctx.ledger.receive, body, "http")
-        return JSONResponse(result.as_dict(), status_code=result.http_status)
+        answer = result.as_dict()
+        if result.status == "rejected":  # every 4xx body has an "error"
+            answer["error"] = result.reason
+        return JSONResponse(answer, status_code=result.http_status)
 
     async def request_history(request: Request) -> Response:
         rid = request.path_params["request_id"]
@@ -106,7 +136,11 @@ def build_app(ctx: AppContext) -> Starlette:
         if cur is None:
             return JSONResponse({"error": "no model version is published yet"},
                                 status_code=503)
-        return JSONResponse({"current": _version_dict(cur), "serving": ctx.status()})
+        full = is_admin(request)  # seeds and host names for the admin only
+        serving = ctx.status()
+        if not full:
+            serving = {k: v for k, v in serving.items() if k != "process"}
+        return JSONResponse({"current": _version_dict(cur, full), "serving": serving})
 
     async def lineage(request: Request) -> Response:
         try:
@@ -114,7 +148,30 @@ def build_app(ctx: AppContext) -> Starlette:
         except ValueError:
             return JSONResponse({"error": "limit must be an integer"}, status_code=400)
         rows = await run_in_threadpool(ctx.registry.lineage, limit)
-        return JSONResponse({"versions": [_version_dict(v) for v in rows]})
+        full = is_admin(request)
+        return JSONResponse({"versions": [_version_dict(v, full) for v in rows]})
+
+    async def ledger_heads(request: Request) -> Response:
+        """Public: signed tree heads are meant to be published (and saved by auditors)."""
+        try:
+            since = max(0, int(request.query_params.get("since", "0")))
+            limit = min(max(1, int(request.query_params.get("limit", "1000"))), 10_000)
+        except ValueError:
+            return JSONResponse({"error": "since and limit must be integers"}, status_code=400)
+        return JSONResponse(await run_in_threadpool(ctx.ledger.published_heads, since, limit))
+
+    async def ledger_consistency(request: Request) -> Response:
+        """Public: an RFC 6962 consistency proof between two tree sizes (hashes only)."""
+        try:
+            old, new = int(request.query_params["old"]), int(request.query_params["new"])
+        except (KeyError, ValueError):
+            return JSONResponse({"error": "give old and new as integer tree sizes"},
+                                status_code=400)
+        try:
+            proof = await run_in_threadpool(ctx.ledger.consistency, old, new)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+        return JSONResponse(proof)
 
     async def guard_usage(request: Request) -> Response:
         try:
@@ -134,10 +191,150 @@ def build_app(ctx: AppContext) -> Starlette:
               methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/lineage", lineage, methods=["GET"]),
+        Route("/v1/ledger/heads", ledger_heads, methods=["GET"]),
+        Route("/v1/ledger/consistency", ledger_consistency, methods=["GET"]),
         Route("/v1/guard/usage", admin(guard_usage), methods=["GET"]),
         Route("/audit", audit_page, methods=["GET"]),
     ]
     if AUDIT_DIR.is_dir():
         routes.append(Mount("/audit/static", StaticFiles(directory=AUDIT_DIR), name="audit"))
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit)],
+                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": "internal error; the service log has the details"},
+                        status_code=500)
+
+
+async def _send_error(send: Send, status: int, error: str) -> None:
+    body = json.dumps({"error": error}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over its path's limit gets 413, unread.
+
+    A Content-Length over the limit is refused before a byte of the body is read;
+    a body without one (chunked) is counted as it streams in and refused at the
+    chunk that goes over, so at most the limit plus one chunk is ever held. A body
+    within the limit is read here and handed on to the app as one chunk. `limits`
+    maps exact paths to their own limit; every other path gets `default`.
+    """
+
+    def __init__(self, app: ASGIApp, default: int = MAX_BODY_BYTES,
+                 limits: Mapping[str, int] | None = None) -> None:
+        self.app = app
+        self.default = default
+        self.limits = dict(limits or {})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        limit = self.limits.get(path, self.default)
+        declared = [v for k, v in scope["headers"] if k.lower() == b"content-length"]
+        if declared:
+            text = declared[0].decode("latin-1").strip()
+            if len(declared) > 1 or not text.isdigit():
+                await _send_error(send, 400, "Content-Length must be one non-negative integer")
+                return
+            if int(text) > limit:
+                await _send_error(send, 413, f"request body of {text} bytes is over the "
+                                             f"limit of {limit} bytes for {path}")
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_error(send, 413, f"request body is over the limit of {limit} "
+                                             f"bytes for {path}")
+                return
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: bytes | None = b"".join(chunks)
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:  # after the body: disconnects and the like
+                return await receive()
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
+class ErrorShape:
+    """ASGI middleware: JSON error bodies of `paths` in the one shape, {"error": "..."}.
+
+    BentoML answers an API's InvalidArgument with ``[{"error": ...}]`` and a pydantic
+    validation error with ``{"error": ..., "detail": [...]}``; this folds the details
+    into the message (``loc: msg``) and unwraps the list. Other bodies pass unchanged.
+    """
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def reshaping(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] >= 400 and \
+                    any(k.lower() == b"content-type" and v.startswith(b"application/json")
+                        for k, v in message.get("headers", [])):
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = _one_shape(b"".join(chunks))
+            headers = [(k, v) for k, v in start.get("headers", [])
+                       if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers,
+                                              (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, reshaping)
+
+
+def _one_shape(body: bytes) -> bytes:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(doc, list) and len(doc) == 1 and isinstance(doc[0], dict):
+        doc = doc[0]
+    if not isinstance(doc, dict) or set(doc) - {"error", "detail"} or "error" not in doc:
+        return body
+    parts = [str(doc["error"])]
+    for d in doc.get("detail") or ():
+        if isinstance(d, dict):
+            loc = ".".join(map(str, d.get("loc") or ()))
+            parts.append(f"{loc}: {d.get('msg')}" if loc else str(d.get("msg")))
+    return json.dumps({"error": "; ".join(parts)}).encode()
 

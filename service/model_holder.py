@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs.adaptive.budget import BudgetExhausted, LineageBudget, SeedBudgets
 from jobs.idp.guard import LabelGuard, clip_unit
-from jobs.registry import ModelVersion, Registry
+from jobs.registry import ModelVersion, Registry, VersionUnavailable
 from jobs.served_model import ServedModel
 from service import metrics
 from service.usage import GuardUsage
@@ -60,7 +60,7 @@ class ModelHolder:
     def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
                  epsilon_budget: float = 1000.0, poll_s: float = 0.1, guarded: bool = True,
                  usage: GuardUsage | None = None, budgets: SeedBudgets | None = None,
-                 reserve_block: int = 32, random_state: int | None = None,
+                 reserve_block: int = 32, noise_secret: bytes | None = None,
                  max_unconfirmed_s: float = 15.0) -> None:
         self.registry = registry
         # a version is destroyed a grace period after a deletion superseded it; a process
@@ -76,7 +76,9 @@ class ModelHolder:
         self.poll_s = poll_s
         self.guarded = guarded
         self.usage = usage
-        self._rng = np.random.default_rng(random_state)
+        # keys every noised answer's draw: the same secret in every serving process gives
+        # the same answer for a cell in all of them (None: a random one per version)
+        self.noise_secret = noise_secret
         self._serving: Serving | None = None
         self._refused: str | None = None
         self._stop = threading.Event()
@@ -116,9 +118,12 @@ class ModelHolder:
                 log.error("refusing to serve %s: %s", cur.version, cur.unavailable)
                 self._refused = cur.version
             return False
-        model = self.registry.load(cur.version)
+        try:
+            model = self.registry.load(cur.version)
+        except VersionUnavailable:  # a deletion was published since: the next poll has it
+            return False
         guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
-                           random_state=int(self._rng.integers(2**63)))
+                           secret=self.noise_secret)
         guard.bind(cur.version, sound=model.guard_ready and self.budgets is None)
         budget = None
         if self.budgets is not None and cur.manifest.get("seed_lineage"):
@@ -173,7 +178,6 @@ class ModelHolder:
                 raise BudgetExhausted(f"{s.version.version} has no seed lineage: the worker "
                                       "retrains on fresh seeds for private prediction mode")
             epsilon = s.budget.epsilon_per_answer
-            votes = s.model.vote_counts(Xq)
         else:
             labels, certain = s.model.certain(Xq)
         with s.lock:
@@ -181,10 +185,11 @@ class ModelHolder:
                       s.guard.memo.evictions)
             if s.private:
                 lineage = s.budget.lineage
-                idx = s.guard.answer_votes(Xq, votes, epsilon,
+                idx = s.guard.answer_votes(Xq, s.model.vote_counts, epsilon,
                                            spend=lambda n: self._reserve(lineage, n))
             else:
-                idx = s.guard.answer(Xq, labels, certain)
+                idx = s.guard.answer(Xq, labels, certain,
+                                     lambda C: s.model.certain(C)[0])
             after = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
                      s.guard.memo.evictions)
         n_certain, n_noised, n_hits, n_evicted = (a - b for a, b in zip(after, before,

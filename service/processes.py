@@ -91,6 +91,7 @@ def sidecar_env(workdir: Path, database_url: str, kafka_bootstrap: str | None = 
     (workdir / "prometheus").mkdir(parents=True, exist_ok=True)
     env = {"OBLIVIATE_DATABASE_URL": database_url,
            "OBLIVIATE_HMAC_KEY_FILE": str(workdir / "hmac.key"),
+           "OBLIVIATE_LEDGER_SIGNING_KEY_FILE": str(workdir / "ledger-signing.key"),
            "OBLIVIATE_ADMIN_TOKEN_FILE": str(workdir / "admin.token"),
            "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus")}

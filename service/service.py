@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -22,12 +24,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
 from jobs.registry import Registry
 from ledger.config import Settings
-from service.http_api import AppContext, build_app
+from service.http_api import AppContext, BodyLimit, ErrorShape, build_app
 from service.metrics import LedgerCollector
 from service.model_holder import ModelHolder, NoModelError
 from service.usage import GuardUsage
 
 MAX_BATCH = 10_000
+# The body limit of /v1/predict (checked before the body is read; 413 over it): MAX_BATCH
+# rows of 30 features (breast_cancer) written at full float precision (json.dumps: at
+# most 23 characters a number, ", " between) take 7.5 MB. A wider model gets fewer rows.
+PREDICT_MAX_BODY_BYTES = 8 * 1_048_576
 CONTEXT = AppContext()
 
 
@@ -52,13 +58,22 @@ def parse_instances(instances: Any, n_features: int) -> np.ndarray:
                                   f"{n_features}")
         for j, v in enumerate(row):
             if isinstance(v, bool) or not isinstance(v, int | float):
-                raise InvalidArgument(f"row {i}, feature {j}: {v!r} is not a number")
-            if not math.isfinite(v):
+                raise InvalidArgument(f"row {i}, feature {j}: {_short(v)} is not a number")
+            if isinstance(v, float) and not math.isfinite(v):
                 raise InvalidArgument(f"row {i}, feature {j}: {v} is not finite")
-            if not 0.0 <= v <= 1.0:
-                raise InvalidArgument(f"row {i}, feature {j}: {v} is outside [0, 1]; "
+            if not 0 <= v <= 1:  # exact for an int of any size (float() would overflow)
+                raise InvalidArgument(f"row {i}, feature {j}: {_short(v)} is outside [0, 1]; "
                                       "features are scaled to the unit interval")
     return np.asarray(rows, dtype=np.float64)
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    """A value for an error message: never a 1 MB string or a 4,000-digit integer."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(v) if isinstance(v, str | int | float | bool | type(None)) else \
+        type(v).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @bentoml.service(
@@ -84,7 +99,10 @@ class Obliviate:
                                   poll_s=settings.registry_poll_s,
                                   guarded=guard == "on", usage=self.usage,
                                   budgets=self.budgets,
-                                  max_unconfirmed_s=settings.destroy_grace_s / 2).start()
+                                  max_unconfirmed_s=settings.destroy_grace_s / 2,
+                                  noise_secret=settings.guard_noise_secret()).start()
+        # a quiet ledger still gets its tail signed (Ledger.maybe_sign_head never raises)
+        threading.Thread(target=self._sign_heads, name="ledger-heads", daemon=True).start()
         CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
         CONTEXT.admin_token = settings.admin_bearer_token()
         CONTEXT.status = self.holder.status
@@ -113,6 +131,11 @@ class Obliviate:
     async def __metrics__(self, content: str) -> str:
         return content + generate_latest(self._ledger_metrics).decode()
 
+    def _sign_heads(self) -> None:
+        while True:
+            time.sleep(1.0)
+            self.ledger.maybe_sign_head()
+
     def _seed_budget_spent(self) -> float:
         """Share of the current seed lineage's budget spent (0 outside private mode)."""
         cur = self.registry.current() if self.budgets is not None else None
@@ -123,3 +146,9 @@ class Obliviate:
     def _pending(self) -> int:
         counts = self.ledger.status_counts()
         return counts.get("received", 0) + counts.get("claimed", 0)
+
+
+# Outermost first: the body limit before anything reads the body (every path; the mounted
+# app's own are 1 MiB), then BentoML's error bodies of /v1/predict in the one shape.
+Obliviate.add_asgi_middleware(BodyLimit, limits={"/v1/predict": PREDICT_MAX_BODY_BYTES})
+Obliviate.add_asgi_middleware(ErrorShape, paths=("/v1/predict",))

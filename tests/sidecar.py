@@ -234,7 +234,9 @@ class Sidecar:
         ds = (datasets.load(self.dataset, records_per_subject=self.records_per_subject)
               if isinstance(self.dataset, str) else self.dataset)
         ledger = Settings(database_url=self.database_url,
-                          hmac_key_file=str(self.hmac_key_file)).open_ledger()
+                          hmac_key_file=str(self.hmac_key_file),
+                          ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
+                          ).open_ledger()
         try:
             return ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
         finally:

@@ -105,7 +105,7 @@ def test_forgotten_and_rollback_from_the_command_line(env: str, tmp_path, monkey
                                  '"subject_id": "s001"}')[0] == 0
     code, out, _ = run(capsys, "ledger", "forgotten", "q1")
     assert code == 0 and "not applied yet" in out
-    code, _, _ = run(capsys, "worker", "--metrics-port", "0", "--max-seconds", "4")
+    code, _, _ = run(capsys, "worker", "--metrics-port", "0", "--max-seconds", "10")
     assert code == 0
     code, out, _ = run(capsys, "ledger", "forgotten", "q1")
     assert code == 0, out

@@ -587,3 +587,12 @@ def test_topics_are_created_with_the_documented_retention() -> None:
                 assert f"--config {key}={value}" in create, (topic, key)
     assert int(want[s.requests_topic]["segment.ms"]) * 10 == int(
         want[s.requests_topic]["retention.ms"])
+
+
+def test_compose_publishes_only_the_service_beyond_this_host() -> None:
+    """Kafka (PLAINTEXT, no auth: producing to the requests topic deletes data),
+    Prometheus and Grafana listen on loopback only; the service is the public face."""
+    for name, svc in _services().items():
+        for port in svc.get("ports", []):
+            if name != "service":
+                assert str(port).startswith("127.0.0.1:"), (name, port)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bentoml._internal.models.model import ModelStore
 from sqlalchemy import func, select
 
+from jobs.model_store import VersionStore
 from jobs.registry import Registry
 from ledger.config import Settings
 from ledger.datasets import load
@@ -93,14 +93,14 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             applied = [e for e in h["events"] if e["kind"] == "applied"]
             assert len(applied) == 1 and _seq(applied[0]["model_version"]) <= _seq(served)
 
-        ledger = Settings(database_url=sc.database_url,
-                          hmac_key_file=str(sc.hmac_key_file)).open_ledger()
+        ledger = Settings(database_url=sc.database_url, hmac_key_file=str(sc.hmac_key_file),
+                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
+                          ).open_ledger()
         try:
             # that version, from the registry (the sidecar's model store): without the
             # deleted records, with the added one, and exactly what retraining gives
-            store = ModelStore(sc.bentoml_home / "models")
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(Registry, "_home_store", staticmethod(lambda: store))
+                mp.setattr(VersionStore, "home", property(lambda _: sc.bentoml_home))
                 model = Registry(ledger.engine, "obliviate").load(served)
             held = set(model.learner.record_ids_.tolist())
             assert held.isdisjoint(DELETED) and ADDED in held

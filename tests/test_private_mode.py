@@ -37,7 +37,7 @@ def _worker(ledger: Ledger, reg: Registry, budget: BudgetPolicy | None = POLICY)
 
 def _holder(reg: Registry, ledger: Ledger) -> ModelHolder:
     return ModelHolder(reg, budgets=SeedBudgets(ledger.engine, reg.name), reserve_block=1,
-                       random_state=0)
+                       noise_secret=b"test-noise")
 
 
 def _queries(n: int) -> np.ndarray:
@@ -132,9 +132,12 @@ def test_a_crash_before_the_retrain_is_published_loses_nothing(seeded60: Ledger,
         crashing.step()
     monkeypatch.undo()
     assert reg.current().version == v1  # nothing half-published
+    assert len(reg.stored_versions()) == 2  # the crashed worker's unpublished files
     restarted = _worker(ledger, reg)
     assert restarted.step() is True
+    assert restarted.step() is True  # the retention pass sweeps them (never published)
     assert restarted.step() is False
+    assert reg.stored_versions() == [v1, reg.current().version]
     kinds = [e["kind"] for e in ledger.export()]
     assert kinds.count("seeds_rotated") == 1
     assert reg.current().manifest["seed_lineage"] == reg.current().version

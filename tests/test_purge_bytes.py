@@ -392,7 +392,10 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
     assert not led.purge_status()["rewrite_records"]
     recs = led.live_records()
     assert recs.record_ids.tolist() == ["r1"] and recs.X.tolist() == [live]
-    assert led.verify().ok, led.verify().problems
+    # the fingerprints and data are whole; only the log, which this synthetic old table
+    # never had, is missing: no event loaded the records nor purged r2
+    assert {p.where for p in led.verify().problems} == {"record r2", "records loaded at -"}, \
+        led.verify().problems
     if led.engine.dialect.name == "postgresql":
         assert result["tables"] == ["record_payloads", "training_records"]
     files = db_files(led)

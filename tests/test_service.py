@@ -248,6 +248,70 @@ def test_a_duplicate_request_id_is_reported_as_duplicate(svc: Service) -> None:
     assert [e["kind"] for e in history["events"]].count("received") == 1
 
 
+def test_public_endpoints_give_no_seed_host_or_process_away(svc: Service) -> None:
+    """The seeds decide which shard holds whom (private prediction mode rests on them);
+    host names and process ids help an attacker: none is in an unauthenticated answer."""
+    sc = svc.sc
+    with httpx.Client(base_url=sc.url, timeout=10) as client:
+        public = [client.get(p) for p in ("/v1/models", "/v1/models/lineage")]
+        full = client.get("/v1/models", headers=sc.headers()).json()
+    seed = full["current"]["manifest"]["seed"]
+    host, pid = full["serving"]["process"].rsplit(":", 1)
+    assert seed and seed != 0 and full["current"]["manifest"]["params"]["random_state"] == seed
+    for r in public:
+        assert r.status_code == 200
+        text = r.text
+        for secret in ('"seed"', '"random_state"', '"built_by"', '"process"', host,
+                       f":{pid}"):
+            assert secret not in text, (r.url, secret)
+    # the files holding the ledger, the keys and the token are private
+    for name in ("ledger.db", "hmac.key", "admin.token"):
+        path = sc.workdir / name
+        if path.exists():
+            assert path.stat().st_mode & 0o077 == 0, name
+
+
+def test_near_duplicates_get_one_noised_answer_in_every_process(svc: Service) -> None:
+    """A query and 300 ulp-perturbed copies of it, asked over fresh connections (both
+    serving processes): one answer for all of them, and at most one fresh epsilon per
+    process, however often they are asked."""
+    sc = svc.sc
+
+    def noised_and_spent() -> tuple[float, float]:
+        m = scrape(sc.url + "/metrics")
+        noised = sum(v for lab, v in m["obliviate_guard_queries_total"]
+                     if lab.get("outcome") == "noised")
+        return noised, value(m, "obliviate_guard_epsilon_spent_total")
+
+    rng = np.random.default_rng(8)
+    for _ in range(50):  # find a query the guard does not certify
+        q = rng.random(N_FEATURES).astype(np.float32)
+        before = noised_and_spent()
+        with httpx.Client(base_url=sc.url, timeout=30) as client:
+            assert predict(client, [q.tolist()]).status_code == 200
+        if noised_and_spent()[0] > before[0]:
+            break
+    else:
+        pytest.skip("every query tried was certified")
+    copies = [q]
+    for _ in range(300):
+        copies.append(np.nextafter(copies[-1], np.float32(1.0)))
+    rows = [c.tolist() for c in copies]
+    start = noised_and_spent()
+    labels: dict[str, set[int]] = defaultdict(set)  # per version (the worker may publish)
+    for _ in range(6):
+        with httpx.Client(base_url=sc.url, timeout=30) as client:
+            r = predict(client, rows)
+            assert r.status_code == 200, r.text
+            labels[r.json()["model_version"]] |= set(r.json()["labels"])
+    noised, spent = noised_and_spent()
+    assert all(len(v) == 1 for v in labels.values()), labels
+    epsilon = float(sc.env.get("OBLIVIATE_EPSILON", "1.0"))
+    assert noised - start[0] == 6 * len(rows)
+    # one fresh draw per process and version at most
+    assert spent - start[1] <= 2 * epsilon * len(labels) + 1e-9
+
+
 # --------------------------------------------------------------------------- (b) hot swap
 
 class Hammer(threading.Thread):
@@ -334,7 +398,8 @@ def test_hot_swap_under_load_fails_no_request(svc: Service) -> None:
         processes: dict[str, str] = {}
         for _ in range(20):  # fresh connections land on either process
             with httpx.Client(base_url=sc.url, timeout=10) as client:
-                serving = client.get("/v1/models").json()["serving"]
+                serving = client.get("/v1/models", headers={  # the admin sees processes
+                    "Authorization": f"Bearer {sc.admin_token}"}).json()["serving"]
             processes[serving["process"]] = serving["version"]
         return processes if len(processes) == 2 and set(processes.values()) == {
             current} else None

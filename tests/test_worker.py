@@ -282,7 +282,8 @@ def test_manifest_records_what_rebuilds_the_version(seeded60: Ledger) -> None:
     w.bootstrap("dare", SMALL["dare"])
     cur = w.registry.current()
     m = cur.manifest
-    assert m["learner"] == "dare" and m["seed"] == 0 and m["guarantee"] == "exact"
+    assert m["learner"] == "dare" and m["guarantee"] == "exact"
+    assert m["seed"] == m["params"]["random_state"] > 0  # drawn afresh, never a default
     assert m["params"]["n_estimators"] == 8 and m["parent"] is None
     assert m["guard"]["rule"] == "forest-loo" and m["guard"]["ready"]
     assert m["ledger_seq"] >= 1

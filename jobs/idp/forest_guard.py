@@ -723,5 +723,6 @@ class ForestGuard:
         the memoised exponential mechanism (everything noised when the hash does not match)."""
         Xq = np.asarray(X, dtype=np.float64) + 0.0
         labels, certain = self.certain(Xq)
-        idx = self.guard.answer(Xq, labels, certain)
+        idx = self.guard.answer(Xq, labels, certain,
+                                lambda C: np.argmax(self.forest.scores(C), axis=1))
         return self.forest.classes_[idx]

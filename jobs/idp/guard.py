@@ -3,9 +3,31 @@
 LUCID's rule (papers/NOTES.md §1): a query whose margin exceeds the verified
 bound beta for its predicted class is answered with the label, because no
 leave-one-out model could answer differently there; every other query is
-answered by the exponential mechanism, and that answer is memoised so that
-repeating the query does not average the noise away. Without a sound bound
-(after a change, while a new one is computed) every query is noised.
+answered by the exponential mechanism. Without a sound bound (after a change,
+while a new one is computed) every query is noised.
+
+Noise that cannot be averaged away
+----------------------------------
+Asking q, q + 1 ulp, q + 2 ulp, ... and averaging the noisy answers would
+recover the label at q if each got fresh noise. So the noised answer belongs to
+the query's CELL, not to the query: [0, 1]^d is cut into a fixed grid of
+``2**GRID_BITS`` steps per coordinate (:func:`grid_cells`; fixed, so it does not
+depend on the data), and every uncertain query in a cell gets the exponential
+mechanism's answer for the label the model gives at the cell's centre. The draw
+is a keyed pseudo-random function of (deployment secret, model version, cell)
+(:class:`CellNoise`), so it is the same in every serving process, after any
+restart or memo eviction, and no memo is needed for it; near-duplicates of a
+query (within its cell) get one answer between them. The mechanism is applied to
+the centre's label, never to each query's own: a draw shared by queries of
+different labels would tie their answers together in a way that depends on the
+data. A query that is certain is answered with its own label, as LUCID does.
+
+What this protects and what it does not: an adversary learns one noisy label
+per (version, cell) it hits with an uncertain query, each costing epsilon; it can
+still ask in many different cells (each a fresh, accounted draw: the memo counts
+the cells this process answered, so ``noised - memo_hits`` answers are fresh and
+each spends epsilon; a cell another process or an evicted entry answered before
+is counted again, which over-counts, never under-counts).
 
 Which queries are "certain" depends on the model: `lucid_certain` for one
 network with per-class bounds, `sisa_certain` for a SISA ensemble with
@@ -14,6 +36,9 @@ per-shard bounds. The guard itself only sees labels and a certainty mask.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +46,38 @@ from dataclasses import dataclass
 import numpy as np
 
 from jobs.adaptive.private_vote import vote_probabilities
+
+GRID_BITS = 8  # 256 cells per coordinate of [0, 1]
+
+
+def grid_cells(X: np.ndarray) -> np.ndarray:
+    """(n, d) integer cell coordinates of the queries (their noise cells)."""
+    return np.floor(np.asarray(X, dtype=np.float64) * (1 << GRID_BITS)).astype(np.int64)
+
+
+def cell_centres(cells: np.ndarray) -> np.ndarray:
+    """The centre of each cell, clipped to [0, 1] (where the noised label is computed)."""
+    return np.clip((cells + 0.5) / (1 << GRID_BITS), 0.0, 1.0).astype(np.float32)
+
+
+class CellNoise:
+    """The uniform number behind a cell's noisy answer: HMAC-SHA256(secret, version, cell).
+
+    The secret is the deployment's (derived from its HMAC key), so every serving process
+    draws the same; without it the draws are unpredictable."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def uniform(self, version: str, cell: bytes) -> float:
+        msg = version.encode() + b"\x00" + cell
+        digest = hmac.new(self._secret, msg, hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "little") / 2.0**64
+
+    def choice(self, version: str, cell: bytes, p: np.ndarray) -> int:
+        """A class drawn from probabilities `p` by the cell's uniform (inverse CDF)."""
+        u = self.uniform(version, cell)
+        return int(min(np.searchsorted(np.cumsum(p), u, side="right"), len(p) - 1))
 
 
 def clip_unit(X: np.ndarray) -> np.ndarray:
@@ -152,68 +209,97 @@ class GuardCounts:
 
 
 class LabelGuard:
-    """Turns (labels, certainty) into answers: the label, or a memoised noisy label.
+    """Turns (labels, certainty) into answers: the label, or the noisy label of the
+    query's cell (see the module docstring).
 
-    `bind(version, sound)` ties the memo to one model version; answers of an
-    older model are never replayed for a new one. `sound=False` is noise-all
-    mode: every query goes through the mechanism (used while no bound for the
-    serving model is verified).
+    `bind(version, sound)` ties the answers to one model version; answers of an older
+    model are never replayed for a new one. `sound=False` is noise-all mode: every
+    query goes through the mechanism (used while no bound for the serving model is
+    verified). `secret` keys the draws (`random_state`: a secret derived from it, for
+    reproducible tests; neither: a random one, private to this guard).
     """
 
     def __init__(self, n_classes: int, epsilon: float = 1.0, memo_size: int = 100_000,
-                 random_state: int | None = None) -> None:
+                 random_state: int | None = None, secret: bytes | None = None) -> None:
         self.n_classes = n_classes
         self.epsilon = epsilon
         self.memo = LRUMemo(memo_size)
         self.counts = GuardCounts()
         self.version: str | None = None
         self.sound = False
-        self._rng = np.random.default_rng(random_state)
+        if secret is None:
+            secret = (secrets.token_bytes(32) if random_state is None else
+                      hashlib.sha256(f"obliviate-guard-noise:{random_state}".encode()).digest())
+        self.noise = CellNoise(secret)
 
     def bind(self, version: str, sound: bool) -> None:
         if version != self.version:
             self.memo.clear()
         self.version, self.sound = version, sound
 
-    def answer(self, X: np.ndarray, labels: np.ndarray, certain: np.ndarray) -> np.ndarray:
-        """Labels to publish for clipped queries X (one row per query)."""
+    def answer(self, X: np.ndarray, labels: np.ndarray, certain: np.ndarray,
+               label_at: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Labels to publish for clipped queries X (one row per query); `label_at(C)`
+        gives the model's class index at points C (the cells' centres)."""
         out = np.asarray(labels, dtype=np.int64).copy()
         certain = np.asarray(certain, dtype=bool) & self.sound
         self.counts.certain += int(certain.sum())
-        for i in np.flatnonzero(~certain):
-            key = np.ascontiguousarray(X[i], dtype=np.float32).tobytes()
-            hit = self.memo.get(key)
-            self.counts.noised += 1
-            if hit is not None:
-                self.counts.memo_hits += 1
-                out[i] = hit
-                continue
-            p = mechanism_probabilities(int(out[i]), self.n_classes, self.epsilon)
-            out[i] = int(self._rng.choice(self.n_classes, p=p))
-            self.memo.put(key, int(out[i]))
+        noisy = np.flatnonzero(~certain)
+        if noisy.size == 0:
+            return out
+        self.counts.noised += len(noisy)
+        keys, cells = self._cells(X[noisy])
+        answers, pending = self._recall(keys)
+        if pending:
+            centre_labels = label_at(cell_centres(cells[list(pending.values())]))
+            for key, lab in zip(pending, centre_labels.tolist(), strict=True):
+                p = mechanism_probabilities(int(lab), self.n_classes, self.epsilon)
+                answers[key] = self._draw(key, p)
+        self.counts.memo_hits += len(keys) - len(pending)  # every answer but a fresh draw
+        out[noisy] = [answers[k] for k in keys]
         return out
 
-    def answer_votes(self, X: np.ndarray, votes: np.ndarray, epsilon: float,
-                     spend: Callable[[int], None]) -> np.ndarray:
-        """Private prediction mode: every answer is the noisy vote over (n, C) vote counts
-        (:func:`jobs.adaptive.private_vote.vote_probabilities` at `epsilon`), memoised.
+    def answer_votes(self, X: np.ndarray, votes_at: Callable[[np.ndarray], np.ndarray],
+                     epsilon: float, spend: Callable[[int], None]) -> np.ndarray:
+        """Private prediction mode: every answer is the noisy vote of the query's cell
+        (:func:`jobs.adaptive.private_vote.vote_probabilities` at `epsilon` over the vote
+        counts `votes_at` gives at the cell's centre).
 
-        `spend(k)` is called with the number of fresh answers before any is drawn; it
+        `spend(k)` is called with the number of fresh cells before any is drawn; it
         raises to refuse them (budget spent), and then nothing is answered or stored.
         """
-        keys = [np.ascontiguousarray(row, dtype=np.float32).tobytes() for row in X]
-        known = {k: self.memo.get(k) for k in dict.fromkeys(keys)}
-        spend(sum(v is None for v in known.values()))
-        out = np.empty(len(keys), dtype=np.int64)
-        fresh: dict[bytes, int] = {}
-        for i, key in enumerate(keys):
-            self.counts.noised += 1
-            label = known[key] if known[key] is not None else fresh.get(key)
-            if label is None:
-                p = vote_probabilities(votes[i], epsilon)[0]
-                label = fresh[key] = int(self._rng.choice(self.n_classes, p=p))
-                self.memo.put(key, label)
+        keys, cells = self._cells(X)
+        answers, pending = self._recall(keys)
+        spend(len(pending))
+        if pending:
+            votes = votes_at(cell_centres(cells[list(pending.values())]))
+            for key, v in zip(pending, votes, strict=True):
+                answers[key] = self._draw(key, vote_probabilities(v, epsilon)[0])
+        self.counts.noised += len(keys)
+        self.counts.memo_hits += len(keys) - len(pending)
+        return np.array([answers[k] for k in keys], dtype=np.int64)
+
+    def _recall(self, keys: list[bytes]) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """Answers of cells this process answered before, and the cells still to draw
+        (each with the index of its first query)."""
+        answers: dict[bytes, int] = {}
+        pending: dict[bytes, int] = {}
+        for j, key in enumerate(keys):
+            if key in answers or key in pending:
+                continue
+            hit = self.memo.get(key)
+            if hit is None:
+                pending[key] = j
             else:
-                self.counts.memo_hits += 1
-            out[i] = label
-        return out
+                answers[key] = hit
+        return answers, pending
+
+    def _draw(self, key: bytes, p: np.ndarray) -> int:
+        label = self.noise.choice(self.version or "", key, p)
+        self.memo.put(key, label)
+        return label
+
+    @staticmethod
+    def _cells(X: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        cells = grid_cells(X)
+        return [row.tobytes() for row in cells], cells

@@ -253,7 +253,8 @@ class GuardedNetwork:
             else:
                 labels = np.argmax(scores, axis=1)
                 certain = np.zeros(len(Xc), dtype=bool)
-            return self._guard.answer(Xc, labels, certain)
+            return self._guard.answer(Xc, labels, certain,
+                                      lambda C: np.argmax(st.logits(C), axis=1))
 
     # ------------------------------------------------------------------ bounds
     def set_bound(self, bound: BoundReport | BoundBinding) -> bool:

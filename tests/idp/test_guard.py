@@ -21,14 +21,17 @@ from jobs.idp.guard import (
     vote_winner,
 )
 
+ONES = lambda C: np.ones(len(C), dtype=int)  # noqa: E731 - the model's label at the cells
+ZEROS = lambda C: np.zeros(len(C), dtype=int)  # noqa: E731
+
 
 @pytest.mark.parametrize(("n_classes", "epsilon"), [(2, 0.0), (2, 1.0), (3, 0.2), (5, 2.0)])
 def test_mechanism_frequencies_match_the_formula(n_classes: int, epsilon: float) -> None:
     guard = LabelGuard(n_classes, epsilon=epsilon, memo_size=1, random_state=0)
     guard.bind("v1", sound=False)
     n = 20_000
-    X = np.arange(n, dtype=np.float32)[:, None]  # distinct queries: no memo replay
-    answers = guard.answer(X, np.ones(n, dtype=int), np.zeros(n, dtype=bool))
+    X = np.arange(n, dtype=np.float32)[:, None]  # distinct cells: no memo replay
+    answers = guard.answer(X, np.ones(n, dtype=int), np.zeros(n, dtype=bool), ONES)
     observed = np.bincount(answers, minlength=n_classes)
     expected = mechanism_probabilities(1, n_classes, epsilon) * n
     assert chisquare(observed, expected).pvalue > 1e-3
@@ -42,10 +45,11 @@ def test_certain_queries_get_the_label_and_the_rest_are_memoised() -> None:
     X = clip_unit(np.array([[0.2, 0.3], [0.5, 0.5], [1.7, -3.0]]))
     assert X[2].tolist() == [1.0, 0.0]
     labels = np.array([2, 1, 0])
-    first = guard.answer(X, labels, np.array([True, False, False]))
+    first = guard.answer(X, labels, np.array([True, False, False]), ONES)
     assert first[0] == 2
     for _ in range(20):  # repeating a noised query returns the memoised answer
-        assert guard.answer(X, labels, np.array([True, False, False])).tolist() == first.tolist()
+        assert guard.answer(X, labels, np.array([True, False, False]),
+                            ONES).tolist() == first.tolist()
     assert guard.counts.certain == 21 and guard.counts.memo_hits == 40
 
 
@@ -53,7 +57,7 @@ def test_noise_all_mode_noises_even_confident_queries() -> None:
     guard = LabelGuard(2, epsilon=0.0, memo_size=10_000, random_state=2)
     guard.bind("v1", sound=False)
     X = np.random.default_rng(0).random((2000, 3)).astype(np.float32)
-    answers = guard.answer(X, np.zeros(2000, dtype=int), np.ones(2000, dtype=bool))
+    answers = guard.answer(X, np.zeros(2000, dtype=int), np.ones(2000, dtype=bool), ZEROS)
     assert guard.counts.certain == 0 and guard.counts.noised == 2000
     assert 0.4 < answers.mean() < 0.6
 
@@ -62,7 +66,7 @@ def test_a_new_model_version_starts_a_new_memo() -> None:
     guard = LabelGuard(2, epsilon=0.0, memo_size=10, random_state=3)
     guard.bind("v1", sound=False)
     x = np.zeros((1, 2), dtype=np.float32)
-    guard.answer(x, np.array([0]), np.array([False]))
+    guard.answer(x, np.array([0]), np.array([False]), ZEROS)
     assert len(guard.memo) == 1
     guard.bind("v1", sound=True)
     assert len(guard.memo) == 1
@@ -167,5 +171,55 @@ def test_negative_zero_does_not_buy_fresh_noise() -> None:
     guard = LabelGuard(2, epsilon=0.0, memo_size=10, random_state=4)
     guard.bind("v1", sound=False)
     X = clip_unit(np.array([[0.0, 0.5], [-0.0, 0.5], [-1e-9, 0.5]]))
-    guard.answer(X, np.zeros(3, dtype=int), np.zeros(3, dtype=bool))
+    guard.answer(X, np.zeros(3, dtype=int), np.zeros(3, dtype=bool), ZEROS)
     assert len(guard.memo) == 1 and guard.counts.memo_hits == 2
+
+
+def test_near_duplicates_of_an_uncertain_query_get_one_answer() -> None:
+    """Averaging away the noise with q, q + 1 ulp, q + 2 ulp, ...: all in one cell, one
+    draw; the same draw in another serving process (same secret) and after the memo
+    forgot it, and the epsilon counted once per cell (fresh = noised - memo hits)."""
+    rng = np.random.default_rng(5)
+    q = clip_unit(rng.random((1, 6)) * 0.9 + 0.05)
+    copies = np.repeat(q, 1000, axis=0)
+    for k in range(1, 1000):
+        copies[k] = np.nextafter(copies[k - 1], np.float32(1.0))  # one more ulp each time
+    copies = np.vstack([copies, np.nextafter(q, np.float32(0.0))])
+    label_at = lambda C: np.ones(len(C), dtype=int)  # noqa: E731
+    answers = []
+    for _process in range(2):
+        guard = LabelGuard(4, epsilon=0.1, memo_size=2, secret=b"deployment")
+        guard.bind("v7", sound=True)
+        out = guard.answer(copies, np.ones(len(copies), int), np.zeros(len(copies), bool),
+                           label_at)
+        assert len(set(out.tolist())) == 1
+        fresh = guard.counts.noised - guard.counts.memo_hits
+        assert fresh == 1, fresh  # one cell: one draw, one epsilon
+        guard.answer(rng.random((5, 6)), np.ones(5, int), np.zeros(5, bool), label_at)
+        assert guard.answer(q, np.ones(1, int), np.zeros(1, bool),
+                            label_at)[0] == out[0]  # evicted, drawn again: the same answer
+        answers.append(int(out[0]))
+    assert answers[0] == answers[1]  # both processes
+    other = LabelGuard(4, epsilon=0.1, memo_size=2, secret=b"deployment")
+    draws = set()
+    for v in range(50):  # each new version draws afresh for the same cell
+        other.bind(f"v{v}", sound=True)
+        draws.add(int(other.answer(q, np.ones(1, int), np.zeros(1, bool), label_at)[0]))
+    assert len(draws) > 1
+
+
+def test_a_cell_is_answered_with_the_label_at_its_centre() -> None:
+    """The mechanism takes the label at the cell's centre, not each query's own: queries
+    of one cell share a draw, and must share the label it was drawn for."""
+    guard = LabelGuard(2, epsilon=50.0, memo_size=10, secret=b"s")  # eps 50: no flips
+    guard.bind("v1", sound=False)
+    X = np.array([[0.5001, 0.5001], [0.5029, 0.5029]], dtype=np.float32)  # one cell
+    seen = []
+
+    def label_at(C: np.ndarray) -> np.ndarray:
+        seen.append(C.copy())
+        return np.ones(len(C), dtype=int)
+
+    out = guard.answer(X, np.array([0, 0]), np.zeros(2, bool), label_at)
+    assert out.tolist() == [1, 1] and len(seen) == 1 and len(seen[0]) == 1
+    assert np.allclose(seen[0][0], (np.floor(X[0] * 256) + 0.5) / 256)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jobs.idp.bab import BoundReport, compute_bounds
-from jobs.idp.guard import clip_unit, top_margin
+from jobs.idp.guard import cell_centres, clip_unit, grid_cells, top_margin
 from jobs.idp.guarded import NOISE_ALL, SOUND, BoundBinding, GuardedNetwork
 from jobs.idp.loo import LOOSet, schedule_keys, train_loo, train_single
 
@@ -111,7 +111,8 @@ def test_swap_in_loo_then_recompute_restores_a_sound_guard(tmp_path) -> None:
     assert gn.served_hash == loo.loo(x).content_hash() != loo.full().content_hash()
     assert gn.counters()["memo_entries"] == 0  # N's noised answers are never replayed
     out = gn.predict(Q)
-    want = loo.logits(clip_unit(Q), [loo.index_of(x)])[0].argmax(1)
+    centres = cell_centres(grid_cells(clip_unit(Q)))  # a noised answer is its cell's
+    want = loo.logits(centres, [loo.index_of(x)])[0].argmax(1)
     assert (out == want).all()  # N_{-x} is served (noise-all, but eps 50 keeps the label)
     after = gn.counters()
     assert after["certain"] == before["certain"] and after["noised"] == before["noised"] + len(Q)

@@ -1,0 +1,510 @@
+"""A red team's tampering, each caught: by `ledger verify`, or by `audit check` against a
+signed head an auditor saved before the tampering (each test says which). On both
+databases. Plus what the catching rests on: signed heads, heads on a timer,
+consistency proofs, the auditor's check passing on a ledger nobody touched."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from itertools import combinations_with_replacement
+
+import pytest
+from sqlalchemy import delete as sql_delete
+from sqlalchemy import insert, select, text, update
+
+from jobs.consistency import verify_registry
+from jobs.registry import KEYS, POINTER, VERSIONS, Registry
+from jobs.retention import destroyed_versions
+from jobs.worker import Worker, WorkerConfig
+from ledger import audit, merkle
+from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
+from ledger.heads import HeadSigner, parse_public_key, verify_head
+from ledger.store import CHECKPOINTS, EVENTS, HEADS, PAYLOADS, RECORDS, REQUESTS, Ledger
+from service.cli import main
+from tests.conftest import HMAC_KEY, seed
+
+SIGNING_KEY = bytes(range(100, 132))
+PUBLIC_KEY = HeadSigner(SIGNING_KEY).public_key
+ATTACKER_KEY = bytes(range(200, 232))
+SMALL_DARE = {"n_estimators": 4, "max_depth": 3, "k": 5}
+
+
+# ---------------------------------------------------------------------------- helpers
+@pytest.fixture
+def signed(db_url: str) -> Ledger:
+    """A seeded ledger that signs heads every 10 events (the timer out of the way)."""
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=10, signing_key=SIGNING_KEY,
+                 head_interval_s=3600)
+    seed(led)
+    yield led
+    led.close()
+
+
+def delete(rid: str, *records: str) -> dict:
+    return {"request_id": rid, "op": "delete", "record_ids": list(records)}
+
+
+def apply_all(ledger: Ledger, version: str = "v2") -> list[str]:
+    ids = [r.request_id for r in ledger.claim(100, worker="w1")]
+    ledger.mark_applied(ids, version, {"guarantee": "exact"})
+    ledger.mark_verified(ids, version)
+    return ids
+
+
+def tamper(ledger: Ledger, *statements) -> None:
+    with ledger.engine.begin() as conn:
+        for st in statements:
+            conn.execute(text(st) if isinstance(st, str) else st)
+
+
+def problems(ledger: Ledger) -> list[str]:
+    return [str(p) for p in ledger.verify().problems]
+
+
+def saved_heads(ledger: Ledger) -> dict:
+    """What an auditor keeps: `ledger heads` as printed (a JSON round trip)."""
+    return json.loads(json.dumps(ledger.published_heads()))
+
+
+def audit_now(ledger: Ledger, saved: dict) -> audit.AuditResult:
+    """`obliviate audit check --heads SAVED` against the database, as the CLI runs it."""
+    return audit.audit(saved, ledger.published_heads(), public_key=PUBLIC_KEY,
+                       events=ledger.export())
+
+
+def append_forged(ledger: Ledger, kind: str, request_id: str | None, payload: dict,
+                  model_version: str | None = None) -> int:
+    """An event added behind the ledger's back, chained and hashed correctly."""
+    with ledger.engine.begin() as conn:
+        tail = conn.execute(select(EVENTS.c.seq, EVENTS.c.hash)
+                            .order_by(EVENTS.c.seq.desc()).limit(1)).one()
+        seq, body, now = tail.seq + 1, canonical_json(payload), iso(utc_now())
+        conn.execute(insert(EVENTS), {
+            "seq": seq, "request_id": request_id, "kind": kind, "payload": body,
+            "model_version": model_version, "created_at": now, "prev_hash": tail.hash,
+            "hash": event_hash(seq, request_id, kind, body, model_version, now, tail.hash)})
+    return seq
+
+
+def rewrite_events(ledger: Ledger, edit, upto: int | None = None) -> None:
+    """Edit events and re-hash the chain from there on, then recompute every checkpoint
+    (root and frontier): everything the ledger can recompute without the signing key."""
+    with ledger.engine.begin() as conn:
+        rows = conn.execute(select(EVENTS).order_by(EVENTS.c.seq)).all()
+        prev, frontier, roots = "0" * 64, merkle.MerkleFrontier(), {}
+        for e in rows:
+            payload = edit(e) if upto is None or e.seq <= upto else e.payload
+            h = event_hash(e.seq, e.request_id, e.kind, payload, e.model_version,
+                           e.created_at, prev)
+            conn.execute(update(EVENTS).where(EVENTS.c.seq == e.seq)
+                         .values(payload=payload, prev_hash=prev, hash=h))
+            prev = h
+            frontier.append(event_leaf(h))
+            roots[frontier.size] = (frontier.root().hex(),
+                                    [x.hex() for x in frontier.state()[1]])
+        for size in conn.execute(select(CHECKPOINTS.c.tree_size)).scalars().all():
+            root, state = roots[size]
+            conn.execute(update(CHECKPOINTS).where(CHECKPOINTS.c.tree_size == size)
+                         .values(root_hash=root, frontier=state))
+
+
+def retold(e) -> str:
+    """A rewrite that changes history without upsetting the working tables: where the
+    requests came from."""
+    return e.payload.replace('"kind":"http"', '"kind":"kafka"')
+
+
+def some_requests(ledger: Ledger, n: int = 12, applied: bool = True, start: int = 0) -> None:
+    for i in range(start, start + n):
+        assert ledger.receive(delete(f"q{i}", f"r{i:03d}")).status == "accepted"
+    if applied:
+        apply_all(ledger)
+
+
+# ---------------------------------------------------------------------------- ledger verify
+def test_untampered_ledger_verifies_with_signed_heads(signed: Ledger) -> None:
+    some_requests(signed)
+    result = signed.verify()
+    assert result.ok, result.problems
+    assert result.heads >= 3 and result.events == 1 + 12 * 4
+
+
+def test_restored_features_of_a_purged_record_are_caught_by_verify(signed: Ledger) -> None:
+    X, y = signed.record_data(["r001"])
+    some_requests(signed, 2)
+    assert signed.verify().ok
+    # the insider puts the deleted record back, with its true features: fingerprint matches
+    tamper(signed, update(RECORDS).where(RECORDS.c.record_id == "r001")
+           .values(state="live", purged_at=None, purged_by=None),
+           insert(PAYLOADS).values(record_id="r001", features=X[0].tolist(), label=int(y[0])))
+    assert "r001" in set(signed.live_records().record_ids)
+    found = problems(signed)
+    assert any(p.startswith("record r001: is live, but the deletion q1 purged it")
+               for p in found), found
+
+
+def test_a_fake_purge_is_caught_by_verify(signed: Ledger) -> None:
+    some_requests(signed, 2)
+    tamper(signed, "UPDATE training_records SET state = 'purged', purged_by = 'q0' "
+                   "WHERE record_id = 'r020'",
+           "DELETE FROM record_payloads WHERE record_id = 'r020'")
+    found = problems(signed)
+    assert found == ["record r020: is purged, but no applied deletion lists it (a purge the "
+                     "log does not show)"]
+
+
+def test_a_swapped_fingerprint_of_a_purged_record_is_caught_by_verify(signed: Ledger) -> None:
+    some_requests(signed, 2)
+    tamper(signed, "UPDATE training_records SET record_hash = :h WHERE record_id = 'r000'"
+           .replace(":h", "'" + "ab" * 32 + "'"))
+    found = problems(signed)
+    assert any(p.startswith("record r000: its fingerprint is not the one the deletion q0 "
+                            "lists") for p in found), found
+
+
+def test_a_deleted_request_row_is_caught_by_verify(signed: Ledger) -> None:
+    some_requests(signed, 3)
+    tamper(signed, "DELETE FROM requests WHERE request_id = 'q1'")
+    found = problems(signed)
+    assert any(p.startswith("request q1: has lifecycle events") and "no request row" in p
+               for p in found), found
+
+
+def test_forged_events_appended_with_valid_hashes_are_caught_by_verify(signed: Ledger) -> None:
+    some_requests(signed, 3, applied=False)
+    assert signed.verify().ok
+    # a request that skips its lifecycle, its row edited to match
+    seq = append_forged(signed, "verified", "q0", {}, "v9")
+    tamper(signed, "UPDATE requests SET status = 'verified' WHERE request_id = 'q0'")
+    found = problems(signed)
+    assert found[0] == (f"event {seq}: 'verified' of request q0 cannot follow 'received' "
+                        "(forged, or events removed)"), found
+    assert signed.verify().first_bad_seq == seq
+    # a request nobody sent
+    append_forged(signed, "received", "ghost", {"op": "delete", "record_ids": ["r005"]})
+    assert any(p.startswith("request ghost: has lifecycle events") for p in problems(signed))
+
+
+def test_a_forged_publication_is_caught_by_verify(signed: Ledger) -> None:
+    led, reg, _ = _published(signed)
+    seq = append_forged(led, "model_trained", None, {"change": {"op": "train"}}, "v000099")
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert f"model version v000099: event {seq} (model_trained) announces it, but no model " \
+           "version row exists (forged event, or row deleted)" in found
+
+
+def test_rewriting_everything_and_recomputing_checkpoints_is_caught(signed: Ledger) -> None:
+    """Caught by `ledger verify` (the signed heads) and by `audit check`."""
+    some_requests(signed)
+    saved = saved_heads(signed)
+    rewrite_events(signed, retold)
+    found = problems(signed)
+    assert found and all(p.startswith("signed head ") and "rewritten" in p for p in found)
+    assert not audit_now(signed, saved).ok
+    # the heads re-signed with a key of the insider's own: the signatures give it away
+    attacker = HeadSigner(ATTACKER_KEY)
+    with signed.engine.begin() as conn:
+        for row in conn.execute(select(HEADS)).all():
+            root = merkle.root([event_leaf(h) for h in conn.execute(
+                select(EVENTS.c.hash).where(EVENTS.c.seq <= row.tree_size)
+                .order_by(EVENTS.c.seq)).scalars()]).hex()
+            forged = attacker.sign(row.tree_size, root, row.timestamp)
+            conn.execute(update(HEADS).where(HEADS.c.tree_size == row.tree_size)
+                         .values(**forged))
+    found = problems(signed)
+    assert sum("not the log of this public key" in p for p in found) == len(saved["heads"])
+    result = audit_now(signed, saved)
+    assert result.problems == ["the log publishes no signed head"]
+
+
+def test_a_rewritten_log_signed_afresh_is_caught_by_audit_check(signed: Ledger) -> None:
+    """The insider drops the heads and rewrites the log; the ledger's own process then
+    signs the rewritten log. Nothing in the database disagrees any more: only a head
+    saved before can tell."""
+    some_requests(signed)
+    saved = saved_heads(signed)
+    tamper(signed, sql_delete(HEADS))
+    rewrite_events(signed, retold)
+    assert signed.sign_head() is not None
+    assert signed.verify().ok
+    result = audit_now(signed, saved)
+    assert not result.ok
+    assert any("not consistent with the newest head" in p or "do not rebuild its root" in p
+               for p in result.problems), result.problems
+
+
+def test_rewriting_the_tail_after_the_last_checkpoint_is_caught(signed: Ledger) -> None:
+    """With the head over it left in place, `ledger verify` sees it; with that head
+    dropped too, `audit check` against the saved head does."""
+    some_requests(signed, applied=False)
+    head = signed.sign_head()
+    saved = saved_heads(signed)
+    last_cp = max(s for s in _sizes(signed, CHECKPOINTS) if s < head["tree_size"])
+    rewrite_events(signed, lambda e: retold(e) if e.seq > last_cp else e.payload)
+    assert any(p.startswith(f"signed head {head['tree_size']}: Merkle root does not match")
+               for p in problems(signed))
+    tamper(signed, sql_delete(HEADS).where(HEADS.c.tree_size > last_cp),
+           sql_delete(CHECKPOINTS).where(CHECKPOINTS.c.tree_size > last_cp))
+    result = signed.verify()
+    assert result.ok  # nothing in the database can check an unsigned tail ...
+    assert any("nothing can check an unsigned tail" in n for n in result.notes)
+    checked = audit_now(signed, saved)  # ... the auditor's saved head can
+    assert any(p.startswith(f"saved head {head['tree_size']}:") for p in checked.problems)
+
+
+def test_truncating_the_tail_is_caught_by_audit_check(signed: Ledger) -> None:
+    some_requests(signed, applied=False)
+    head = signed.sign_head()
+    saved = saved_heads(signed)
+    keep = head["tree_size"] - 2
+    tamper(signed, sql_delete(EVENTS).where(EVENTS.c.seq > keep),
+           sql_delete(HEADS).where(HEADS.c.tree_size > keep),
+           sql_delete(CHECKPOINTS).where(CHECKPOINTS.c.tree_size > keep))
+    result = audit_now(signed, saved)
+    assert any(p.startswith(f"saved head {head['tree_size']}:") and "covers" in p
+               for p in result.problems), result.problems
+
+
+def test_dropping_all_checkpoints_and_heads_is_caught(db_url: str) -> None:
+    """By `ledger verify` (a log older than the head interval has heads) and by
+    `audit check`."""
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=1000, signing_key=SIGNING_KEY,
+                 head_interval_s=0.5)
+    seed(led)
+    some_requests(led, 3, applied=False)
+    time.sleep(0.6)
+    some_requests(led, 3, start=3)  # the first of these appends takes a head: events are old
+    assert led.verify().ok and led.published_heads()["heads"]
+    saved = saved_heads(led)
+    tamper(led, sql_delete(HEADS), sql_delete(CHECKPOINTS))
+    [found] = problems(led)
+    n = led.last_seq()
+    assert found.startswith(f"events 1..{n}: no signed head covers these {n} events over ")
+    assert found.endswith("though one is taken once events are 0.5 s old: heads dropped, or "
+                          "written by something that takes none")
+    assert audit_now(led, saved).problems == ["the log publishes no signed head"]
+    led.close()
+
+
+def test_the_signer_never_vouches_for_a_rewritten_log(signed: Ledger, caplog) -> None:
+    some_requests(signed, applied=False)
+    head = signed.sign_head()
+    # an edited checkpoint frontier is only a cache: the head's root is rebuilt from events
+    tamper(signed, update(CHECKPOINTS).values(frontier=["00" * 32]))
+    signed.receive(delete("x1", "r020"))
+    assert signed.sign_head()["tree_size"] == head["tree_size"] + 1
+    # events below the latest head rewritten: the next head is refused, not signed
+    rewrite_events(signed, retold)
+    signed.receive(delete("x2", "r021"))
+    assert signed.sign_head() is None
+    assert "no longer give the root of the signed head" in caplog.text
+    assert [h["tree_size"] for h in signed.published_heads()["heads"]][-1] == \
+        head["tree_size"] + 1
+
+
+# ---------------------------------------------------------------------------- the registry
+def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
+    """A worker's real history: train v1, a deletion (v2), its guard (v3); v1 destroyed."""
+    reg = Registry(ledger.engine, name=f"t{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, destroy_grace_s=0.0))
+    w.bootstrap("dare", SMALL_DARE)
+    assert ledger.receive(delete("d1", "r004")).status == "accepted"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and (w.step() or w.busy or not destroyed_versions(reg)):
+        time.sleep(0.01)
+    versions = [v.version for v in reversed(reg.lineage())]
+    assert len(versions) == 3 and reg.current().version == versions[2]
+    assert [v for v, _ in destroyed_versions(reg)] == versions[:1]
+    assert verify_registry(ledger, reg) == [] and ledger.verify().ok, \
+        (verify_registry(ledger, reg), ledger.verify().problems)
+    return ledger, reg, versions
+
+
+def test_an_edited_model_pointer_is_caught_by_verify(signed: Ledger) -> None:
+    led, reg, (v1, v2, v3) = _published(signed)
+    tamper(led, update(POINTER).where(POINTER.c.name == reg.name)
+           .values(version=v1, seq=reg.get(v1).seq))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert f"model pointer {reg.name}: names {v1}, but the latest publication" in found[0]
+    assert any(f"names {v1}, which was destroyed" in p for p in found)
+    # an earlier version that was never destroyed: only the events know it is not current
+    tamper(led, update(POINTER).where(POINTER.c.name == reg.name)
+           .values(version=v2, seq=reg.get(v2).seq))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert found[0].startswith(f"model pointer {reg.name}: names {v2}, but the latest "
+                               f"publication") and found[0].endswith(f"is {v3} (pointer edited)")
+    # a version row inserted behind the ledger's back, and pointed at
+    row = reg.get(v3).model_dump()
+    row.update(version="v000042", seq=42, manifest={**row["manifest"], "version_seq": 42})
+    tamper(led, insert(VERSIONS).values(**row),
+           update(POINTER).where(POINTER.c.name == reg.name).values(version="v000042", seq=42))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert f"model pointer {reg.name}: names v000042, which no event announces " \
+           "(pointer edited)" in found
+    assert "model version v000042: no event announces its publication (row inserted " \
+           "behind the ledger's back)" in found
+
+
+def test_an_edited_manifest_is_caught_by_verify(signed: Ledger) -> None:
+    led, reg, (v1, v2, v3) = _published(signed)
+    # the served version's: its copy beside the files disagrees
+    man = reg.get(v3).manifest
+    tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v3)
+           .values(manifest={**man, "training_set": {"count": 1, "merkle_root": "00" * 32}}))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert sorted(found) == sorted([
+        f"model version {v3}: the manifest in the database is not the one saved beside its "
+        "files (manifest.json in the model store): edited",
+        f"model version {v3}: the manifest's manifest_sha256 is not what event 7 (verified) "
+        "says (manifest edited)"])  # its publication event carries the manifest's digest
+    # the update's: its `applied` event says which guarantee it gave
+    man = reg.get(v2).manifest
+    tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v2)
+           .values(manifest={**man, "guarantee": "certified"}))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert any(p.startswith(f"model version {v2}: the manifest's guarantee, manifest_sha256 "
+                            "is not what event") for p in found), found
+    # a destroyed version's (no files left): its `destroyed` event has the digest
+    man = reg.get(v1).manifest
+    tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v1)
+           .values(manifest={**man, "seed": 7}))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert any(p.startswith(f"model version {v1}: its manifest's digest is not the one event")
+               for p in found), found
+
+
+def test_a_destroyed_version_brought_back_is_caught_by_verify(signed: Ledger) -> None:
+    led, reg, (v1, _, _) = _published(signed)
+    tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v1)
+           .values(destroyed_at=None),
+           insert(KEYS).values(name=reg.name, version=v1, key="00" * 32))
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert any("destroyed_at cleared" in p for p in found)
+    assert any("version_keys holds a key for it again" in p for p in found)
+
+
+# ---------------------------------------------------------------------------- heads
+def test_heads_are_taken_on_a_timer_without_intake(db_url: str) -> None:
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=1000, signing_key=SIGNING_KEY,
+                 head_interval_s=0.3)
+    seed(led)  # one event, no head yet: not due
+    assert led.maybe_sign_head() is None and led.published_heads()["heads"] == []
+    time.sleep(0.35)
+    head = led.maybe_sign_head()  # what the worker's, consumer's, service's loop calls
+    assert head is not None and head["tree_size"] == 1
+    assert verify_head(head, PUBLIC_KEY) is None
+    assert led.maybe_sign_head() is None  # nothing new: cheap, no head
+    # an append once the oldest uncovered event is older than the interval takes a head
+    led.record_event("note", {"n": 1})
+    time.sleep(0.35)
+    led.record_event("note", {"n": 2})
+    assert [h["tree_size"] for h in led.published_heads()["heads"]] == [1, 3]
+    assert led.verify().ok
+    led.close()
+
+
+def test_consistency_proofs_between_every_pair_of_heads_verify(db_url: str) -> None:
+    from starlette.testclient import TestClient
+
+    from service.http_api import AppContext, build_app
+
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=5, signing_key=SIGNING_KEY)
+    seed(led)
+    some_requests(led, 6)
+    heads = led.published_heads()["heads"]
+    assert len(heads) >= 4
+    client = TestClient(build_app(AppContext(ledger=led)))
+    assert client.get("/v1/ledger/heads").json() == json.loads(json.dumps(
+        led.published_heads()))
+    for a, b in combinations_with_replacement(heads, 2):
+        proof = [bytes.fromhex(p) for p in led.consistency(a["tree_size"], b["tree_size"])
+                 ["proof"]]
+        assert merkle.verify_consistency(a["tree_size"], b["tree_size"],
+                                         bytes.fromhex(a["root_hash"]),
+                                         bytes.fromhex(b["root_hash"]), proof)
+        served = client.get("/v1/ledger/consistency",
+                            params={"old": a["tree_size"], "new": b["tree_size"]}).json()
+        assert served["proof"] == [p.hex() for p in proof]
+        if a["tree_size"] < b["tree_size"]:  # not a proof for another root
+            assert not merkle.verify_consistency(a["tree_size"], b["tree_size"],
+                                                 bytes.fromhex(b["root_hash"]),
+                                                 bytes.fromhex(b["root_hash"]), proof)
+    assert client.get("/v1/ledger/consistency", params={"old": 5}).status_code == 400
+    assert client.get("/v1/ledger/consistency", params={"old": 9, "new": 5}).status_code == 422
+    led.close()
+
+
+# ---------------------------------------------------------------------------- the CLI
+@pytest.fixture
+def cli_env(db_url: str, tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("OBLIVIATE_DATABASE_URL", db_url)
+    monkeypatch.setenv("OBLIVIATE_HMAC_KEY_FILE", str(tmp_path / "hmac.key"))
+    monkeypatch.setenv("OBLIVIATE_LEDGER_SIGNING_KEY_FILE", str(tmp_path / "signing.key"))
+    monkeypatch.setenv("OBLIVIATE_CHECKPOINT_EVERY", "5")
+    monkeypatch.setenv("OBLIVIATE_MODEL_NAME", f"cli{uuid.uuid4().hex[:8]}")
+    return db_url
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_heads_key_consistency_and_audit(cli_env: str, tmp_path, capsys) -> None:
+    assert run(capsys, "ledger", "init", "--dataset", "iris")[0] == 0
+    for i in range(12):
+        run(capsys, "submit", json.dumps(delete(f"q{i}", f"r{i:03d}")))
+    code, out, _ = run(capsys, "ledger", "key")
+    public = parse_public_key(out)
+    assert code == 0 and len(public) == 32
+    assert parse_public_key(run(capsys, "ledger", "key", "--pem")[1]) == public
+    assert (tmp_path / "signing.key").stat().st_mode & 0o777 == 0o600
+    code, out, _ = run(capsys, "ledger", "heads")
+    doc = json.loads(out)
+    assert doc["public_key"] == public.hex() and len(doc["heads"]) == 2  # at 6 and 11 events
+    assert all(verify_head(h, public) is None for h in doc["heads"])
+    saved = tmp_path / "saved.json"
+    saved.write_text(out)
+    old, new = (h["tree_size"] for h in doc["heads"])
+    code, out, _ = run(capsys, "ledger", "consistency", str(old), str(new))
+    proof = json.loads(out)
+    assert code == 0 and merkle.verify_consistency(
+        old, new, bytes.fromhex(doc["heads"][0]["root_hash"]),
+        bytes.fromhex(doc["heads"][1]["root_hash"]), [bytes.fromhex(p) for p in proof["proof"]])
+    assert run(capsys, "ledger", "consistency", str(new), str(old))[0] == 1
+
+    # the log grows; the auditor checks it against what was saved, from the database ...
+    run(capsys, "submit", json.dumps(delete("late", "r040")))
+    code, out, err = run(capsys, "ledger", "checkpoint")
+    assert code == 0 and "signed=" in out
+    code, out, err = run(capsys, "audit", "check", "--heads", str(saved),
+                         "--public-key", public.hex())
+    assert code == 0 and "audit OK" in out, err
+    # ... and from files alone (stdlib + cryptography + ledger/{chain,merkle,heads,audit}.py)
+    events, current = tmp_path / "events.jsonl", tmp_path / "now.json"
+    events.write_text(run(capsys, "ledger", "export")[1])
+    current.write_text(run(capsys, "ledger", "heads")[1])
+    files = ["--heads", str(saved), "--current", str(current), "--events", str(events)]
+    assert run(capsys, "audit", "check", *files)[0] == 0
+    assert audit.main(files) == 0
+    code, out, err = run(capsys, "ledger", "verify")
+    assert code == 0 and "signed heads" in out, err
+
+    # the insider truncates the log and drops the heads over what went
+    insider = Ledger(cli_env, bytes(16))
+    tamper(insider, sql_delete(EVENTS).where(EVENTS.c.seq > old),
+           sql_delete(HEADS).where(HEADS.c.tree_size > old),
+           sql_delete(CHECKPOINTS).where(CHECKPOINTS.c.tree_size > old),
+           sql_delete(REQUESTS).where(REQUESTS.c.received_seq > old))
+    insider.close()
+    code, _, err = run(capsys, "audit", "check", "--heads", str(saved))
+    assert code == 1 and f"first: saved head {new}: covers {new} events" in err, err
+
+
+def _sizes(ledger: Ledger, table) -> list[int]:
+    with ledger.engine.connect() as conn:
+        return sorted(conn.execute(select(table.c.tree_size)).scalars())
