@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobs.adaptive.budget import budget_policy
-from jobs.registry import Registry
-from jobs.served_model import KINDS
-from jobs.worker import RollbackRefused, Worker, WorkerConfig, worker_name
-from ledger.chain import iso
-from ledger.cli import settings_from, start_long_running
+from ledger.cli import open_ledger, settings_from, start_long_running
+
+if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the commands
+    from jobs.worker import Worker
+
+# jobs.served_model.KINDS, without importing the learners to build the parser
+LEARNERS = ("dare", "game", "sisa")
+log = logging.getLogger("obliviate")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +35,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "attack advantages, membership inference; env OBLIVIATE_EVALUATE=on)")
     p.add_argument("--train", action="store_true",
                    help="train and publish a first version if none exists")
-    p.add_argument("--learner", choices=sorted(KINDS), default=None,
+    p.add_argument("--learner", choices=LEARNERS, default=None,
                    help="learner for --train (env OBLIVIATE_LEARNER)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus port (env OBLIVIATE_WORKER_METRICS_PORT; 0 turns it off)")
@@ -42,7 +45,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser("model", help="train, inspect and trace model versions")
     msub = model.add_subparsers(dest="model_command", required=True)
     p = msub.add_parser("train", help="train on the ledger's live records, publish v1")
-    p.add_argument("--learner", choices=sorted(KINDS), default=None)
+    p.add_argument("--learner", choices=LEARNERS, default=None)
     p.add_argument("--params", default="{}", help="hyperparameters as a JSON object")
     p.set_defaults(func=cmd_train)
     p = msub.add_parser("show", help="the current version and its manifest")
@@ -57,8 +60,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _worker(args: argparse.Namespace, **config: Any) -> Worker:
+    from jobs.adaptive.budget import budget_policy
+    from jobs.registry import Registry
+    from jobs.worker import Worker, WorkerConfig
+
     s = settings_from(args)
-    ledger = s.open_ledger()
+    # opening the ledger applies the database migrations (ledger.migrations) before the
+    # worker touches a table; said on stderr when they changed something
+    ledger = open_ledger(args, s)
     config["budget"] = budget_policy(s)  # private mode: every version gets a seed lineage
     return Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig(**config))
 
@@ -77,6 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from jobs.worker import worker_name
+
     s = settings_from(args)
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
@@ -84,6 +95,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                      guard_max_wait_s=args.guard_max_wait,
                      destroy_grace_s=s.destroy_grace_s,
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
+    log.info("%s", worker.ledger.schema_upgrade.describe())
     if args.train:
         worker.bootstrap(args.learner or s.learner)
     worker.run(max_seconds=args.max_seconds)
@@ -91,6 +103,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
+    from jobs.worker import RollbackRefused
+
     try:
         version = _worker(args).rollback(args.version)
     except RollbackRefused as exc:
@@ -101,8 +115,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from jobs.registry import Registry
+
     s = settings_from(args)
-    cur = Registry(s.open_ledger().engine, s.model_name).current()
+    cur = Registry(open_ledger(args, s).engine, s.model_name).current()
     if cur is None:
         print("no version is published yet: run `obliviate model train`")
         return 1
@@ -111,8 +127,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
+    from jobs.registry import Registry
+    from ledger.chain import iso
+
     s = settings_from(args)
-    for v in Registry(s.open_ledger().engine, s.model_name).lineage(args.limit):
+    for v in Registry(open_ledger(args, s).engine, s.model_name).lineage(args.limit):
         m = v.manifest
         state = ("destroyed" if v.destroyed_at else
                  "to destroy" if v.superseded_by_deletion else "kept")

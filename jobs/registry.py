@@ -15,7 +15,7 @@ import json
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     JSON,
@@ -34,9 +34,12 @@ from sqlmodel import Field, SQLModel
 
 from jobs import sealing
 from jobs.model_store import VersionStore
-from jobs.served_model import ServedModel
+from ledger import migrations
 from ledger.chain import iso, utc_now
 from ledger.db import upsert
+
+if TYPE_CHECKING:  # the learners (torch, numba) load only with a model
+    from jobs.served_model import ServedModel
 
 
 class ModelVersion(SQLModel, table=True):
@@ -127,7 +130,7 @@ class Registry:
         self.engine = engine
         self.name = name
         self.store = VersionStore(name)
-        SQLModel.metadata.create_all(engine, tables=[VERSIONS, POINTER, KEYS, COUNTERS])
+        migrations.ensure(engine)  # its tables are in the ledger's migrations
 
     # ------------------------------------------------------------------ reading
     def current(self) -> ModelVersion | None:
@@ -170,6 +173,8 @@ class Registry:
             why = ModelVersion.model_validate(dict(row._mapping)).unavailable
             if why:
                 raise VersionUnavailable(why)
+        from jobs.served_model import ServedModel
+
         with sealing.sealed_with(self.key(version)):
             return ServedModel.load(self.path(version))
 

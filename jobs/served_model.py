@@ -47,7 +47,8 @@ KIND_FILE = "served.json"
 # The seed is drawn afresh for every training (`secrets`): which shard holds whom, and every
 # keyed choice, must not be guessable; it is recorded in the manifest (admins only).
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
-    "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1},
+    # features are scaled to [0, 1]: a fixed random-node domain, which no deletion moves
+    "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_domain": 2.0},
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
              "batch_size": 32, "lr": 0.01},
     "game": {"hidden": [64], "epochs": 30},

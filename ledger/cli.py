@@ -12,27 +12,37 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import start_http_server
+# Only what building the parser needs is imported here: each command imports what it
+# uses, so `obliviate --help` and the ledger's commands start without the learners.
+from ledger import audit
 
-from ledger import audit, datasets
-from ledger.config import Settings
-from ledger.consumer import RequestConsumer, ensure_topics
-from ledger.forgotten import forgotten, render
-from ledger.heads import HeadSigner, public_key_pem
-from ledger.producer import produce, request_stream
-from ledger.store import Ledger, Problem
+if TYPE_CHECKING:
+    from ledger.config import Settings
+    from ledger.store import Ledger, Problem
 
 # a check of tables other packages own (the model registry's: jobs.consistency), which
 # the assembled command line (service.cli) hands to `ledger verify`
-VerifyCheck = Callable[[Ledger, Settings], list[Problem]]
+VerifyCheck = Callable[["Ledger", "Settings"], "list[Problem]"]
+DATASETS = ("breast_cancer", "digits", "wine", "iris", "synthetic")  # ledger.datasets.NAMES
+log = logging.getLogger("obliviate")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    from ledger.config import Settings
+
     return Settings.from_env(database_url=getattr(args, "db", None),
                              kafka_bootstrap=getattr(args, "bootstrap", None),
                              requests_topic=getattr(args, "topic", None))
+
+
+def open_ledger(args: argparse.Namespace, settings: Settings | None = None) -> Ledger:
+    """The ledger, its schema brought to the newest migration; says so when it moved."""
+    ledger = (settings or settings_from(args)).open_ledger()
+    if ledger.schema_upgrade.upgraded:
+        print(f"obliviate: {ledger.schema_upgrade.describe()}", file=sys.stderr)
+    return ledger
 
 
 def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[VerifyCheck] = ()
@@ -40,15 +50,37 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
     led = sub.add_parser("ledger", help="inspect and prove the ledger")
     lsub = led.add_subparsers(dest="ledger_command", required=True)
 
-    p = lsub.add_parser("init", help="seed the record store with a training table")
+    p = lsub.add_parser("init", help="seed the record store with a training table",
+                        description="Load the initial training table. Features are kept in "
+                        "the model's input space, [0, 1]: each feature is min-max scaled "
+                        "with its range in this table (widened to round numbers), and that "
+                        "scaling is stored in the ledger, so queries and additions send raw "
+                        "values (`obliviate ledger schema` shows it).")
     p.add_argument("--dataset", default="breast_cancer",
-                   help=f"one of {', '.join([*datasets.BUNDLED, 'synthetic'])}")
-    p.add_argument("--csv", help="load this CSV file instead of a bundled data set")
-    p.add_argument("--label-column", default="label")
-    p.add_argument("--subject-column")
-    p.add_argument("--id-column")
-    p.add_argument("--records-per-subject", type=int, default=3)
+                   help=f"a bundled table: one of {', '.join(DATASETS)} (default "
+                        "breast_cancer)")
+    p.add_argument("--csv", metavar="FILE", help="load this CSV file instead: a header line, "
+                   "numeric feature columns, an integer label column")
+    p.add_argument("--label-column", default="label", metavar="NAME",
+                   help="the CSV column holding the class label (default: label)")
+    p.add_argument("--subject-column", metavar="NAME",
+                   help="the CSV column naming the person (subject) each row belongs to; "
+                        "`delete` by subject_id removes all their rows. Without it each "
+                        "row is its own subject (s0000, s0001, ...)")
+    p.add_argument("--id-column", metavar="NAME",
+                   help="the CSV column holding each row's record id (unique); default "
+                        "r0000, r0001, ... by row")
+    p.add_argument("--records-per-subject", type=int, default=3,
+                   help="bundled tables: rows per made-up subject (default 3)")
     p.set_defaults(func=cmd_init)
+
+    p = lsub.add_parser("schema", help="features (names, ranges, scaling) and classes")
+    p.add_argument("--json", action="store_true", help="as GET /v1/schema answers it")
+    p.set_defaults(func=cmd_schema)
+
+    p = lsub.add_parser("migrate", help="bring the database schema to the newest migration "
+                        "(init, serve, consume and worker do it when they start)")
+    p.set_defaults(func=cmd_migrate)
 
     p = lsub.add_parser("verify", help="recompute the hash chain, checkpoints, signed heads "
                         "and fingerprints, and hold the tables to what the events say")
@@ -118,27 +150,86 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
     p.set_defaults(func=cmd_consume)
 
 
-def add_connection_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", help="ledger database URL (env OBLIVIATE_DATABASE_URL)")
-    p.add_argument("--bootstrap", help="Kafka bootstrap address (env OBLIVIATE_KAFKA_BOOTSTRAP)")
-    p.add_argument("--topic", help="requests topic (env OBLIVIATE_REQUESTS_TOPIC)")
+def add_connection_options(p: argparse.ArgumentParser, default: Any = None) -> None:
+    """`--db`, `--bootstrap`, `--topic`; a command's own copy takes argparse.SUPPRESS as
+    `default`, so it overrides the value given before the command only when given."""
+    p.add_argument("--db", metavar="URL", default=default,
+                   help="ledger database URL (env OBLIVIATE_DATABASE_URL; default "
+                        "sqlite:///.obliviate/ledger.db)")
+    p.add_argument("--bootstrap", metavar="HOST:PORT", default=default,
+                   help="Kafka bootstrap address (env OBLIVIATE_KAFKA_BOOTSTRAP)")
+    p.add_argument("--topic", default=default,
+                   help="requests topic (env OBLIVIATE_REQUESTS_TOPIC)")
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    from ledger import datasets
+
+    ledger = open_ledger(args)
+    existing = ledger.input_transform()
+    stored = existing if existing is not None and existing.fitted else None
     if args.csv:
-        ds = datasets.load_csv(args.csv, args.label_column, args.subject_column, args.id_column)
+        ds = datasets.load_csv(args.csv, args.label_column, args.subject_column,
+                               args.id_column, transform=stored)
     else:
+        if args.subject_column or args.id_column:
+            raise ValueError("--subject-column and --id-column name columns of --csv FILE")
         ds = datasets.load(args.dataset, records_per_subject=args.records_per_subject)
-    ledger = settings_from(args).open_ledger()
-    seq = ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+        if stored is not None:
+            ds = datasets.from_raw(ds.name, ds.raw, ds.y, ds.record_ids, ds.subject_ids,
+                                   transform=stored)
+    # a ledger from before stored transforms keeps its identity transform
+    transform = None if existing is not None and stored is None else ds.transform
+    seq = ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+                              transform=transform)
     print(f"loaded {len(ds.record_ids)} records of {ds.name!r} "
           f"({ds.X.shape[1]} features, {len(set(ds.y.tolist()))} classes) as event {seq}")
+    if transform is not None:
+        how = "stored" if existing else "fitted and stored"
+        print(f"features min-max scaled to [0, 1] by the ranges {how} in the ledger "
+              "(`obliviate ledger schema`); /v1/predict and additions take raw values")
+    if args.csv and not args.subject_column:
+        print("no --subject-column: each row is its own subject (s0000, s0001, ...)")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    schema = open_ledger(args).schema()
+    if schema is None:
+        print("the ledger holds no records yet: run `obliviate ledger init`", file=sys.stderr)
+        return 1
+    from ledger.transform import schema_document
+
+    doc = schema_document(schema)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"schema {doc['name']!r}: {doc['n_features']} features, classes {doc['classes']}, "
+          f"transform {doc['transform']}")
+    width = max(len(f["name"]) for f in doc["features"])
+    print(f"  {'feature':<{width}}  {'min':>12}  {'max':>12}")
+    for f in doc["features"]:
+        print(f"  {f['name']:<{width}}  {f['min']:>12g}  {f['max']:>12g}")
+    print(f"input: {doc['input']}")
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from ledger import migrations
+
+    ledger = settings_from(args).open_ledger()
+    print(ledger.schema_upgrade.describe())
+    heads = migrations.script_heads()
+    if heads != [migrations.HEAD]:
+        print(f"obliviate: error: the migrations' head is {heads}, the code expects "
+              f"{migrations.HEAD}", file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    ledger = settings.open_ledger()
+    ledger = open_ledger(args, settings)
     result = ledger.verify()
     for check in getattr(args, "verify_checks", ()):
         result.problems.extend(check(ledger, settings))
@@ -158,7 +249,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     try:
-        history = settings_from(args).open_ledger().history(args.request_id)
+        history = open_ledger(args).history(args.request_id)
     except KeyError as exc:
         print(exc.args[0], file=sys.stderr)
         return 1
@@ -167,8 +258,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_forgotten(args: argparse.Namespace) -> int:
+    from ledger.forgotten import forgotten, render
+
     try:
-        report = forgotten(settings_from(args).open_ledger(), args.request_id)
+        report = forgotten(open_ledger(args), args.request_id)
     except (KeyError, ValueError) as exc:
         print(exc.args[0], file=sys.stderr)
         return 1
@@ -183,13 +276,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     since: str | int | None = args.since
     if since is not None and since.isdigit():
         since = int(since)
-    for event in settings_from(args).open_ledger().export(since):
+    for event in open_ledger(args).export(since):
         sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
     return 0
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    ledger = settings_from(args).open_ledger()
+    ledger = open_ledger(args)
     cp = ledger.checkpoint()
     if cp is None:
         print("the ledger has no events yet")
@@ -202,20 +295,22 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_key(args: argparse.Namespace) -> int:
+    from ledger.heads import HeadSigner, public_key_pem
+
     public = HeadSigner(settings_from(args).ledger_signing_key()).public_key
     print(public_key_pem(public).rstrip() if args.pem else public.hex())
     return 0
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
-    doc = settings_from(args).open_ledger().published_heads(args.since, args.limit)
+    doc = open_ledger(args).published_heads(args.since, args.limit)
     print(json.dumps(doc, indent=1))
     return 0
 
 
 def cmd_consistency(args: argparse.Namespace) -> int:
     try:
-        proof = settings_from(args).open_ledger().consistency(args.old_size, args.new_size)
+        proof = open_ledger(args).consistency(args.old_size, args.new_size)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -232,13 +327,13 @@ def cmd_audit_check(args: argparse.Namespace) -> int:
     elif args.url:
         current = audit.fetch_json(args.url, "/v1/ledger/heads")
     else:
-        ledger = settings_from(args).open_ledger()
+        ledger = open_ledger(args)
         current = ledger.published_heads()
     events = None
     if args.events:
         events = audit.read_events(args.events)
     elif not args.url:
-        events = (ledger or settings_from(args).open_ledger()).export()
+        events = (ledger or open_ledger(args)).export()
     result = audit.audit(audit.read_json(args.heads), current,
                          public_key=audit.key_argument(args.public_key), events=events,
                          consistency=audit.http_consistency(args.url) if args.url else None)
@@ -247,19 +342,22 @@ def cmd_audit_check(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     text = _read_arg(args.request)
-    result = settings_from(args).open_ledger().receive(text.encode(), source="cli")
+    result = open_ledger(args).receive(text.encode(), source="cli")
     print(json.dumps(result.as_dict()))
     return 0 if result.status in ("accepted", "duplicate") else 2
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    from ledger.consumer import ensure_topics
+    from ledger.producer import produce, request_stream
+
     s = settings_from(args)
     ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
     if args.file:
         messages: Any = (line.encode() for line in Path(args.file).read_text().splitlines()
                          if line.strip())
     else:
-        ledger = s.open_ledger()
+        ledger = open_ledger(args, s)
         schema = ledger.schema()
         if schema is None:
             print("the ledger holds no records: run `obliviate ledger init` first",
@@ -268,7 +366,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
         live = ledger.live_records()
         messages = request_stream(list(live.record_ids), list(live.subject_ids),
                                   schema.n_features, schema.classes, args.count,
-                                  random_state=args.seed, invalid_fraction=args.invalid_fraction)
+                                  random_state=args.seed, invalid_fraction=args.invalid_fraction,
+                                  feature_ranges=list(zip(schema.input_transform.mins,
+                                                          schema.input_transform.maxs,
+                                                          strict=True)))
     n = produce(s.kafka_bootstrap, s.requests_topic, messages)
     print(f"sent {n} messages to {s.requests_topic} at {s.kafka_bootstrap}")
     return 0
@@ -276,6 +377,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def start_long_running(args: argparse.Namespace, default_metrics_port: int) -> None:
     """Logging, and the Prometheus endpoint (`--metrics-port`, 0 for none), of a daemon."""
+    from prometheus_client import start_http_server
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     port = default_metrics_port if args.metrics_port is None else args.metrics_port
     if port:
@@ -283,10 +386,14 @@ def start_long_running(args: argparse.Namespace, default_metrics_port: int) -> N
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
+    from ledger.consumer import RequestConsumer, ensure_topics
+
     s = settings_from(args)
     start_long_running(args, s.consumer_metrics_port)
+    ledger = s.open_ledger()
+    log.info("%s", ledger.schema_upgrade.describe())  # the migrations ran as it opened
     ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
-    consumer = RequestConsumer(s.open_ledger(), s.kafka_bootstrap, s.requests_topic,
+    consumer = RequestConsumer(ledger, s.kafka_bootstrap, s.requests_topic,
                                s.dead_letter_topic, group_id=args.group or s.consumer_group,
                                batch_size=args.batch_size)
     consumer.install_signal_handlers()

@@ -39,7 +39,6 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlmodel import SQLModel
 
 log = logging.getLogger("obliviate.ledger")
 
@@ -61,7 +60,9 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _configure_sqlite(engine)
     elif url.startswith("postgresql"):
-        engine = create_engine(url, pool_pre_ping=True)
+        # a server that does not answer is an error in seconds, not the OS's TCP timeout
+        timeout = {} if "connect_timeout" in url else {"connect_timeout": 10}
+        engine = create_engine(url, pool_pre_ping=True, connect_args=timeout)
     else:
         raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql://...")
     return engine
@@ -214,12 +215,6 @@ def pg_vacuum_full(conn: Connection, table: Table | str) -> int:
 def xid_precedes(xid: int, than: int) -> bool:
     """PostgreSQL's TransactionIdPrecedes on 32-bit xids (`xid` may be a 64-bit txid)."""
     return ((xid & 0xFFFF_FFFF) - than) & 0xFFFF_FFFF >= 0x8000_0000
-
-
-def create_tables(engine: Engine) -> None:
-    import ledger.models  # noqa: F401 - registers the tables
-
-    SQLModel.metadata.create_all(engine)
 
 
 @contextmanager

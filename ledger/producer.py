@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,13 +63,21 @@ def request_stream(record_ids: list[str], subject_ids: list[str], n_features: in
                    classes: list[int], n: int, random_state: int = 0,
                    add_fraction: float = 0.1, subject_fraction: float = 0.1,
                    duplicate_fraction: float = 0.02, invalid_fraction: float = 0.03,
-                   prefix: str = "req") -> Iterator[Message]:
+                   prefix: str = "req",
+                   feature_ranges: Sequence[tuple[float, float]] | None = None
+                   ) -> Iterator[Message]:
     """A realistic mix: record and subject deletions, additions, resends and garbage.
 
     Each record is deleted at most once, so every well-formed, non-duplicate
     deletion in the stream is valid against the record store it was drawn from.
+    Additions carry raw features drawn inside `feature_ranges` (each feature's (min,
+    max) in the ledger's input transform), as a client would send them; without
+    ranges, features in [0, 1] marked ``"scaled": true``.
     """
     rng = np.random.default_rng(random_state)
+    lo = hi = None
+    if feature_ranges is not None:
+        lo, hi = (np.array(b, dtype=np.float64) for b in zip(*feature_ranges, strict=True))
     order = list(rng.permutation(len(record_ids)))
     deleted_subjects: set[str] = set()
     deleted_records: set[str] = set()
@@ -89,11 +97,15 @@ def request_stream(record_ids: list[str], subject_ids: list[str], n_features: in
         u -= invalid_fraction
         rid = f"{prefix}-{random_state}-{i:06d}"
         if u < add_fraction:
-            msg: dict[str, Any] = {
-                "request_id": rid, "op": "add", "subject_id": f"new-{rid}",
-                "payload": {"records": [{"record_id": f"rec-{rid}",
-                                         "features": rng.random(n_features).round(6).tolist(),
-                                         "label": int(rng.choice(classes))}]}}
+            unit = rng.random(n_features)
+            payload: dict[str, Any] = {"records": [{
+                "record_id": f"rec-{rid}", "label": int(rng.choice(classes)),
+                "features": (unit.round(6) if lo is None else
+                             (lo + unit * (hi - lo)).round(6)).tolist()}]}
+            if lo is None:
+                payload["scaled"] = True
+            msg: dict[str, Any] = {"request_id": rid, "op": "add",
+                                   "subject_id": f"new-{rid}", "payload": payload}
         else:
             while order and (record_ids[order[-1]] in deleted_records
                              or subject_ids[order[-1]] in deleted_subjects):

@@ -19,11 +19,11 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import numpy as np
-from sqlalchemy import Connection, case, delete, func, insert, inspect, select, text, update
+from sqlalchemy import Connection, case, delete, func, insert, select, text, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlmodel import Session
 
-from ledger import merkle, metrics
+from ledger import merkle, metrics, migrations
 from ledger.chain import (
     GENESIS_HASH,
     as_utc,
@@ -36,7 +36,6 @@ from ledger.chain import (
 )
 from ledger.db import (
     among,
-    create_tables,
     insert_rows,
     make_engine,
     pg_vacuum_full,
@@ -59,6 +58,7 @@ from ledger.models import (
     SourceOffset,
     TrainingRecord,
 )
+from ledger.transform import InputTransform
 from ledger.validation import InvalidRequest, RequestMessage, parse_request
 
 EVENTS = Event.__table__
@@ -177,8 +177,8 @@ class Ledger:
             raise ValueError("the HMAC key must be at least 16 bytes")
         self.url = url
         self.engine = make_engine(url)
-        create_tables(self.engine)
-        self._migrate_payloads()
+        # the schema is Alembic's (ledger.migrations): to head, or one SELECT once there
+        self.schema_upgrade = migrations.upgrade(self.engine)
         self.checkpoint_every = checkpoint_every
         # minimum seconds between two purge maintenance runs (None: the backend's default)
         self.purge_maintenance_s = float(
@@ -208,16 +208,33 @@ class Ledger:
                 self._schema = row
         return self._schema
 
+    def input_transform(self) -> InputTransform | None:
+        """The transform from raw features to the model's input space (None before init)."""
+        schema = self.schema()
+        return None if schema is None else schema.input_transform
+
     def load_records(self, record_ids: Sequence[str], subject_ids: Sequence[str | None],
-                     X: np.ndarray, y: np.ndarray, name: str = "dataset") -> int:
-        """Seed the record store (the initial training set); returns the event's seq."""
+                     X: np.ndarray, y: np.ndarray, name: str = "dataset",
+                     transform: InputTransform | None = None) -> int:
+        """Seed the record store (the initial training set); returns the event's seq.
+
+        `X` is in the model's input space already (`transform.scale` of the raw table);
+        `transform` is stored with the schema by the first load (None: the identity,
+        for features that were scaled elsewhere). A later load must bring the same
+        transform, or none.
+        """
         X = np.asarray(X, dtype=np.float64)
         y = np.asarray(y)
         n = len(record_ids)
         if X.ndim != 2 or len(X) != n or len(y) != n or len(subject_ids) != n:
             raise ValueError("record_ids, subject_ids, X (2-D) and y must have the same length")
         if not np.all(np.isfinite(X)):
-            raise ValueError("X contains NaN or infinite values")
+            bad = np.argwhere(~np.isfinite(X))[0]
+            raise ValueError(f"X contains NaN or infinite values: row {int(bad[0])}, "
+                             f"feature {int(bad[1])} is {X[bad[0], bad[1]]}")
+        if transform is not None and transform.n_features != X.shape[1]:
+            raise ValueError(f"the input transform has {transform.n_features} features, "
+                             f"the data {X.shape[1]}")
         ids = [str(r) for r in record_ids]
         if len(set(ids)) != n:
             raise ValueError("record_ids must be unique")
@@ -226,11 +243,17 @@ class Ledger:
         with writing(self.engine) as conn:
             schema = conn.execute(select(DatasetSchema.__table__)).first()
             if schema is None:
+                stored = transform or InputTransform.identity(X.shape[1])
                 conn.execute(insert(DatasetSchema.__table__),
-                             {"id": 1, "name": name, "n_features": X.shape[1], "classes": classes})
+                             {"id": 1, "name": name, "n_features": X.shape[1], "classes": classes,
+                              "transform": stored.to_json()})
             elif schema.n_features != X.shape[1] or not set(classes) <= set(schema.classes):
                 raise ValueError(f"data does not match the ledger's schema {schema.name!r} "
                                  f"({schema.n_features} features, classes {schema.classes})")
+            elif transform is not None and not transform.same_as(
+                    InputTransform.from_json(schema.transform, schema.n_features)):
+                raise ValueError("the ledger's input transform was fixed by its first load; "
+                                 "scale the new table with it (`obliviate ledger init` does)")
             clash = self._existing_records(conn, ids)
             if clash:
                 raise ValueError(f"{len(clash)} record id(s) already exist, "
@@ -370,6 +393,20 @@ class Ledger:
             return {s: n for s, n in conn.execute(
                 select(REQUESTS.c.status, func.count()).group_by(REQUESTS.c.status))}
 
+    def intake_counts(self) -> dict[str, int]:
+        """What intake made of every message: accepted requests (by op), resends of an
+        accepted request id (duplicates) and rejected messages."""
+        with self.engine.connect() as conn:
+            ops = dict(conn.execute(select(REQUESTS.c.op, func.count()).group_by(REQUESTS.c.op))
+                       .all())
+            dups = conn.execute(select(func.coalesce(func.sum(REQUESTS.c.duplicate_count), 0))
+                                ).scalar()
+            rejected = conn.execute(select(func.count()).select_from(EVENTS)
+                                    .where(EVENTS.c.kind == "rejected")).scalar()
+        return {"accepted": sum(ops.values()), "deletions": ops.get("delete", 0),
+                "additions": ops.get("add", 0), "duplicates": int(dups),
+                "rejected": int(rejected)}
+
     def last_seq(self) -> int:
         with self.engine.connect() as conn:
             return conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
@@ -417,8 +454,10 @@ class Ledger:
                         for r in self._record_batch([m], [p], before_commit)]
             if isinstance(parsed[0], InvalidRequest):  # not even its rejection: not input
                 raise exc.__cause__ from None  # type: ignore[misc]
-            log.warning("request %r could not be stored (%s); rejected",
-                        parsed[0].request_id, exc.reason)
+            # no request id in a log line (personal data): the digest finds its event
+            log.warning("a message (sha256 %s) could not be stored (%s); rejected",
+                        hashlib.sha256(message_bytes(messages[0].value)).hexdigest()[:16],
+                        exc.reason)
             refused = InvalidRequest(f"could not be stored: {exc.reason}", parsed[0].request_id)
             return self._record_batch(messages, [refused], before_commit)
 
@@ -694,34 +733,6 @@ class Ledger:
                             {"id": 1, "purges": 1, "erased": 0, "rewrite_records": False,
                              **values},
                             {"purges": MAINTENANCE.c.purges + 1, **values, **new_xid}))
-
-    def _migrate_payloads(self) -> None:
-        """Move raw data out of a `training_records` table from before `record_payloads`.
-
-        Copies live and pending records' features and labels, drops the two columns and
-        asks purge maintenance for one rewrite of the whole table (PostgreSQL: VACUUM
-        FULL training_records; SQLite: VACUUM), which takes out what earlier purges
-        left in dead tuples or free space.
-        """
-        def legacy(bind: Any) -> bool:
-            return "features" in {c["name"] for c in inspect(bind).get_columns(RECORDS.name)}
-
-        if not legacy(self.engine):
-            return
-        with writing(self.engine) as conn:
-            if not legacy(conn):  # another process migrated it meanwhile
-                return
-            moved = conn.execute(text(
-                "INSERT INTO record_payloads (record_id, features, label) "
-                "SELECT r.record_id, r.features, r.label FROM training_records r "
-                "WHERE r.state <> 'purged' AND r.features IS NOT NULL AND r.label IS NOT NULL "
-                "AND NOT EXISTS (SELECT 1 FROM record_payloads p "
-                "WHERE p.record_id = r.record_id)")).rowcount
-            for column in ("features", "label"):
-                conn.execute(text(f"ALTER TABLE training_records DROP COLUMN {column}"))
-            self._note_purge(conn, utc_now(), rewrite_records=True)
-        log.warning("moved the raw data of %d record(s) from training_records to record_payloads;"
-                    " the next purge maintenance rewrites training_records", moved)
 
     def mark_verified(self, request_ids: Sequence[str], model_version: str,
                       detail: dict[str, Any] | None = None,

@@ -154,6 +154,14 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
         raise InvalidRequest("missing field 'payload' for an 'add'")
     if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
         raise InvalidRequest("'payload' must be an object with a list 'records'")
+    extra = sorted(set(payload) - {"records", "scaled"}, key=_show)
+    if extra:
+        raise InvalidRequest(f"'payload' has unknown field(s): {', '.join(map(_show, extra))}")
+    scaled = payload.get("scaled", False)
+    if not isinstance(scaled, bool):
+        raise InvalidRequest(f"'payload.scaled' must be true or false, got {_show(scaled)}")
+    # raw features (the default) go through the transform stored at `ledger init`
+    transform = None if scaled else schema.input_transform
     items = payload["records"]
     if not items:
         raise InvalidRequest("'payload.records' is empty")
@@ -188,6 +196,12 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
                 raise InvalidRequest(f"{where}.features[{j}] must be a finite number, "
                                      f"got {_show(v)}")
             values.append(f)
+        if transform is not None:
+            values = transform.scale_row(values)
+            bad = next((j for j, f in enumerate(values) if not math.isfinite(f)), None)
+            if bad is not None:
+                raise InvalidRequest(f"{where}.features[{bad}] {_show(feats[bad])} is too "
+                                     f"far outside the feature's range to be scaled")
         label = item["label"]
         if isinstance(label, bool) or not isinstance(label, int) or label not in schema.classes:
             raise InvalidRequest(f"{where}.label {_show(label)} is not one of the schema's "

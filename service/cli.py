@@ -1,4 +1,16 @@
-"""The `obliviate` command line."""
+"""The `obliviate` command line.
+
+Building the parser imports only the standard library and the ledger's light
+modules: every command imports what it needs when it runs, so `obliviate --help`,
+the `ledger` commands, `submit` and `produce` start without torch, numba, SciPy or
+the solvers (`tests/test_cli_errors.py` holds it to that; `tests/bench/bench_cli.py`
+times it).
+
+Exit codes: 0 done; 1 the command ran and the answer is no (verification failed,
+nothing found, the database cannot be reached); 2 a usage error (arguments,
+configuration, an input file or request that cannot be taken), with one line on
+stderr that says what is wrong and what to do.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +21,16 @@ import sys
 from pathlib import Path
 
 from jobs import cli as jobs_cli
-from jobs.consistency import registry_check
 from ledger import cli as ledger_cli
 
 SERVICE = "service.service:Obliviate"
+
+
+def _registry_check(ledger, settings):  # noqa: ANN001, ANN202 - see ledger.cli.VerifyCheck
+    """`ledger verify`'s check of the model registry (imported when verify runs)."""
+    from jobs.consistency import registry_check
+
+    return registry_check(ledger, settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="obliviate", description="A model-serving sidecar that forgets on request.")
     ledger_cli.add_connection_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
-    ledger_cli.add_commands(sub, verify_checks=[registry_check])  # + the model registry
+    ledger_cli.add_commands(sub, verify_checks=[_registry_check])  # + the model registry
     jobs_cli.add_commands(sub)
     p = sub.add_parser("serve", help="run the BentoML service (guarded predictions, audit)")
     p.add_argument("--port", type=int, default=3000)
@@ -35,11 +53,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner", choices=["dare", "sisa"], default="dare")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
     p.set_defaults(func=_demo)
+    _connection_options_everywhere(parser)
     return parser
 
 
+def _connection_options_everywhere(parser: argparse.ArgumentParser) -> None:
+    """`--db`, `--bootstrap` and `--topic` after the subcommand too (`obliviate ledger
+    verify --db URL`): each command parser gets them with no default of its own, so a
+    value given before the subcommand stands unless the command repeats it."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers only here
+        if not isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            continue
+        for sub in dict.fromkeys(action.choices.values()):
+            if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):  # noqa: SLF001
+                _connection_options_everywhere(sub)
+            else:
+                ledger_cli.add_connection_options(sub, default=argparse.SUPPRESS)
+
+
 def _serve(args: argparse.Namespace) -> int:
-    """Hand over to `bentoml serve` (same process), with the CLI's connection options."""
+    """Hand over to `bentoml serve` (same process), with the CLI's connection options.
+
+    The ledger is opened first: the database migrations run here, and an unreachable
+    database is one line of error rather than a serving process's traceback.
+    """
+    from jobs.registry import Registry
+
+    s = ledger_cli.settings_from(args)
+    ledger = ledger_cli.open_ledger(args, s)
+    if Registry(ledger.engine, s.model_name).current() is None:
+        print("obliviate: warning: no model version is published yet: /v1/predict answers "
+              "503 until one is (`obliviate model train`, or `obliviate worker --train`)",
+              file=sys.stderr)
+    ledger.close()
     env = {"OBLIVIATE_DATABASE_URL": args.db, "OBLIVIATE_KAFKA_BOOTSTRAP": args.bootstrap,
            "OBLIVIATE_SERVICE_WORKERS": None if args.workers is None else str(args.workers)}
     os.environ.update({k: v for k, v in env.items() if v is not None})
@@ -54,15 +100,60 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate)
 
 
+def database_error(exc: BaseException, url: str | None) -> str | None:
+    """One line for a database that cannot be reached or used; None for other errors."""
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    if sa_exc is None or not isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
+        return None
+    inner = getattr(exc, "orig", None) or exc
+    reason = next((line.strip() for line in str(inner).splitlines() if line.strip()),
+                  type(inner).__name__)
+    where = _safe_url(url) if url else "the ledger database"
+    return (f"cannot use {where}: {reason[:300]}; check --db or OBLIVIATE_DATABASE_URL and "
+            "that the database server is running")
+
+
+def _safe_url(url: str) -> str:
+    try:
+        from sqlalchemy import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL is shown as given, password-less
+        return url.split("@")[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     # every file the sidecar creates (ledger, keys, model store, logs) is its user's alone
     os.umask(0o077)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError) as exc:
-        print(f"obliviate: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `obliviate ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # noqa: BLE001 - each kind gets its one line below
+        url = getattr(args, "db", None) or os.environ.get("OBLIVIATE_DATABASE_URL")
+        message = database_error(exc, url or _default_url())
+        if message is not None:
+            print(f"obliviate: error: {message}", file=sys.stderr)
+            return 1
+        if isinstance(exc, ValueError | RuntimeError):
+            print(f"obliviate: error: {_first_line(exc)}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _default_url() -> str:
+    from ledger.config import Settings
+
+    return Settings.database_url
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

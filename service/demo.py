@@ -46,17 +46,6 @@ FINAL = ("verified", "failed")
 DEMO_GRACE_S = 5.0
 
 
-def progress(label: str, done: int, total: int, width: int = 30) -> None:
-    """A one-line bar; redrawn only when it grows a step, so logs stay short."""
-    filled = width * done // max(total, 1)
-    if done < total and filled == width * (done - 1) // max(total, 1):
-        return
-    sys.stderr.write(f"\r{label:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
              rate: float = 50.0) -> int:
     work = Path(workdir).resolve()
@@ -79,9 +68,11 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load(dataset)
-        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+                            transform=ds.transform)
         print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
-              "subjects")
+              f"subjects, {ds.X.shape[1]} features min-max scaled by ranges stored in the "
+              "ledger (clients send raw values)")
         registry = Registry(ledger.engine, s.model_name)
         first = Worker(ledger, registry).bootstrap(learner)
         print(f"model: {first} trained and guarded ({learner})")
@@ -92,7 +83,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
             ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
             current = registry.current()
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
-            _report(ledger, s, sidecar)
+            _report(ledger, s, sidecar, stream)
             ok = _forgotten_report(ledger, registry, ds, stream, work) and ok
         finally:
             codes = sidecar.stop()
@@ -103,43 +94,70 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
           f"{result.heads} signed heads, {result.records} records, the model registry")
     for p in problems[:10]:
         print(f"  {p}")
+    states = Counter(ledger.record_states().values())
+    current = registry.current()
+    print(f"   records vs live records: verify checks all {result.records} records the ledger "
+          f"has ever held ({states.get('live', 0)} live + {states.get('purged', 0)} purged + "
+          f"{states.get('pending', 0)} pending): a purged record keeps its id and keyed "
+          "fingerprint (its data is gone) so that its deletion stays provable. The lineage's "
+          f"records = {current.manifest['training_set']['count'] if current else '-'} is "
+          "the current version's training set: the live records only")
     return 0 if ok and not problems and not any(codes.values()) else 1
 
 
 def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: float,
             sidecar: LocalSidecar) -> tuple[bool, list[Any]]:
-    """Send the requests through Kafka while a client keeps asking for predictions."""
+    """Send the requests through Kafka while a client keeps asking for predictions, with
+    one live line: sent, what intake made of them, applied and verified."""
+    t = ds.transform
     stream = list(request_stream(ds.record_ids, ds.subject_ids, ds.X.shape[1],
-                                 sorted(set(ds.y.tolist())), n, random_state=7))
+                                 sorted(set(ds.y.tolist())), n, random_state=7,
+                                 feature_ranges=list(zip(t.mins, t.maxs, strict=True))))
     stop = threading.Event()
     answers: Counter[str] = Counter()
+    sent = [0]
     client = threading.Thread(target=_predict_loop,
-                              args=(sidecar.base_url, ds.X, stop, answers))
+                              args=(sidecar.base_url, ds.raw, stop, answers))
+    sender = threading.Thread(target=produce, args=(s.kafka_bootstrap, s.requests_topic,
+                                                    paced(stream, rate)),
+                              kwargs={"on_sent": lambda k: sent.__setitem__(0, k)})
     client.start()
+    sender.start()
+    ok = False
     try:
-        produce(s.kafka_bootstrap, s.requests_topic, paced(stream, rate),
-                on_sent=lambda k: progress("sent", k, len(stream)))
         t0 = time.monotonic()
-        done = total = 0
+        line = ""
         while time.monotonic() - t0 < 300:
             dead = sidecar.dead()
             if dead:
                 print(f"\n{dead} stopped unexpectedly:\n{sidecar.procs[dead].log_tail()}")
                 return False, stream
-            counts = ledger.status_counts()
+            counts, intake = ledger.status_counts(), ledger.intake_counts()
             total = sum(counts.values())
-            done = sum(counts.get(k, 0) for k in FINAL)
-            if ledger.consumed(s.requests_topic) >= len(stream) and done == total:
+            applied = sum(counts.get(k, 0) for k in ("applied", "verified"))
+            verified, failed = counts.get("verified", 0), counts.get("failed", 0)
+            new = (f"sent {sent[0]:3d}/{len(stream)}  accepted {intake['accepted']:3d}  "
+                   f"duplicates {intake['duplicates']:2d}  rejected {intake['rejected']:2d}  "
+                   f"| applied {applied:3d}/{total}  verified {verified:3d}/{total}"
+                   + (f"  failed {failed}" if failed else ""))
+            if new != line:
+                sys.stderr.write("\r" + new)
+                sys.stderr.flush()
+                line = new
+            if (not sender.is_alive() and ledger.consumed(s.requests_topic) >= len(stream)
+                    and verified + failed == total):
+                ok = failed == 0
                 break
-            progress("applied", done, max(total, 1))
             time.sleep(0.25)
-        progress("applied", done, max(total, 1))
+        sys.stderr.write("\n")
     finally:
         stop.set()
         client.join()
-    print(f"predictions during the stream: {sum(answers.values())} "
-          f"({', '.join(f'{k}={v}' for k, v in sorted(answers.items()))})")
-    return done == total and answers.get("error", 0) == 0, stream
+        sender.join()
+    outcomes = ", ".join(f"{k}={v}" for k, v in sorted(answers.items()))
+    print(f"predictions during the stream (raw features, as a client sends them): "
+          f"{sum(answers.values())} calls ({outcomes})")
+    return ok and answers.get("error", 0) == 0, stream
 
 
 def _await_served(base: str, version: str | None, timeout_s: float = 30.0) -> bool:
@@ -160,12 +178,13 @@ def _await_served(base: str, version: str | None, timeout_s: float = 30.0) -> bo
     return served.get("version") == version
 
 
-def _predict_loop(base: str, X: np.ndarray, stop: threading.Event,
+def _predict_loop(base: str, raw: np.ndarray, stop: threading.Event,
                   answers: Counter[str]) -> None:
+    """A client: rows in the features' own units (the service scales them)."""
     rng = np.random.default_rng(0)
     with httpx.Client(base_url=base, timeout=10.0) as http:
         while not stop.is_set():
-            rows = X[rng.integers(len(X), size=8)].tolist()
+            rows = raw[rng.integers(len(raw), size=8)].tolist()
             try:
                 r = http.post("/v1/predict", json={"instances": rows})
                 answers[f"guard {r.json()['guard']}" if r.status_code == 200 else "error"] += 1
@@ -174,10 +193,16 @@ def _predict_loop(base: str, X: np.ndarray, stop: threading.Event,
             stop.wait(0.05)
 
 
-def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar) -> None:
+def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any]) -> None:
     events = list(ledger.export())
+    intake = ledger.intake_counts()
+    print(f"\n== intake: {len(stream)} messages sent = {intake['accepted']} accepted "
+          f"({intake['deletions']} deletions, {intake['additions']} additions) + "
+          f"{intake['duplicates']} resent request ids (duplicates: counted, no second "
+          f"effect) + {intake['rejected']} rejected (each a `rejected` event with its "
+          "reason; the message itself went to the dead-letter topic)")
     print_audit(ledger, events)
-    print("\n== model lineage (newest first)")
+    print("\n== model lineage (newest first; records = the version's training set)")
     for v in Registry(ledger.engine, s.model_name).lineage(8):
         m, ts = v.manifest, v.manifest["training_set"]
         print(f"  {v.version}  parent={v.parent or '-':8} {m['change']['op']:6} "
@@ -189,6 +214,7 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar) -> None:
         print(f"\n== deletion latency (received -> applied in a published version), "
               f"{len(lat)} deletions: p50 {q[0]:.2f} s, p95 {q[1]:.2f} s, max {q[2]:.2f} s")
     print("\n== metrics summary")
+    service_metrics: dict[str, float] = {}
     for url in (f"{sidecar.base_url}/metrics",
                 f"http://127.0.0.1:{sidecar.worker_port}/metrics"):
         try:
@@ -204,6 +230,18 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar) -> None:
                                 "obliviate_deletion_latency_seconds_count",
                                 "obliviate_requests_applied_total")):
                 print(f"  {line}")
+            name, _, value = line.partition(" ")
+            if url.startswith(sidecar.base_url) and name in (
+                    "obliviate_guard_epsilon_spent_total", "obliviate_guard_epsilon_budget",
+                    "obliviate_guard_epsilon_per_query"):
+                service_metrics[name] = float(value)
+    spent = service_metrics.get("obliviate_guard_epsilon_spent_total", 0.0)
+    budget = service_metrics.get("obliviate_guard_epsilon_budget", s.epsilon_budget)
+    each = service_metrics.get("obliviate_guard_epsilon_per_query", s.epsilon)
+    print(f"\n== privacy spent by the guard: epsilon {spent:g} of the budget {budget:g} "
+          f"({100 * spent / budget if budget else 0:.1f}%; {spent / each if each else 0:.0f} "
+          f"fresh noised answers at epsilon {each:g} each; an alert fires at the budget, "
+          "OBLIVIATE_EPSILON_BUDGET)")
 
 
 def _forgotten_report(ledger: Ledger, registry: Registry, ds: datasets.Dataset,
@@ -215,10 +253,12 @@ def _forgotten_report(ledger: Ledger, registry: Registry, ds: datasets.Dataset,
             v.superseded_by_deletion and not v.destroyed_at for v in registry.lineage(1000)):
         time.sleep(0.5)
     features = {rid: x for rid, x in zip(ds.record_ids, ds.X, strict=True)}
-    for m in stream:
+    for m in stream:  # additions carry raw features; the ledger holds them scaled
         if isinstance(m, dict) and m.get("op") == "add":
-            features.update({r["record_id"]: np.asarray(r["features"], dtype=np.float64)
-                             for r in m["payload"]["records"]})
+            scaled = m["payload"].get("scaled", False)
+            features.update({r["record_id"]: np.asarray(
+                r["features"] if scaled else ds.transform.scale_row(r["features"]),
+                dtype=np.float64) for r in m["payload"]["records"]})
     states = ledger.record_states()
     gone = {r: features[r] for r, state in states.items() if state == "purged"}
     kept = np.array([features[r] for r, state in states.items() if state != "purged"])
@@ -273,34 +313,46 @@ def deletion_latencies(events: list[dict[str, Any]]) -> list[float]:
 def print_audit(ledger: Ledger, events: list[dict[str, Any]]) -> None:
     kinds = Counter(e["kind"] for e in events)
     print("\n== events by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
-    print("\n== audit trail (last 12 events)")
-    print(f"{'seq':>5}  {'kind':<14} {'request':<20} {'version':<8} detail")
-    for e in events[-12:]:
-        p = e["payload"]
-        if e["kind"] == "received":
-            what = f"{p['op']} {len(p['record_ids'])} record(s)"
-            if p.get("expanded_from_subject"):
-                what += f" of subject {p['subject_id']}"
-        elif e["kind"] in ("rejected", "failed"):
-            what = p["reason"]
-        elif e["kind"] == "applied":
-            what = f"guarantee={p.get('guarantee')} purged={len(p.get('purged_record_hashes', {}))}"
-        elif e["kind"] == "verified":
-            what = f"exact={p.get('exactness', {}).get('exact')} guard={p['guard']['rule']}"
-        else:
-            what = ", ".join(f"{k}={v}" for k, v in list(p.items())[:3])
-        print(f"{e['seq']:>5}  {e['kind']:<14} {str(e['request_id'] or '-'):<20} "
-              f"{e['model_version'] or '-':<8} {what[:60]}")
-    sample = next((e for e in reversed(events) if e["kind"] == "verified"), None)
+    # one deletion's whole lifecycle: a subject's, verified, with every event's proof
+    verified = {e["request_id"] for e in events if e["kind"] == "verified"}
+    subject = [e["request_id"] for e in events if e["kind"] == "received"
+               and e["payload"].get("expanded_from_subject") and e["request_id"] in verified]
+    record = [e["request_id"] for e in events if e["kind"] == "received"
+              and e["payload"].get("op") == "delete" and e["request_id"] in verified]
+    sample = (subject or record or [None])[-1]
     if sample is None:
         return
-    history = ledger.history(sample["request_id"])
+    history = ledger.history(sample)
     head = history["tree_head"]
-    print(f"\n== ledger show {sample['request_id']}: status {history['request']['status']}")
+    print(f"\n== audit trail of one deletion, {sample} (`obliviate ledger show {sample}`): "
+          f"every event with its inclusion proof to root {head['root_hash'][:16]}... "
+          f"(tree size {head['tree_size']})")
+    print(f"  {'seq':>5}  {'kind':<9} {'version':<8} {'proof':<7} what happened")
     for ev in history["events"]:
         ok = merkle.verify_inclusion(event_leaf(ev["hash"]), ev["seq"] - 1, head["tree_size"],
                                      [bytes.fromhex(h) for h in ev["inclusion_proof"]],
                                      bytes.fromhex(head["root_hash"]))
-        print(f"  {ev['created_at']}  {ev['kind']:<9} {ev['model_version'] or '-':<8} "
-              f"inclusion proof ({len(ev['inclusion_proof'])} hashes) to root "
-              f"{head['root_hash'][:16]}...: {'VALID' if ok else 'INVALID'}")
+        print(f"  {ev['seq']:>5}  {ev['kind']:<9} {ev['model_version'] or '-':<8} "
+              f"{'VALID' if ok else 'INVALID':<7} {_what(ev)}")
+
+
+def _what(ev: dict[str, Any]) -> str:
+    p = ev["payload"]
+    if ev["kind"] == "received":
+        what = f"{p['op']} of {len(p['record_ids'])} record(s)"
+        if p.get("expanded_from_subject"):
+            what += f", all of subject {p['subject_id']}"
+        return f"{what}, from {p['source'].get('kind')} at {ev['created_at']}"
+    if ev["kind"] == "claimed":
+        return f"taken by worker {p.get('worker', '?')}"
+    if ev["kind"] == "applied":
+        return (f"purged {len(p.get('purged_record_hashes', {}))} record(s) (keyed "
+                f"fingerprints in this event); version published, guarantee "
+                f"{p.get('guarantee')}")
+    if ev["kind"] == "verified":
+        exact = p.get("exactness", {}).get("exact")
+        return (f"retrain from scratch matches the served version bit for bit: {exact}; "
+                f"guard {p.get('guard', {}).get('rule')} refitted")
+    if ev["kind"] in ("rejected", "failed"):
+        return str(p.get("reason"))[:80]
+    return ", ".join(f"{k}={v}" for k, v in list(p.items())[:3])[:80]

@@ -157,7 +157,9 @@ class ModelHolder:
     def serving(self) -> Serving:
         s = self._serving
         if s is None:
-            raise NoModelError("no model version is published yet; start `obliviate worker`")
+            raise NoModelError("no model version is published yet: train the first one "
+                               "with `obliviate model train` (or run `obliviate worker "
+                               "--train`); a plain `obliviate worker` only updates one")
         unconfirmed = time.monotonic() - self._confirmed_at
         if unconfirmed > self.max_unconfirmed_s:
             raise NoModelError(f"{s.version.version} could not be confirmed as the current "

@@ -9,6 +9,7 @@ Configuration comes from OBLIVIATE_* variables (:class:`ledger.config.Settings`)
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -18,13 +19,15 @@ from typing import Any
 
 import bentoml
 import numpy as np
-from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavailable
+from bentoml.exceptions import InvalidArgument
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.responses import JSONResponse
 
 from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
 from jobs.registry import Registry
 from ledger.config import Settings
-from service.http_api import AppContext, BodyLimit, ErrorShape, build_app
+from ledger.transform import InputTransform
+from service.http_api import AppContext, BodyLimit, ErrorShape, build_app, template_paths
 from service.metrics import LedgerCollector
 from service.model_holder import ModelHolder, NoModelError
 from service.usage import GuardUsage
@@ -35,14 +38,23 @@ MAX_BATCH = 10_000
 # most 23 characters a number, ", " between) take 7.5 MB. A wider model gets fewer rows.
 PREDICT_MAX_BODY_BYTES = 8 * 1_048_576
 CONTEXT = AppContext()
+log = logging.getLogger("obliviate.service")
+# BentoML's request metrics and access log name the path; ids in paths become route
+# templates before they see it (service.http_api.template_paths)
+template_paths()
 
 
-def parse_instances(instances: Any, n_features: int) -> np.ndarray:
-    """Queries as an (n, d) float array, or InvalidArgument saying what is wrong.
+def parse_instances(instances: Any, n_features: int, transform: InputTransform | None = None,
+                    scaled: bool = True) -> np.ndarray:
+    """Queries as an (n, d) float array in the model's input space, or InvalidArgument
+    saying what is wrong.
 
-    One row (a list of numbers) or a batch (a list of rows). Features must be
-    finite numbers in [0, 1]: the model was trained on features scaled to the
-    unit interval, and a value outside it means the caller forgot to scale.
+    One row (a list of numbers) or a batch (a list of rows). Raw features (`scaled`
+    False, the API's default) are finite numbers in each feature's own units: they
+    are scaled by `transform`, the one stored at `ledger init`, and clipped to [0, 1]
+    (the guard answers in that box; a value beyond the initial table's range counts
+    as its edge). Pre-scaled features (`scaled` True) must be finite numbers in
+    [0, 1] already: a value outside it means the caller forgot to scale.
     """
     if not isinstance(instances, list) or not instances:
         raise InvalidArgument("'instances' must be a non-empty list: one row of "
@@ -55,16 +67,27 @@ def parse_instances(instances: Any, n_features: int) -> np.ndarray:
             raise InvalidArgument(f"row {i} is not a list of numbers")
         if len(row) != n_features:
             raise InvalidArgument(f"row {i} has {len(row)} features; the model takes "
-                                  f"{n_features}")
+                                  f"{n_features} (GET /v1/schema lists them)")
         for j, v in enumerate(row):
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise InvalidArgument(f"row {i}, feature {j}: {_short(v)} is not a number")
             if isinstance(v, float) and not math.isfinite(v):
                 raise InvalidArgument(f"row {i}, feature {j}: {v} is not finite")
-            if not 0 <= v <= 1:  # exact for an int of any size (float() would overflow)
-                raise InvalidArgument(f"row {i}, feature {j}: {_short(v)} is outside [0, 1]; "
-                                      "features are scaled to the unit interval")
-    return np.asarray(rows, dtype=np.float64)
+            if scaled:
+                if not 0 <= v <= 1:  # exact for an int of any size (float() would overflow)
+                    raise InvalidArgument(
+                        f"row {i}, feature {j}: {_short(v)} is outside [0, 1]; with "
+                        "\"scaled\": true features must be in the model's input space "
+                        "(send raw values without it)")
+            elif isinstance(v, int) and v.bit_length() > 1000:  # float() would overflow
+                raise InvalidArgument(f"row {i}, feature {j}: {_short(v)} is not finite")
+    X = np.asarray(rows, dtype=np.float64)
+    if scaled or transform is None:
+        return X
+    with np.errstate(over="ignore", invalid="ignore"):
+        Z = transform.scale(X)
+    Z[np.isnan(Z)] = 0.0  # unreachable for finite input; never hand NaN to the guard
+    return np.clip(Z, 0.0, 1.0)  # the guard's box (ModelHolder.predict clips it so too)
 
 
 def _short(v: Any, limit: int = 40) -> str:
@@ -88,7 +111,9 @@ class Obliviate:
     def __init__(self) -> None:
         settings = Settings.from_env()
         guard = settings.choice("guard", ("on", "off"))
-        self.ledger = settings.open_ledger()
+        self.ledger = settings.open_ledger()  # applies the database migrations
+        log.info("%s", self.ledger.schema_upgrade.describe())
+        self._input_transform: InputTransform | None = None
         self.registry = Registry(self.ledger.engine, settings.model_name)
         self.usage = GuardUsage(self.ledger.engine)
         self.budgets = (SeedBudgets(self.ledger.engine, settings.model_name)
@@ -111,19 +136,32 @@ class Obliviate:
                                                       self._seed_budget_spent))
 
     @bentoml.api(route="/v1/predict")
-    def predict(self, instances: list[Any]) -> dict[str, Any]:
-        """Labels only, never scores: certain answers as is, the rest noised (eps-iDP)."""
+    def predict(self, instances: list[Any], scaled: bool = False) -> dict[str, Any]:
+        """Labels only, never scores: certain answers as is, the rest noised (eps-iDP).
+
+        `instances` in the features' own units (scaled here with the transform stored
+        at `ledger init`, then clipped to [0, 1]); `scaled`: true for features already
+        in [0, 1]. Errors answer {"error": "..."} (BentoML would put a 5xx's reason in
+        the log only: 503 and 429 are answered here).
+        """
         try:
             serving = self.holder.serving
         except NoModelError as exc:
-            raise ServiceUnavailable(str(exc)) from None
-        X = parse_instances(instances, serving.model.n_features)
+            return JSONResponse({"error": str(exc)}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        X = parse_instances(instances, serving.model.n_features,
+                            None if scaled else self._transform(), scaled=scaled)
         try:
             labels, used = self.holder.predict(X)
         except BudgetExhausted as exc:  # a quota on answers, spent until fresh seeds: 429
-            raise BentoMLException(str(exc), error_code=HTTPStatus.TOO_MANY_REQUESTS) from None
+            return JSONResponse({"error": str(exc)}, status_code=HTTPStatus.TOO_MANY_REQUESTS)
         return {"labels": labels.tolist(), "model_version": used.version.version,
                 "guard": used.mode if self.holder.guarded else "off"}
+
+    def _transform(self) -> InputTransform | None:
+        """The input transform stored at `ledger init` (fixed once set: read once)."""
+        if self._input_transform is None:
+            self._input_transform = self.ledger.input_transform()
+        return self._input_transform
 
     def __is_ready__(self) -> bool:
         return self.holder.status()["version"] is not None

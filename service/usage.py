@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Engine, func, insert, select
 from sqlmodel import Field, SQLModel
 
+from ledger import migrations
 from ledger.chain import as_utc, iso, utc_now
 
 
@@ -40,7 +41,7 @@ class GuardUsage:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        SQLModel.metadata.create_all(engine, tables=[USAGE])
+        migrations.ensure(engine)  # its table is in the ledger's migrations
         self._lock = threading.Lock()
         self._pending: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
         self._last_flush = time.monotonic()

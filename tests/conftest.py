@@ -91,3 +91,14 @@ def topics(broker: LocalBroker) -> tuple[str, str]:
     name = f"requests-{uuid.uuid4().hex[:8]}"
     ensure_topics(broker.bootstrap, [name, name + ".dead"])
     return name, name + ".dead"
+
+
+def forget_bentoml_metrics() -> None:
+    """Unregister BentoML's own request metrics from prometheus_client's default registry:
+    each in-process `Obliviate.to_asgi()` registers them again, which raises the second
+    time in one test process."""
+    from prometheus_client import REGISTRY
+
+    for collector, names in list(REGISTRY._collector_to_names.items()):
+        if any(n.startswith("bentoml_") for n in names):
+            REGISTRY.unregister(collector)

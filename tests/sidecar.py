@@ -238,7 +238,8 @@ class Sidecar:
                           ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
                           ).open_ledger()
         try:
-            return ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+            return ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+                                       transform=ds.transform)
         finally:
             ledger.close()
 
@@ -402,11 +403,12 @@ class Sidecar:
                                            "Content-Type": "application/json"})
         return self.post("/v1/requests", dict(request), token=token)
 
-    def predict(self, instances: Any) -> dict[str, Any]:
-        """/v1/predict's answer ({labels, model_version, guard}); SidecarError unless 200."""
+    def predict(self, instances: Any, scaled: bool = True) -> dict[str, Any]:
+        """/v1/predict's answer ({labels, model_version, guard}); SidecarError unless 200.
+        `instances` in the model's input space (`Dataset.X`) unless `scaled` is False."""
         if hasattr(instances, "tolist"):
             instances = instances.tolist()
-        r = self.http.post("/v1/predict", json={"instances": instances})
+        r = self.http.post("/v1/predict", json={"instances": instances, "scaled": scaled})
         return self._json(r, "POST /v1/predict")
 
     def history(self, request_id: str) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ from ledger.consumer import DEAD_LETTER_MAX_BYTES, RequestConsumer, ensure_topic
 from ledger.local_broker import LocalBroker, free_port
 from ledger.store import IncomingMessage, IntakeResult, Ledger
 from service.http_api import MAX_BODY_BYTES, AppContext, BodyLimit, build_app
-from tests.conftest import HMAC_KEY, seed
+from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed
 
 TOKEN = "poison-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -646,6 +646,7 @@ def predict_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient
         finally:
             bentoml_log.setLevel(level)
             ledger.close()
+            forget_bentoml_metrics()
 
 
 def _predict(client: TestClient, body: bytes) -> Any:
@@ -657,17 +658,21 @@ def _row(*first: str) -> str:
     return "[" + ", ".join([*first, *["0.5"] * (N_FEATURES - len(first))]) + "]"
 
 
-@pytest.mark.parametrize(("row", "expected"), [
-    (_row("1" * 401), "row 0, feature 0: an integer of about 401 digits is outside [0, 1]"),
-    (_row("0.5", "-" + "1" * 300), "row 0, feature 1: an integer of about 300 digits is outside"),
-    (_row("1" * 5000), "Invalid JSON: number out of range"),
-    (_row("NaN"), "row 0, feature 0: nan is not finite"),
-    (_row('"' + "x" * 10_000 + '"'), "row 0, feature 0: 'xxxxxxxx"),
-    ("[" * 100_000 + "]" * 100_000, "Invalid JSON: recursion limit exceeded"),
+@pytest.mark.parametrize(("row", "scaled", "expected"), [
+    (_row("1" * 401), True, "row 0, feature 0: an integer of about 401 digits is outside [0, 1]"),
+    (_row("0.5", "-" + "1" * 300), True,
+     "row 0, feature 1: an integer of about 300 digits is outside"),
+    # raw features may be any finite number (then clipped); one float() cannot hold is not
+    (_row("1" * 401), False, "row 0, feature 0: an integer of about 401 digits is not finite"),
+    (_row("1" * 5000), False, "Invalid JSON: number out of range"),
+    (_row("NaN"), False, "row 0, feature 0: nan is not finite"),
+    (_row('"' + "x" * 10_000 + '"'), False, "row 0, feature 0: 'xxxxxxxx"),
+    ("[" * 100_000 + "]" * 100_000, False, "Invalid JSON: recursion limit exceeded"),
 ])
-def test_predict_refuses_poison_with_400_and_one_error_shape(predict_app: TestClient,
-                                                             row: str, expected: str) -> None:
-    r = _predict(predict_app, f'{{"instances": [{row}]}}'.encode())
+def test_predict_refuses_poison_with_400_and_one_error_shape(predict_app: TestClient, row: str,
+                                                             scaled: bool, expected: str) -> None:
+    flag = ', "scaled": true' if scaled else ""
+    r = _predict(predict_app, f'{{"instances": [{row}]{flag}}}'.encode())
     assert r.status_code == 400, r.text[:300]
     body = r.json()
     assert set(body) == {"error"} and expected in body["error"], body

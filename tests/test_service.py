@@ -68,9 +68,10 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         sc.close()
 
 
-def predict(client: httpx.Client, instances: Any) -> httpx.Response:
-    """POST /v1/predict; rows of a 200 answer are tallied in ROWS_ANSWERED."""
-    r = client.post("/v1/predict", json={"instances": instances})
+def predict(client: httpx.Client, instances: Any, scaled: bool = True) -> httpx.Response:
+    """POST /v1/predict (rows in the model's input space unless `scaled` is False); rows
+    of a 200 answer are tallied in ROWS_ANSWERED."""
+    r = client.post("/v1/predict", json={"instances": instances, "scaled": scaled})
     if r.status_code == 200:
         with _ROWS_LOCK:
             ROWS_ANSWERED[0] += len(r.json()["labels"])
@@ -182,6 +183,76 @@ def test_a_row_and_a_batch_get_labels_only(svc: Service) -> None:
         assert seq(body["model_version"]) >= 1
     edge = predict(svc.sc.http, [[0.0] * N_FEATURES, [1.0] * N_FEATURES])
     assert edge.status_code == 200, edge.text  # the bounds of the range are valid
+
+
+def test_raw_features_are_scaled_by_the_stored_transform(svc: Service) -> None:
+    """A row in the features' own units gets the answer its scaled row gets (the same
+    bits reach the guard); values beyond the initial table's range count as its edge."""
+    ds = load("breast_cancer")
+    raw = ds.raw[::40]
+    far = np.vstack([raw[:2] * 10, raw[:2] - 1e6])  # outside every range: clipped
+    for _ in range(5):  # the worker may publish between the two calls: retry then
+        a = predict(svc.sc.http, raw.tolist(), scaled=False)
+        b = predict(svc.sc.http, ds.X[::40].tolist())
+        c = predict(svc.sc.http, far.tolist(), scaled=False)
+        d = predict(svc.sc.http, np.clip(ds.transform.scale(far), 0, 1).tolist())
+        assert all(r.status_code == 200 for r in (a, b, c, d)), (a.text, c.text)
+        if len({r.json()["model_version"] for r in (a, b, c, d)}) == 1:
+            break
+    assert a.json()["labels"] == b.json()["labels"]
+    assert c.json()["labels"] == d.json()["labels"]
+    # pre-scaled rows must be in [0, 1]; raw ones only finite
+    assert predict(svc.sc.http, raw[:1].tolist()).status_code == 400
+    r = predict(svc.sc.http, [[float("1e308")] * N_FEATURES], scaled=False)
+    assert r.status_code == 200, r.text
+
+
+def test_the_schema_names_the_features_their_ranges_and_the_classes(svc: Service) -> None:
+    ds = load("breast_cancer")
+    r = svc.sc.get("/v1/schema", admin=False)  # public: clients need it to send rows
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["n_features"] == N_FEATURES and doc["classes"] == [0, 1]
+    assert doc["transform"] == "min-max" and "raw" in doc["input"]
+    assert [f["name"] for f in doc["features"]] == list(ds.feature_names)
+    assert doc["features"][0]["name"] == "mean radius"
+    for f, lo, hi, col in zip(doc["features"], ds.transform.mins, ds.transform.maxs,
+                              ds.raw.T, strict=True):
+        assert (f["min"], f["max"]) == (lo, hi)
+        assert f["min"] < col.min() and col.max() < f["max"]  # widened: no record's value
+
+
+def test_no_id_reaches_a_metric_label_or_a_log_line(svc: Service) -> None:
+    """Request, subject and record ids are personal data: after a deletion submitted over
+    HTTP and look-ups by request and by subject, neither the service's nor the worker's
+    /metrics, nor any log line, holds one (BentoML's request metrics and access log show
+    route templates)."""
+    sc = svc.sc
+    subject, records = "s150", ["r450", "r451", "r452"]
+    request_id, unknown = "http-del-qz81x", "lookup-qz81y"
+    r = sc.submit({"request_id": request_id, "op": "delete", "subject_id": subject})
+    assert r.status_code == 202, r.text
+    assert sc.get(f"/v1/requests/{request_id}").status_code == 200
+    assert sc.get(f"/v1/requests/{unknown}").status_code == 404
+    assert sc.get(f"/v1/subjects/{subject}/requests").status_code == 200
+    assert sc.get(f"/v1/subjects/{unknown}/requests").status_code == 200
+    assert sc.get(f"/v1/forgotten/{request_id}").status_code in (200, 422)
+    assert sc.get(f"/v1/requests/{request_id}", admin=False).status_code == 401
+    sc.wait_for_status([request_id], "applied", timeout_s=90)
+    ids = [request_id, unknown, subject, *records]
+    service_metrics = httpx.get(sc.url + "/metrics", timeout=30).text
+    worker_metrics = httpx.get(svc.worker_metrics, timeout=30).text
+    for name, text in (("service /metrics", service_metrics),
+                       ("worker /metrics", worker_metrics)):
+        leaked = [i for i in ids if i in text]
+        assert not leaked, f"{name} holds {leaked}"
+    # the route, not the path, names BentoML's series
+    assert 'endpoint="/v1/requests/{request_id}"' in service_metrics
+    assert 'endpoint="/v1/subjects/{subject_id}/requests"' in service_metrics
+    for proc in sc.procs:
+        text = proc.log_path.read_text(errors="replace")
+        leaked = [(i, line) for line in text.splitlines() for i in ids if i in line]
+        assert not leaked, f"{proc.name}'s log {proc.log_path}: {leaked[:3]}"
 
 
 @pytest.mark.parametrize(("method", "path"), [

@@ -28,6 +28,7 @@ from sqlalchemy import BigInteger, Connection, DateTime, Engine, insert, select,
 from sqlmodel import Field, SQLModel
 
 from jobs.adaptive.composition import answers_allowed, epsilon_spent
+from ledger import migrations
 from ledger.chain import utc_now
 from ledger.config import Settings
 
@@ -107,7 +108,7 @@ class SeedBudgets:
     def __init__(self, engine: Engine, name: str) -> None:
         self.engine = engine
         self.name = name
-        SQLModel.metadata.create_all(engine, tables=[LINEAGES])
+        migrations.ensure(engine)  # its table is in the ledger's migrations
 
     def open(self, conn: Connection, lineage: str, policy: BudgetPolicy) -> None:
         """Start a lineage, inside the transaction that publishes its first version."""

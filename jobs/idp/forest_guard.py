@@ -2,77 +2,74 @@
 
 A :class:`~jobs.learners.dare.DaREForest` answers ``argmax_c p_c(q)`` (lowest class index
 on ties) with ``p(q) = mean_t p_t(q)`` and ``p_t(q) = counts / max(n, 1)`` of the leaf of
-tree t that q reaches. Its deletions are exact, so every leave-one-out (LOO) forest
-``F_{-x}`` is obtained exactly from a copy of the forest and one ``delete([x])``.
+tree t that q reaches. Its deletions are exact, so the leave-one-out (LOO) forest
+``F_{-x}`` is what a deletion of x leaves behind.
 
 The certificate
 ---------------
-Write ``Delta_{t,x}(q) = p_{t,-x}(q) - p_t(q)`` (a vector over the classes of the served
-forest; a class that vanishes from ``F_{-x}`` has probability 0 there). One deletion removes
-ONE record x, so the LOO forest's probabilities are exactly
+Write ``Delta_{t,x}(q) = p_{t,-x}(q) - p_t(q)`` (a vector over the classes). One deletion
+removes ONE record x, so ``p_{-x}(q) = p(q) + mean_t Delta_{t,x}(q)``, and the gain of class
+b on class a under the worst deletion is ``H(q)[a, b] = max_x mean_t (Delta_{t,x,b} -
+Delta_{t,x,a})(q)``. The query is **certain** when, for its predicted class w and every
+c != w, ``p_w(q) - p_c(q) > H(q)[w, c] + tol`` (STRICT: with ``>=`` a LOO forest could tie
+w with a class c < w and answer c). ``tol`` (1e-9 plus 8 T 2^-53) covers the rounding of
+means of T numbers in [-1, 1].
 
-    p_{-x}(q) = p(q) + mean_t Delta_{t,x}(q),
+How each Delta is known without building the LOO forests
+--------------------------------------------------------
+:mod:`jobs.idp.forest_fragility` decides, for every (node, record), whether deleting the
+record alone leaves the node's decision as it is ("stable") or may change it ("fragile").
+Then, per tree t and record x:
 
-and for an ordered pair of classes (a, b) the gain of b on a under the worst deletion is
+* if x is stable at every node of its path, the LOO tree has the same splits and differs
+  only in x's leaf l, whose counts lose x: ``Delta_{t,x} = (n_c - [c = y_x]) / (n - 1) -
+  n_c / n`` at queries in l, and 0 elsewhere (exact, in closed form, from the leaf's
+  counts and x's label);
+* if x is fragile at some node u of its path (the highest such u), the LOO tree has the
+  same splits above u (only counts change there, and counts of internal nodes reach no
+  prediction) and, below u, the subtree DaRE grows from u's records without x (every
+  DaRE node is a pure function of its records, so that IS the subtree the deletion
+  leaves). The guard grows it (:func:`jobs.learners.dare_view.grow`, the forest's own
+  split search, without touching the forest), cuts every old leaf under u by the new
+  leaves, and keeps, per piece, the exact change of the tree's class probabilities
+  (pieces where nothing changed are dropped);
+* a record whose deletion moves a random node's value domain (only when the forest's
+  ``random_domain`` is data-dependent) is fragile at every random node on that
+  attribute, and the subtree is grown there with the moved domain.
 
-    H(q)[a, b] = max over records x of mean_t (Delta_{t,x,b}(q) - Delta_{t,x,a}(q)).
+The aggregation is per record (one deletion is one record): at q the kernel adds up,
+over the trees, each record's change (closed form for the stable records of q's leaf,
+the pieces holding q for the fragile ones) and takes the largest gain: the exact LOO
+answer, up to rounding. Only the fragile pairs cost storage (their pieces); the leaves'
+record lists are the forest's own.
 
-The query is **certain** when, for its predicted class w and every c != w,
-
-    p_w(q) - p_c(q)  >  H(q)[w, c] + tol          (STRICT)
-
-Then for every x, ``p_{-x,w}(q) - p_{-x,c}(q) = (p_w - p_c)(q) - mean_t (Delta_{t,x,c} -
-Delta_{t,x,w})(q) > tol``: every LOO forest ranks w strictly above every other class, so it
-predicts w whatever its tie-break. With ``>=`` the LOO forest could tie w with a class
-c < w and answer c (argmax takes the lowest index), which is why equality is not certain.
-``tol`` (1e-9 plus 8 T 2^-53) covers floating-point rounding in the means computed by the
-served and the LOO forests and in the sums below (a mean of T numbers in [-1, 1] is off by
-at most about T 2^-53). ``delta(q) = max_x max_c |mean_t Delta_{t,x,c}(q)|`` is the largest
-change of any class probability; ``H[w, c] <= 2 delta``, so "certain" is at least as tight
-as "margin > 2 delta(q)". H and delta are the exact maxima over the records (up to
-rounding), not bounds of them: the aggregation is per record, so a record that moves
-several trees is charged once, with its own changes, and trees it does not touch add 0.
-
-How the changes are stored (exactly, no relaxation)
----------------------------------------------------
-Each tree is a partition of R^d into leaf cells ``lo < q <= hi`` (axis-aligned boxes,
-:meth:`DaREForest.leaves`), and p_t is constant on each cell. For each record x the LOO
-forest is built exactly (deep copy + delete). Per tree:
-
-* the LOO tree has the same cells (same paths and boxes): deleting x changed no split, only
-  counts (in practice x's leaf: (n_c - [c = y]) / (n - 1) vs n_c / n, read off the LOO
-  forest's own counts). Every leaf l whose probabilities moved gets an entry
-  ``(l, x, Delta = p'_l - p_l)``.
-* otherwise (a subtree was retrained or a threshold moved): every old cell l is intersected
-  with every new cell l' (open-closed boxes, so the intersection is nonempty iff
-  ``max(lo, lo') < min(hi, hi')`` in every coordinate). On each intersection both p_t and
-  p_{t,-x} are constant, equal to p_l and p'_{l'}. If l lies inside one l', the entry
-  ``(l, x, p'_{l'} - p_l)`` holds on all of l; if the new cells split l, each piece gets an
-  entry with its change and the coordinates where the piece is narrower than l (its
-  constraints). The pieces of l partition l, so at any q in l exactly one applies.
-
-An entry is kept only when its change is nonzero; every other (tree, record) pair leaves
-p_t unchanged at q. Serving q: route q down every tree to its leaf (a routing table rebuilt
-from the leaf cells and checked against them exactly), add up, per record, the changes of
-the entries of those leaves whose constraints q meets (a compiled kernel), and take the
-maxima above. Precomputation costs one deletion per record (:attr:`ForestGuard.fit_report`);
-serving costs the entries of T leaves per query.
+Cost and updates
+----------------
+Fitting runs the split search once per node (the candidate lists), one pass over every
+(node, record) of every tree, and grows one subtree per fragile pair, mostly small ones
+near the leaves: near-linear in the number of records (``tests/bench/
+bench_guard_scale.py``). After an update only nodes whose records changed can change
+their decisions or their subtrees: :meth:`refit` with ``nodes=`` (the paths of the
+deleted and added records and the retrained subtrees: every node whose records changed)
+recomputes the pairs at those nodes and keeps every other pair with its pieces, since
+its node holds the same records, so the same decisions and the same subtree, and a
+record that now turns fragile higher up drops its lower pair.
 
 Binding and persistence
 -----------------------
-The tables are tied to ``forest.content_hash()`` at fit time. Every :meth:`certain` /
+The state is tied to ``forest.content_hash()`` at fit time. Every :meth:`certain` /
 :meth:`answer` checks the forest: the hash is recomputed only when the forest's
-``generation_`` moved since the last check; on a mismatch (the forest was updated) nothing
-is certain and :class:`~jobs.idp.guard.LabelGuard` is bound in noise-all mode, until
-:meth:`ForestGuard.refit` recomputes the tables for the new forest. :meth:`ForestGuard.save`
-writes the tables with the hash; :meth:`ForestGuard.load` refuses a forest with another
-hash. Queries are not clipped: the tables hold on all of R^d.
+``generation_`` moved; on a mismatch (the forest was updated) nothing is certain and the
+:class:`~jobs.idp.guard.LabelGuard` is bound in noise-all mode until :meth:`refit`.
+:meth:`save` writes the fragile lists (by tree, node path and record position) with the
+hash; :meth:`load` refuses any other forest. Queries are not clipped: the certificate
+holds on all of R^d.
 """
 
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,7 +77,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from jobs.idp.forest_fragility import domain_fragile, fragile_records
 from jobs.idp.guard import LabelGuard
+from jobs.learners import dare_view as dv
 from jobs.learners.base import (
     check_features,
     hash_arrays,
@@ -92,8 +91,20 @@ from jobs.learners.dare import DaREForest
 
 SOUND = "sound"
 NOISE_ALL = "noise-all"
-FORMAT = "obliviate.forest-guard/1"
-_TABLES = "tables.npz"
+FORMAT = "obliviate.forest-guard/2"
+_TABLES = "pairs.npz"
+_CHUNK_ROWS = 2_000_000  # records handed to the subtree grower at once
+# The pieces of the fragile pairs are the guard's state. It may take at most this many
+# times the forest's own saved size (as arrays); the pairs whose subtrees are smallest
+# get their pieces first, the others are charged the worst a tree can do below their node
+# (few at large n: near-ties high up in a tree; many at small n, where most splits are
+# near-ties).
+STATE_BUDGET = 1.5  # the default of ForestGuard(state_budget=)
+_PAIR_BYTES = 12  # node, record, root (int32)
+# what the saved state stores (the kernels read int64; thresholds stay exact float64)
+_SAVED_DTYPES = {"node": np.int32, "prec": np.int32, "root": np.int32, "leaf": np.bool_,
+                 "attr": np.int16, "thr": np.float64, "left": np.int32, "right": np.int32,
+                 "cnt": np.int32, "n": np.int32}
 
 
 @dataclass
@@ -102,422 +113,420 @@ class ForestFitReport:
     n_records: int
     n_trees: int
     n_leaves: int
-    #: (record, tree) pairs whose deletion changed the tree's cells (box intersection used)
-    changed_trees: int
+    #: (record, tree) pairs where the record is fragile somewhere on its path
+    fragile_pairs: int
     forest_hash: str
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def _leaf_probs(L: dict[str, np.ndarray], col: np.ndarray, C: int) -> np.ndarray:
-    """Leaf class probabilities (as scores() computes them) in the served class space."""
-    P = np.zeros((len(L["node"]), C))
-    P[:, col] = L["counts"] / np.maximum(L["n"], 1)[:, None].astype(np.float64)
-    return P
-
-
-# --------------------------------------------------------------------------- tables
-
-
 @dataclass
-class _Table:
-    """Nonzero per-tree changes, one entry per (leaf row, record[, piece]), sorted by row.
-
-    Entry e holds at the queries of leaf ``row[e]`` that meet its constraints
-    ``cdim/clo/chi[con[e]:con[e + 1]]`` (``clo < q[cdim] <= chi``); there, deleting record
-    ``rec[e]`` (index into the fitted forest's ``record_ids_``) changes tree t's class
-    probabilities by ``d[e]``. ``start[l]:start[l + 1]`` are the entries of leaf row l.
-    """
-
-    row: np.ndarray
-    rec: np.ndarray
-    d: np.ndarray
-    con: np.ndarray
-    cdim: np.ndarray
-    clo: np.ndarray
-    chi: np.ndarray
-    start: np.ndarray
-
-    ARRAYS = ("row", "rec", "d", "con", "cdim", "clo", "chi", "start")
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in self.ARRAYS}
-
-    def fits(self, n_leaves: int, n_records: int, n_features: int, C: int) -> bool:
-        """Whether every index is in range and the runs are consistent (loaded tables)."""
-        E = len(self.row)
-        dtypes_ok = all(getattr(self, k).dtype == np.int64
-                        for k in ("row", "rec", "con", "cdim", "start")) and all(
-            getattr(self, k).dtype == np.float64 for k in ("d", "clo", "chi"))
-        return bool(
-            dtypes_ok
-            and self.rec.shape == (E,) and self.d.shape == (E, C) and self.con.shape == (E + 1,)
-            and self.start.shape == (n_leaves + 1,)
-            and self.clo.shape == self.chi.shape == self.cdim.shape == (int(self.con[-1]),)
-            and self.con[0] == 0 and (np.diff(self.con) >= 0).all()
-            and self.start[0] == 0 and self.start[-1] == E
-            and np.array_equal(self.start, np.searchsorted(self.row, np.arange(n_leaves + 1)))
-            and ((self.row >= 0) & (self.row < n_leaves)).all() and (np.diff(self.row) >= 0).all()
-            and ((self.rec >= 0) & (self.rec < n_records)).all()
-            and ((self.cdim >= 0) & (self.cdim < n_features)).all()
-        )  # fmt: skip
-
-
-class _Collector:
-    """Gathers the entries of :class:`_Table` while the LOO forests are walked."""
-
-    def __init__(self, p: int, C: int) -> None:
-        self.p, self.C = p, C
-        self.row: list[np.ndarray] = []
-        self.rec: list[np.ndarray] = []
-        self.d: list[np.ndarray] = []
-        self.ncon: list[np.ndarray] = []
-        self.cdim: list[np.ndarray] = []
-        self.clo: list[np.ndarray] = []
-        self.chi: list[np.ndarray] = []
-
-    def whole(self, rows: np.ndarray, j: int, d: np.ndarray) -> None:
-        """Changes that hold on all of each leaf row (zeros dropped)."""
-        nz = (d != 0).any(axis=1)
-        k = int(nz.sum())
-        if k:
-            self.row.append(rows[nz])
-            self.rec.append(np.full(k, j, dtype=np.int64))
-            self.d.append(d[nz])
-            self.ncon.append(np.zeros(k, dtype=np.int64))
-
-    def pieces(self, rows: np.ndarray, j: int, d: np.ndarray, plo: np.ndarray, phi: np.ndarray,
-               llo: np.ndarray, lhi: np.ndarray) -> None:
-        """Changes on pieces (plo, phi] of leaf cells (llo, lhi]: constraints where narrower."""
-        nz = (d != 0).any(axis=1)
-        if not nz.any():
-            return
-        rows, d, plo, phi, llo, lhi = rows[nz], d[nz], plo[nz], phi[nz], llo[nz], lhi[nz]
-        pi, dim = np.nonzero((plo != llo) | (phi != lhi))  # row-major: grouped by piece
-        self.row.append(rows)
-        self.rec.append(np.full(len(rows), j, dtype=np.int64))
-        self.d.append(d)
-        self.ncon.append(np.bincount(pi, minlength=len(rows)).astype(np.int64))
-        self.cdim.append(dim.astype(np.int64))
-        self.clo.append(plo[pi, dim])
-        self.chi.append(phi[pi, dim])
-
-    def table(self, n_leaves: int) -> _Table:
-        def cat(parts: list[np.ndarray], shape: tuple[int, ...], dtype: type) -> np.ndarray:
-            return np.concatenate(parts).astype(dtype) if parts else np.zeros(shape, dtype)
-
-        row = cat(self.row, (0,), np.int64)
-        rec = cat(self.rec, (0,), np.int64)
-        d = cat(self.d, (0, self.C), np.float64)
-        ncon = cat(self.ncon, (0,), np.int64)
-        cdim = cat(self.cdim, (0,), np.int64)
-        clo = cat(self.clo, (0,), np.float64)
-        chi = cat(self.chi, (0,), np.float64)
-        order = np.lexsort((rec, row))
-        old = np.concatenate([[0], np.cumsum(ncon)])
-        ncon = ncon[order]
-        con = np.concatenate([[0], np.cumsum(ncon)]).astype(np.int64)
-        # constraint segments follow their entries into the new order
-        idx = np.repeat(old[:-1][order] - con[:-1], ncon) + np.arange(con[-1])
-        row = row[order]
-        return _Table(
-            row=row, rec=rec[order], d=np.ascontiguousarray(d[order]), con=con,
-            cdim=cdim[idx], clo=clo[idx], chi=chi[idx],
-            start=np.searchsorted(row, np.arange(n_leaves + 1)).astype(np.int64),
-        )  # fmt: skip
-
-
-def _fit_tables(forest: DaREForest) -> tuple[_Table, ForestFitReport]:
-    """The entries of every LOO forest (see the module docstring), one deletion per record."""
-    t0 = time.perf_counter()
-    h0 = forest.content_hash()
-    L = forest.leaves()
-    C = forest.n_classes_
-    cls_index = {c: i for i, c in enumerate(forest.classes_.tolist())}
-    P = _leaf_probs(L, np.arange(C), C)
-    nL = len(L["node"])
-    T = int(forest.n_estimators)
-    starts = np.searchsorted(L["tree"], np.arange(T + 1))
-    out = _Collector(forest.n_features_, C)
-    changed = 0
-    ids = forest.record_ids_
-    for j, rid in enumerate(ids.tolist()):
-        g = copy.deepcopy(forest)
-        g.delete([rid])
-        Lg = g.leaves()
-        col = np.array([cls_index[c] for c in g.classes_.tolist()], dtype=np.int64)
-        Pg = _leaf_probs(Lg, col, C)
-        gstarts = np.searchsorted(Lg["tree"], np.arange(T + 1))
-        if (
-            len(Lg["node"]) == nL
-            and np.array_equal(Lg["tree"], L["tree"])
-            and np.array_equal(Lg["path"], L["path"])
-        ):
-            rowsame = (Lg["lo"] == L["lo"]).all(axis=1) & (Lg["hi"] == L["hi"]).all(axis=1)
-            tsame = np.bincount(L["tree"][~rowsame], minlength=T) == 0
-            rows = np.flatnonzero(tsame[L["tree"]])
-            out.whole(rows, j, Pg[rows] - P[rows])
-            todo = np.flatnonzero(~tsame)
-        else:
-            todo = np.arange(T)
-        for t in todo.tolist():
-            s, e = starts[t], starts[t + 1]
-            gs, ge = gstarts[t], gstarts[t + 1]
-            if (
-                e - s == ge - gs
-                and np.array_equal(L["path"][s:e], Lg["path"][gs:ge])
-                and np.array_equal(L["lo"][s:e], Lg["lo"][gs:ge])
-                and np.array_equal(L["hi"][s:e], Lg["hi"][gs:ge])
-            ):
-                out.whole(np.arange(s, e), j, Pg[gs:ge] - P[s:e])
-                continue
-            changed += 1
-            llo, lhi = L["lo"][s:e], L["hi"][s:e]
-            lo = np.maximum(llo[:, None, :], Lg["lo"][None, gs:ge, :])
-            hi = np.minimum(lhi[:, None, :], Lg["hi"][None, gs:ge, :])
-            meet = (lo < hi).all(axis=2)  # (l, l')
-            # l inside l': the change is constant on l
-            whole = meet & (lo == llo[:, None, :]).all(axis=2) & (hi == lhi[:, None, :]).all(axis=2)
-            dl = Pg[None, gs:ge, :] - P[s:e, None, :]  # (l, l', C)
-            wl, wg = np.nonzero(whole)
-            out.whole(s + wl, j, dl[wl, wg])
-            # l split by the new cells: one entry per piece, with the change on that piece
-            pl, pg = np.nonzero(meet & ~whole)
-            out.pieces(s + pl, j, dl[pl, pg], lo[pl, pg], hi[pl, pg], llo[pl], lhi[pl])
-    if forest.content_hash() != h0:  # pragma: no cover - copies must not touch the forest
-        raise RuntimeError("the forest changed while its guard was being computed")
-    tab = out.table(nL)
-    pieces = int((np.diff(tab.con) > 0).sum())
-    rep = ForestFitReport(
-        seconds=time.perf_counter() - t0, n_records=len(ids), n_trees=T, n_leaves=nL,
-        changed_trees=changed, forest_hash=h0,
-        detail={"entries": len(tab.row), "pieces": pieces},
-    )  # fmt: skip
-    return tab, rep
-
-
-# --------------------------------------------------------------------------- routing
-
-
-@dataclass
-class _Routing:
-    """Every tree's splits, rebuilt from the leaf cells: node k sends q to ``left[k]`` iff
-    ``q[attr[k]] <= thr[k]``; a child (or a root) ``< 0`` is leaf row ``-child - 1``."""
+class _Structure:
+    """The forest's trees in compact node ids, depth-first per tree (a subtree is the
+    range [u, u + size[u])): routing, cells, leaves and their records."""
 
     root: np.ndarray
+    kind: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    attr: np.ndarray
+    thr: np.ndarray
+    cnt: np.ndarray  # (nodes, C) class counts (leaves' give the probabilities)
+    n: np.ndarray
+    tree: np.ndarray
+    path: np.ndarray
+    depth: np.ndarray
+    size: np.ndarray
+    lo: np.ndarray  # (nodes, features) cells: lo < q <= hi
+    hi: np.ndarray
+    rec_off: np.ndarray  # leaves' records: rec[rec_off[u]:rec_off[u + 1]]
+    rec: np.ndarray  # record positions (in the forest's sorted record ids)
+    y: np.ndarray  # label index of each record position
+    forest_node: np.ndarray  # compact id -> the forest's node id
+    node_of: dict[int, int]  # the forest's node id -> compact id
+
+    @classmethod
+    def of(cls, forest: DaREForest) -> _Structure:
+        v = dv.view(forest)
+        order = _depth_first(v)
+        compact = np.full(len(v.used), -1, dtype=np.int64)
+        compact[order] = np.arange(len(order))
+        kind = v.kind[order].astype(np.int64)
+        inner = kind != dv.LEAF
+        left = np.where(inner, compact[np.maximum(v.left[order], 0)], -1)
+        right = np.where(inner, compact[np.maximum(v.right[order], 0)], -1)
+        attr = np.maximum(v.attr[order], 0).astype(np.int64)
+        thr = v.thr[order].astype(np.float64)
+        p = v.X.shape[0]
+        lo = np.full((len(order), p), -np.inf)
+        hi = np.full((len(order), p), np.inf)
+        size = np.ones(len(order), dtype=np.int64)
+        for u in range(len(order) - 1, -1, -1):  # children come after their parent
+            if inner[u]:
+                size[u] += size[left[u]] + size[right[u]]
+        for u in range(len(order)):
+            if inner[u]:
+                for c, cut in ((left[u], "hi"), (right[u], "lo")):
+                    lo[c], hi[c] = lo[u], hi[u]
+                    if cut == "hi":
+                        hi[c, attr[u]] = min(hi[u, attr[u]], thr[u])
+                    else:
+                        lo[c, attr[u]] = max(lo[u, attr[u]], thr[u])
+        pos = _positions(forest)
+        leaves = np.flatnonzero(~inner)
+        rows, off = dv.node_records(forest, order[leaves])
+        rec_n = np.zeros(len(order), dtype=np.int64)
+        rec_n[leaves] = np.diff(off)
+        y = np.zeros(int(forest.n_records_), dtype=np.int64)
+        live = pos >= 0
+        y[pos[live]] = v.y[: len(pos)][live]
+        return cls(
+            root=compact[v.root], kind=kind, left=left, right=right, attr=attr, thr=thr,
+            cnt=v.cnt[order].astype(np.int64), n=v.n[order].astype(np.int64),
+            tree=v.tree[order].astype(np.int64), path=v.path[order].astype(np.int64),
+            depth=v.depth[order].astype(np.int64), size=size, lo=lo, hi=hi,
+            rec_off=np.concatenate([[0], np.cumsum(rec_n)]).astype(np.int64),
+            rec=pos[rows], y=y, forest_node=order,
+            node_of={int(u): i for i, u in enumerate(order.tolist())},
+        )  # fmt: skip
+
+    def probabilities(self) -> np.ndarray:
+        return self.cnt / np.maximum(self.n, 1)[:, None].astype(np.float64)
+
+    def node_keys(self) -> list[tuple[int, int]]:
+        return list(zip(self.tree.tolist(), self.path.tolist(), strict=True))
+
+
+def _depth_first(v: dv.ForestView) -> np.ndarray:
+    """The forest's used node ids, tree by tree, each tree in depth-first pre-order."""
+    out: list[int] = []
+    for r in v.root.tolist():
+        stack = [r]
+        while stack:
+            u = stack.pop()
+            out.append(u)
+            if v.kind[u] != dv.LEAF:
+                stack += [int(v.right[u]), int(v.left[u])]
+    return np.array(out, dtype=np.int64)
+
+
+def _positions(forest: DaREForest) -> np.ndarray:
+    """Slot -> position of the record in the forest's sorted record ids (-1: no record)."""
+    ids = forest.record_ids_
+    pos = np.full(len(dv.view(forest).y), -1, dtype=np.int64)
+    pos[[forest._slot[i] for i in ids.tolist()]] = np.arange(len(ids))
+    return pos
+
+
+@dataclass
+class _Pairs:
+    """The fragile (record, node) pairs, one per (tree, record): its highest fragile node.
+    An exact pair carries the subtree a deletion of its record grows at its node, as nodes
+    of one pool from its ``root`` (leaf flag, routing ``x <= thr`` left, class counts);
+    a worst-case pair (``root`` -1) has none."""
+
+    node: np.ndarray  # per pair: compact node, record position, pool root or -1
+    prec: np.ndarray
+    root: np.ndarray
+    leaf: np.ndarray  # per pool node
     attr: np.ndarray
     thr: np.ndarray
     left: np.ndarray
     right: np.ndarray
+    cnt: np.ndarray
+    n: np.ndarray
+
+    ARRAYS = ("node", "prec", "root", "leaf", "attr", "thr", "left", "right", "cnt", "n")
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in self.ARRAYS}
+
+    @classmethod
+    def empty(cls, C: int) -> _Pairs:
+        z = np.zeros(0, np.int64)
+        return cls(z, z, z, np.zeros(0, bool), z, np.zeros(0), z, z, np.zeros((0, C), np.int64),
+                   z)
+
+    def by_node(self, n_nodes: int, exact: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSR per compact node of the exact (or the worst-case) pairs: records, roots."""
+        sel = (self.root >= 0) == exact
+        node, prec, root = self.node[sel], self.prec[sel], self.root[sel]
+        order = np.argsort(node, kind="stable")
+        off = np.searchsorted(node[order], np.arange(n_nodes + 1))
+        return off.astype(np.int64), prec[order], root[order]
+
+    def select(self, keep: np.ndarray, node: np.ndarray | None = None,
+               prec: np.ndarray | None = None) -> _Pairs:
+        """The pairs where `keep`, their subtrees packed anew (optionally renamed)."""
+        node = self.node if node is None else node
+        prec = self.prec if prec is None else prec
+        blocks = [self._block(r) for r in self.root[keep].tolist()]
+        sizes = np.array([len(b) for b in blocks], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        idx = np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, np.int64)
+        new_of = np.full(len(self.leaf), -1, dtype=np.int64)
+        new_of[idx] = np.arange(len(idx))
+        root = np.where(self.root[keep] >= 0, new_of[np.maximum(self.root[keep], 0)], -1)
+        kid = lambda a: np.where(a[idx] >= 0, new_of[np.maximum(a[idx], 0)], -1)  # noqa: E731
+        del starts
+        return _Pairs(node=node[keep], prec=prec[keep], root=root, leaf=self.leaf[idx],
+                      attr=self.attr[idx], thr=self.thr[idx], left=kid(self.left),
+                      right=kid(self.right), cnt=self.cnt[idx], n=self.n[idx])
+
+    def _block(self, root: int) -> np.ndarray:
+        if root < 0:
+            return np.zeros(0, np.int64)
+        out, stack = [], [root]
+        while stack:
+            u = stack.pop()
+            out.append(u)
+            if not self.leaf[u]:
+                stack += [int(self.right[u]), int(self.left[u])]
+        return np.array(sorted(out), dtype=np.int64)
+
+    def fits(self, n_nodes: int, n_records: int, n_features: int, C: int) -> bool:
+        g = len(self.leaf)
+        inner = ~self.leaf
+        return bool(
+            self.node.shape == self.prec.shape == self.root.shape
+            and self.cnt.shape == (g, C) and self.n.shape == (g,)
+            and ((self.node >= 0) & (self.node < n_nodes)).all()
+            and ((self.prec >= 0) & (self.prec < n_records)).all()
+            and ((self.root >= -1) & (self.root < g)).all()
+            and ((self.attr >= 0) & (self.attr < n_features)).all()
+            and ((self.left[inner] >= 0) & (self.left[inner] < g)).all()
+            and ((self.right[inner] >= 0) & (self.right[inner] < g)).all()
+            and (self.left[inner] > np.flatnonzero(inner)).all()  # children after parents
+            and (self.right[inner] > np.flatnonzero(inner)).all())  # fmt: skip
+
+    @classmethod
+    def concat(cls, parts: list[_Pairs], C: int) -> _Pairs:
+        if not parts:
+            return cls.empty(C)
+        base = np.cumsum([0] + [len(p.leaf) for p in parts])[:-1]
+
+        def shift(a: np.ndarray, b: int) -> np.ndarray:
+            return np.where(a >= 0, a + b, -1)
+
+        return cls(
+            node=np.concatenate([p.node for p in parts]).astype(np.int64),
+            prec=np.concatenate([p.prec for p in parts]).astype(np.int64),
+            root=np.concatenate([shift(p.root, b) for p, b in zip(parts, base, strict=True)]),
+            leaf=np.concatenate([p.leaf for p in parts]).astype(bool),
+            attr=np.concatenate([p.attr for p in parts]).astype(np.int64),
+            thr=np.concatenate([p.thr for p in parts]).astype(np.float64),
+            left=np.concatenate([shift(p.left, b) for p, b in zip(parts, base, strict=True)]),
+            right=np.concatenate([shift(p.right, b) for p, b in zip(parts, base, strict=True)]),
+            cnt=np.concatenate([p.cnt for p in parts]).astype(np.int64).reshape(-1, C),
+            n=np.concatenate([p.n for p in parts]).astype(np.int64))
 
 
-def _routing(L: dict[str, np.ndarray], T: int) -> _Routing:
-    """Rebuild the splits bottom-up from the leaf cells and check them exactly.
+def _pairs(forest: DaREForest, st: _Structure, nodes: np.ndarray | None) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """(compact node, record position, domain override or NaN) of every record's highest
+    fragile node, among `nodes` (forest ids; None: all) and, for records whose deletion
+    moves a value domain, every random node on that attribute."""
+    pos = _positions(forest)
+    done, off, slots = fragile_records(forest, nodes)
+    comp = np.array([st.node_of[int(u)] for u in done.tolist()], dtype=np.int64)
+    sizes = np.diff(off)
+    node = np.repeat(comp, sizes)
+    prec = pos[slots]
+    v = dv.view(forest)
+    dom = np.full(len(node), np.nan)
+    extra_n, extra_r, extra_d = [], [], []
+    for a, slot, moved in domain_fragile(forest):  # (attribute, slot, the moved domain)
+        rnd = [st.node_of[int(u)] for u in np.flatnonzero(v.used & (v.kind == dv.RANDOM)
+                                                          & (v.attr == a))]
+        extra_n += rnd
+        extra_r += [int(pos[slot])] * len(rnd)
+        extra_d += [moved] * len(rnd)
+    if extra_n:
+        node = np.concatenate([node, extra_n]).astype(np.int64)
+        prec = np.concatenate([prec, extra_r]).astype(np.int64)
+        dom = np.concatenate([dom, extra_d])
+    # one pair per (tree, record): the highest node (smallest depth; a domain pair first)
+    order = np.lexsort((np.isnan(dom), st.depth[node], prec, st.tree[node]))
+    node, prec, dom = node[order], prec[order], dom[order]
+    first = np.ones(len(node), dtype=bool)
+    first[1:] = (st.tree[node][1:] != st.tree[node][:-1]) | (prec[1:] != prec[:-1])
+    return node[first], prec[first], dom[first]
 
-    Two sibling cells must equal their parent's cell cut at one threshold of one coordinate
-    (left ``hi = thr``, right ``lo = thr``) and every root cell must be all of R^d; then, by
-    induction, routing q by these splits reaches the leaf whose cell contains q, which is
-    the leaf the forest routes q to (:meth:`DaREForest.leaves`). The guard routes queries
-    itself, once, instead of asking the forest for node ids.
-    """
-    tree, path, lo, hi = L["tree"], L["path"], L["lo"], L["hi"]
-    depth = np.zeros(len(path), dtype=np.int64)
-    while True:  # depth from the heap path (root 1)
-        deeper = (path >> (depth + 1)) > 0
-        if not deeper.any():
-            break
-        depth += deeper
-    cur_t = np.zeros(0, np.int64)
-    cur_p = np.zeros(0, np.int64)
-    cur_id = np.zeros(0, np.int64)
-    cur_lo = np.zeros((0, lo.shape[1]))
-    cur_hi = np.zeros((0, lo.shape[1]))
-    attr: list[np.ndarray] = []
-    thr: list[np.ndarray] = []
-    left: list[np.ndarray] = []
-    right: list[np.ndarray] = []
-    n_int = 0
-    for dep in range(int(depth.max(initial=0)), -1, -1):
-        at = depth == dep
-        cur_t = np.concatenate([cur_t, tree[at]])
-        cur_p = np.concatenate([cur_p, path[at]])
-        cur_id = np.concatenate([cur_id, -np.flatnonzero(at) - 1])
-        cur_lo = np.concatenate([cur_lo, lo[at]])
-        cur_hi = np.concatenate([cur_hi, hi[at]])
-        order = np.lexsort((cur_p, cur_t))
-        cur_t, cur_p, cur_id = cur_t[order], cur_p[order], cur_id[order]
-        cur_lo, cur_hi = cur_lo[order], cur_hi[order]
-        if dep == 0:
-            break
-        a, b = slice(0, None, 2), slice(1, None, 2)
-        if len(cur_p) % 2 or not (
-            np.array_equal(cur_t[a], cur_t[b])
-            and (cur_p[a] % 2 == 0).all()
-            and np.array_equal(cur_p[b], cur_p[a] + 1)
-        ):
-            raise RuntimeError("leaf paths do not form binary trees")  # pragma: no cover
-        llo, lhi, rlo, rhi = cur_lo[a], cur_hi[a], cur_lo[b], cur_hi[b]
-        cut = lhi != rhi
-        k = np.argmax(cut, axis=1)
-        i = np.arange(len(k))
-        t_ = lhi[i, k]
-        if not (
-            (cut.sum(axis=1) == 1).all()
-            and np.array_equal(llo != rlo, cut)
-            and (rlo[i, k] == t_).all()
-            and (llo[i, k] < t_).all()
-            and (t_ < rhi[i, k]).all()
-        ):
-            raise RuntimeError("leaf cells are not cut by one threshold")  # pragma: no cover
-        m = len(k)
-        attr.append(k)
-        thr.append(t_)
-        left.append(cur_id[a])
-        right.append(cur_id[b])
-        cur_t, cur_p = cur_t[a], cur_p[a] >> 1
-        cur_id = np.arange(n_int, n_int + m, dtype=np.int64)
-        cur_lo, cur_hi = llo, rhi
-        n_int += m
-    if not (
-        np.array_equal(cur_t, np.arange(T))
-        and (cur_p == 1).all()
-        and np.isneginf(cur_lo).all()
-        and np.isposinf(cur_hi).all()
-    ):
-        raise RuntimeError("leaf cells do not cover R^d once per tree")  # pragma: no cover
 
-    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+def _within_budget(st: _Structure, node: np.ndarray, budget_nodes: int) -> np.ndarray:
+    """Which pairs get their subtrees: the smallest first (by the old subtree's size),
+    while they fit the budget."""
+    order = np.argsort(st.size[node], kind="stable")
+    fits = np.cumsum(st.size[node][order]) <= budget_nodes
+    out = np.zeros(len(node), dtype=bool)
+    out[order[fits]] = True
+    return out
 
-    return _Routing(
-        root=cur_id.astype(np.int64), attr=cat(attr, np.int64), thr=cat(thr, np.float64),
-        left=cat(left, np.int64), right=cat(right, np.int64),
-    )  # fmt: skip
+
+def _grow_pairs(forest: DaREForest, st: _Structure, node: np.ndarray, prec: np.ndarray,
+                dom: np.ndarray, budget_nodes: int) -> _Pairs:
+    """The pairs with the subtrees a deletion of their record grows at their node (for
+    the pairs the budget admits; the others are worst-case pairs)."""
+    C = st.cnt.shape[1]
+    exact = _within_budget(st, node, budget_nodes)
+    worst = _Pairs.empty(C)
+    worst = _Pairs(node[~exact], prec[~exact], np.full(int((~exact).sum()), -1, np.int64),
+                   *list(worst.arrays().values())[3:])
+    parts = [worst]
+    node, prec, dom = node[exact], prec[exact], dom[exact]
+    ids = forest.record_ids_
+    slot = np.array([forest._slot[i] for i in ids.tolist()], dtype=np.int64)
+    n_rows = st.n[node]
+    start = 0
+    while start < len(node):
+        stop = start + 1
+        while stop < len(node) and n_rows[start:stop + 1].sum() <= _CHUNK_ROWS:
+            stop += 1
+        sel = np.arange(start, stop)
+        u = node[sel]
+        rows, off = dv.node_records(forest, st.forest_node[u])
+        owner = np.repeat(np.arange(len(sel)), np.diff(off))
+        keep = rows != slot[prec[sel]][owner]  # the record itself leaves its node
+        rows = rows[keep]
+        off = np.concatenate([[0], np.cumsum(np.bincount(owner[keep], minlength=len(sel)))])
+        for idx, g in _grow_with_domains(forest, st, u, rows, off.astype(np.int64), dom[sel]):
+            parts.append(_Pairs(u[idx], prec[sel][idx], g.off[:-1], g.leaf, g.attr, g.thr,
+                                g.left, g.right, g.cnt, g.n))
+        start = stop
+    return _Pairs.concat(parts, C)
+
+
+def _grow_with_domains(forest: DaREForest, st: _Structure, u: np.ndarray, rows: np.ndarray,
+                       off: np.ndarray, dom: np.ndarray) -> list[tuple[np.ndarray, dv.Grown]]:
+    """Grow the subtrees, in groups: (the tasks of the group, their subtrees). A pair with a
+    moved value domain (dom not NaN: the new D of its random node's attribute) grows with
+    that domain."""
+    plain = np.isnan(dom)
+    groups = [(np.flatnonzero(plain), None)]
+    for a, d in sorted({(int(st.attr[x]), float(dd)) for x, dd in zip(u[~plain], dom[~plain],
+                                                                       strict=True)}):
+        groups.append((np.flatnonzero(~plain & (st.attr[u] == a) & (dom == d)), (a, d)))
+    v = dv.view(forest)
+    out = []
+    for idx, override in groups:
+        if not idx.size:
+            continue
+        sub_rows = np.concatenate([rows[off[i]:off[i + 1]] for i in idx])
+        sub_off = np.concatenate([[0], np.cumsum(np.diff(off)[idx])]).astype(np.int64)
+        fu = st.forest_node[u[idx]]
+        out.append((idx, dv.grow(forest, v.tree[fu], v.path[fu], v.depth[fu], sub_rows,
+                                 sub_off, domain=override)))
+    return out
 
 
 # --------------------------------------------------------------------------- kernels
 
 
 @njit(cache=True)
-def _route(Q, root, attr, thr, left, right):  # pragma: no cover - compiled
-    """Leaf row of every (tree, query), shape (T, n)."""
+def _route(Q, root, kind, left, right, attr, thr):  # pragma: no cover - compiled
+    """Leaf (compact id) of every (tree, query), shape (T, n)."""
     n = Q.shape[0]
     T = root.shape[0]
-    rows = np.empty((T, n), dtype=np.int64)
+    out = np.empty((T, n), dtype=np.int64)
     for i in range(n):
         for t in range(T):
             k = root[t]
-            while k >= 0:
+            while kind[k] != 0:
                 k = left[k] if Q[i, attr[k]] <= thr[k] else right[k]
-            rows[t, i] = -k - 1
-    return rows
+            out[t, i] = k
+    return out
 
 
 @njit(cache=True)
-def _accumulate(Q, i, rows, start, rec, d, con, cdim, clo, chi, acc, seen, touched
-                ):  # pragma: no cover - compiled
-    """Add up, per record x, the changes of tree t's class probabilities at query i over all
-    trees: acc[x] = sum_t Delta_{t,x}(q_i). Returns how many records got an entry; their
-    indices are touched[:nt] (the caller resets acc and seen). Entries are sorted by (leaf
-    row, record), and at most one entry of a (leaf, record) holds at q."""
-    T = rows.shape[0]
-    C = d.shape[1]
-    nt = 0
-    for t in range(T):
-        r = rows[t, i]
-        e, end = start[r], start[r + 1]
-        while e < end:
-            ok = True
-            for m in range(con[e], con[e + 1]):
-                v = Q[i, cdim[m]]
-                if not (clo[m] < v and v <= chi[m]):
-                    ok = False
-                    break
-            if not ok:
-                e += 1
-                continue
-            x = rec[e]
-            if not seen[x]:
-                seen[x] = True
-                touched[nt] = x
-                nt += 1
-            for c in range(C):
-                acc[x, c] += d[e, c]
-            # the other entries of (leaf, x) are pieces disjoint from this one
-            e += 1
-            while e < end and rec[e] == x:
-                e += 1
-    return nt
-
-
-@njit(cache=True)
-def _certify(Q, rows, scores, tol, n_records, start, rec, d, con, cdim, clo, chi
-             ):  # pragma: no cover - compiled
-    """Per query: w = argmax of scores (lowest index on ties) and whether, for every c != w,
-    scores[w] - scores[c] > max_x mean_t (Delta_{t,x,c} - Delta_{t,x,w}) + tol (records
-    without an entry at q contribute 0)."""
-    T, n = rows.shape
-    C = d.shape[1]
-    acc = np.zeros((n_records, C))
-    seen = np.zeros(n_records, dtype=np.bool_)
-    touched = np.empty(n_records, dtype=np.int64)
-    gain = np.empty(C)
-    labels = np.empty(n, dtype=np.int64)
-    certain = np.empty(n, dtype=np.bool_)
-    for i in range(n):
-        w = 0
-        for c in range(1, C):
-            if scores[i, c] > scores[i, w]:
-                w = c
-        nt = _accumulate(Q, i, rows, start, rec, d, con, cdim, clo, chi, acc, seen, touched)
-        base = 0.0 if nt < n_records else -np.inf
-        for c in range(C):
-            gain[c] = base
-        for k in range(nt):
-            x = touched[k]
-            for c in range(C):
-                g = (acc[x, c] - acc[x, w]) / T
-                if g > gain[c]:
-                    gain[c] = g
-            for c in range(C):
-                acc[x, c] = 0.0
-            seen[x] = False
-        ok = True
-        for c in range(C):
-            if c != w and not (scores[i, w] - scores[i, c] > gain[c] + tol):
-                ok = False
-        labels[i] = w
-        certain[i] = ok
-    return labels, certain
-
-
-@njit(cache=True)
-def _bounds(Q, rows, n_records, start, rec, d, con, cdim, clo, chi):  # pragma: no cover
-    """Per query: H[i, a, b] = max_x mean_t (Delta_{t,x,b} - Delta_{t,x,a}) and
-    delta[i] = max_x max_c |mean_t Delta_{t,x,c}| (records without an entry give 0)."""
-    T, n = rows.shape
-    C = d.shape[1]
-    acc = np.zeros((n_records, C))
-    seen = np.zeros(n_records, dtype=np.bool_)
-    touched = np.empty(n_records, dtype=np.int64)
+def _gains(Q, root, kind, left, right, attr, thr, cnt, nn, rec_off, rec, y, f_off, f_rec,
+           f_root, w_off, w_rec, g_leaf, g_attr, g_thr, g_left, g_right, g_cnt, g_n,
+           n_records, depth_max):  # pragma: no cover - compiled
+    """Per query i: H[i, a, b] = max over records x of sum_t (hi_{t,x,b} - lo_{t,x,a}) / T
+    and delta[i] = max over x, c of the largest |sum_t| of its bounds / T, where a tree's
+    (hi, lo) for x is its exact change (closed form for a stable record of q's leaf; for
+    an exact fragile pair on q's path, the leaf of its grown subtree that q reaches
+    against q's leaf), or the worst a tree can do for a worst-case pair on q's path:
+    hi_b = 1 - p_b, lo_a = -p_a. Records whose deletion changes nothing at q give 0."""
+    n = Q.shape[0]
+    T = root.shape[0]
+    C = cnt.shape[1]
+    hi = np.zeros((n_records, C))
+    lo = np.zeros((n_records, C))
+    stamp = np.full(n_records, -1, np.int64)
+    met = np.zeros(n_records, np.bool_)
+    touched = np.empty(n_records, np.int64)
+    path = np.empty(depth_max + 2, np.int64)
+    p = np.empty(C)
     H = np.zeros((n, C, C))
     delta = np.zeros(n)
     for i in range(n):
-        nt = _accumulate(Q, i, rows, start, rec, d, con, cdim, clo, chi, acc, seen, touched)
-        if nt == n_records:
-            for a in range(C):
-                for b in range(C):
-                    if a != b:
-                        H[i, a, b] = -np.inf
-        for k in range(nt):
-            x = touched[k]
-            for a in range(C):
-                delta[i] = max(delta[i], abs(acc[x, a]) / T)
-                for b in range(C):
-                    if a != b:
-                        H[i, a, b] = max(H[i, a, b], (acc[x, b] - acc[x, a]) / T)
+        nt = 0
+        for t in range(T):
+            k = root[t]
+            d = 0
+            while kind[k] != 0:
+                path[d] = k
+                d += 1
+                k = left[k] if Q[i, attr[k]] <= thr[k] else right[k]
+            path[d] = k
+            d += 1
+            nl = nn[k]
             for c in range(C):
-                acc[x, c] = 0.0
-            seen[x] = False
+                p[c] = cnt[k, c] / max(nl, 1)
+            for j in range(d):
+                u = path[j]
+                for e in range(f_off[u], f_off[u + 1]):  # exact pair: its grown subtree
+                    x = f_rec[e]
+                    stamp[x] = t
+                    if not met[x]:
+                        met[x] = True
+                        touched[nt] = x
+                        nt += 1
+                    g = f_root[e]
+                    while not g_leaf[g]:
+                        g = g_left[g] if Q[i, g_attr[g]] <= g_thr[g] else g_right[g]
+                    for c in range(C):
+                        dc = g_cnt[g, c] / max(g_n[g], 1) - p[c]
+                        hi[x, c] += dc
+                        lo[x, c] += dc
+                for e in range(w_off[u], w_off[u + 1]):  # worst-case pair
+                    x = w_rec[e]
+                    stamp[x] = t
+                    if not met[x]:
+                        met[x] = True
+                        touched[nt] = x
+                        nt += 1
+                    for c in range(C):
+                        hi[x, c] += 1.0 - p[c]
+                        lo[x, c] -= p[c]
+            for e in range(rec_off[k], rec_off[k + 1]):  # stable in q's leaf: closed form
+                x = rec[e]
+                if stamp[x] == t or nl <= 1:
+                    continue
+                if not met[x]:
+                    met[x] = True
+                    touched[nt] = x
+                    nt += 1
+                yx = y[x]
+                for c in range(C):
+                    dc = (cnt[k, c] - (1.0 if c == yx else 0.0)) / (nl - 1) - p[c]
+                    hi[x, c] += dc
+                    lo[x, c] += dc
+        base = 0.0 if nt < n_records else -np.inf
+        for a in range(C):
+            for b in range(C):
+                H[i, a, b] = base if a != b else 0.0
+        for m in range(nt):
+            x = touched[m]
+            for a in range(C):
+                delta[i] = max(delta[i], max(abs(hi[x, a]), abs(lo[x, a])) / T)
+                for b in range(C):
+                    if a != b:
+                        H[i, a, b] = max(H[i, a, b], (hi[x, b] - lo[x, a]) / T)
+            for c in range(C):
+                hi[x, c] = 0.0
+                lo[x, c] = 0.0
+            stamp[x] = -1
+            met[x] = False
     return H, delta
 
 
@@ -532,39 +541,129 @@ class ForestGuard:
     """
 
     def __init__(self, forest: DaREForest, epsilon: float = 1.0, memo_size: int = 100_000,
-                 random_state: int | None = None) -> None:
+                 random_state: int | None = None, state_budget: float = STATE_BUDGET) -> None:
+        if not state_budget >= 0:
+            raise ValueError(f"state_budget must be >= 0, got {state_budget!r}")
         self.forest = forest
+        self.state_budget = state_budget
         self.guard = LabelGuard(max(2, forest.n_classes_), epsilon=epsilon,
                                 memo_size=memo_size, random_state=random_state)
         self.forest_hash: str | None = None
         self.fit_report: ForestFitReport | None = None
-        self._table: _Table | None = None
-        self._routing: _Routing | None = None
-        self._P: np.ndarray | None = None  # leaf row -> class probabilities
-        self._tree = self._path = None  # leaf row -> tree, heap path
+        self._st: _Structure | None = None
+        self._pairs: _Pairs | None = None
+        self._ids: np.ndarray | None = None  # what the pairs' record positions name
+        self._P: np.ndarray | None = None
+        self._kernel_args: tuple = ()
         self._summary: dict[str, Any] = {}
         self._checked: tuple[int, str, bool] | None = None  # (generation, hash, matches)
 
     @classmethod
     def fit(cls, forest: DaREForest, epsilon: float = 1.0, memo_size: int = 100_000,
-            random_state: int | None = None) -> ForestGuard:
-        """Precompute the tables for `forest` (one exact deletion per record)."""
-        self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state)
+            random_state: int | None = None, state_budget: float = STATE_BUDGET) -> ForestGuard:
+        """Compute the fragile pairs and their subtrees for `forest`; `state_budget`: the
+        most the subtrees may take, as a multiple of the forest's saved size (inf: every
+        pair exact, whatever it costs)."""
+        self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state,
+                   state_budget=state_budget)
         self.refit()
         return self
 
-    def refit(self) -> ForestFitReport:
-        """(Re)compute the tables for the forest as it is now; sound mode afterwards."""
-        table, rep = _fit_tables(self.forest)
-        self._install(table, rep, self.forest.leaves())
+    def refit(self, nodes: np.ndarray | None = None) -> ForestFitReport:
+        """Bring the guard up to date with the forest as it is now; sound mode afterwards.
+
+        `nodes` (the forest's node ids): every node whose records changed since the last
+        fit (the paths of the updated records and the retrained subtrees); the pairs at
+        all other nodes are kept (see the module docstring). None recomputes everything."""
+        t0 = time.perf_counter()
+        h = self.forest.content_hash()
+        st = _Structure.of(self.forest)
+        C = st.cnt.shape[1]
+        incremental = nodes is not None and self._pairs is not None
+        if incremental:
+            v = dv.view(self.forest)
+            nodes = np.asarray(nodes, dtype=np.int64)
+            nodes = nodes[(nodes >= 0) & (nodes < len(v.used))]
+            # random nodes are recomputed always: a deletion that moves a value domain
+            # reaches all of them (there are few)
+            nodes = np.union1d(nodes[v.used[nodes]],
+                               np.flatnonzero(v.used & (v.kind == dv.RANDOM)))
+            kept = self._kept(st, {st.node_of[int(u)] for u in nodes.tolist()})
+        node, prec, dom = _pairs(self.forest, st, nodes if incremental else None)
+        if incremental:
+            node, prec, dom, kept = _merge_kept(st, node, prec, dom, kept)
+        node_bytes = 23 + 4 * C  # a grown node as saved: see _SAVED_DTYPES
+        budget = self.state_budget * dv.saved_nbytes(self.forest) - _PAIR_BYTES * len(node)
+        if incremental:
+            budget -= _PAIR_BYTES * len(kept.node) + node_bytes * len(kept.leaf)
+        fresh = _grow_pairs(self.forest, st, node, prec, dom,
+                            int(min(max(budget / node_bytes, 0), 2**62)))
+        pairs = _Pairs.concat([kept, fresh], C) if incremental else fresh
+        rep = ForestFitReport(
+            seconds=time.perf_counter() - t0, n_records=int(self.forest.n_records_),
+            n_trees=int(self.forest.n_estimators), n_leaves=int((st.kind == dv.LEAF).sum()),
+            fragile_pairs=int(len(pairs.node)), forest_hash=h,
+            detail={"incremental": bool(incremental), "pairs_grown": int(len(node)),
+                    "exact_pairs": int((pairs.root >= 0).sum()),
+                    "subtree_nodes": int(len(pairs.leaf))})
+        self._install(st, pairs, rep)
         return rep
 
-    def _install(self, table: _Table, rep: ForestFitReport, L: dict[str, np.ndarray]) -> None:
-        """Tables + the routing and leaf probabilities of the forest they were fitted to."""
-        self._table = table
-        self._routing = _routing(L, int(self.forest.n_estimators))
-        self._P = _leaf_probs(L, np.arange(self.forest.n_classes_), self.forest.n_classes_)
-        self._tree, self._path = L["tree"], L["path"]
+    def update(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
+               ) -> ForestFitReport:
+        """After the forest deleted and added these records (one batch or several since the
+        last fit): recompute what they can have changed and keep the rest. The changed
+        nodes: the deleted records' paths before, the added ones' after, and every node
+        whose split or counts moved, with its subtree."""
+        if self._st is None or self._pairs is None:
+            return self.refit()
+        old = self._st
+        new = _Structure.of(self.forest)
+        keys: set[tuple[int, int]] = set()
+        old_pos = np.searchsorted(self._ids, np.asarray(list(deleted), dtype=object))
+        keys |= _path_keys(old, old_pos[(old_pos < len(self._ids))
+                                        & (self._ids[np.minimum(old_pos, len(self._ids) - 1)]
+                                           == np.asarray(list(deleted), dtype=object))])
+        ids = self.forest.record_ids_
+        keys |= _path_keys(new, np.searchsorted(ids, np.asarray(list(added), dtype=object)))
+        before = {key: i for i, key in enumerate(old.node_keys())}
+        moved = np.zeros(len(new.kind), dtype=bool)
+        for u, key in enumerate(new.node_keys()):
+            i = before.get(key)
+            moved[u] = i is None or not (
+                old.kind[i] == new.kind[u] and old.attr[i] == new.attr[u]
+                and old.thr[i] == new.thr[u] and old.n[i] == new.n[u]
+                and (old.cnt[i] == new.cnt[u]).all())
+        for u in np.flatnonzero(moved).tolist():  # a moved node's subtree may hold others
+            moved[u:u + new.size[u]] = True
+        nodes = {new.forest_node[u] for u, key in enumerate(new.node_keys())
+                 if moved[u] or key in keys}
+        return self.refit(nodes=np.array(sorted(nodes), dtype=np.int64))
+
+    def _kept(self, st: _Structure, touched: set[int]) -> _Pairs:
+        """The last fit's pairs at nodes that did not change (with their subtrees), moved to
+        the new compact ids and record positions; pairs of deleted records dropped."""
+        old_st, old = self._st, self._pairs
+        new_id = {key: i for i, key in enumerate(st.node_keys())}
+        remap_node = np.array([new_id.get(k, -1) for k in old_st.node_keys()], dtype=np.int64)
+        ids = self.forest.record_ids_
+        held = self._ids[old.prec]
+        at = np.searchsorted(ids, held)
+        ok = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == held)
+        node = remap_node[old.node]
+        keep = (node >= 0) & ok & ~np.isin(node, np.fromiter(touched, dtype=np.int64))
+        return old.select(keep, node=node, prec=np.where(ok, at, -1))
+
+    def _install(self, st: _Structure, pairs: _Pairs, rep: ForestFitReport) -> None:
+        self._st, self._pairs, self._P = st, pairs, st.probabilities()
+        self._ids = self.forest.record_ids_
+        f_off, f_rec, f_root = pairs.by_node(len(st.kind), True)
+        w_off, w_rec, _ = pairs.by_node(len(st.kind), False)
+        self._kernel_args = (st.root, st.kind, st.left, st.right, st.attr, st.thr, st.cnt,
+                             st.n, st.rec_off, st.rec, st.y, f_off, f_rec, f_root, w_off,
+                             w_rec, pairs.leaf, pairs.attr, pairs.thr, pairs.left, pairs.right,
+                             pairs.cnt, pairs.n, int(self.forest.n_records_),
+                             int(st.depth.max(initial=0)))
         self.forest_hash = rep.forest_hash
         self.fit_report = rep
         self._summary = self._summarise()
@@ -577,18 +676,18 @@ class ForestGuard:
     # ---------------------------------------------------------------- persistence
 
     def save(self, path: str | Path) -> None:
-        """Write ``path/meta.json`` (forest hash, fit report, summary) and
-        ``path/tables.npz`` (no pickle), so that a serving process loads instead of refits."""
-        if self._table is None or self.fit_report is None:
+        """Write ``path/meta.json`` (forest hash, fit report, summary) and ``path/pairs.npz``
+        (no pickle): the pairs and pieces, nodes named by (tree, path)."""
+        if self._st is None or self.fit_report is None:
             raise RuntimeError("nothing to save: the guard has not been fitted")
-        arrays = {**self._table.arrays(), "leaf_tree": self._tree, "leaf_path": self._path}
-        rep = self.fit_report
+        arrays = {k: a.astype(_SAVED_DTYPES[k]) for k, a in self._pairs.arrays().items()}
+        arrays |= {"node_tree": self._st.tree, "node_path": self._st.path}
         meta = {
             "format": FORMAT,
             "forest_hash": self.forest_hash,
             "n_classes": int(self.forest.n_classes_),
             "tables_hash": hash_arrays(*(arrays[k] for k in sorted(arrays))),
-            "fit_report": asdict(rep),
+            "fit_report": asdict(self.fit_report),
             "summary": self._summary,
         }
         write_bundle(Path(path), meta, _TABLES, lambda fh: np.savez(fh, **arrays))
@@ -596,10 +695,10 @@ class ForestGuard:
     @classmethod
     def load(cls, path: str | Path, forest: DaREForest, epsilon: float = 1.0,
              memo_size: int = 100_000, random_state: int | None = None) -> ForestGuard:
-        """Read tables written by :meth:`save` for `forest`.
+        """Read the state written by :meth:`save` for `forest`.
 
-        Raises ValueError when `forest` is not the forest they were fitted to (content hash)
-        or the tables do not match their recorded hash: tables of another forest would
+        Raises ValueError when `forest` is not the forest it was fitted to (content hash)
+        or the state does not match its recorded hash: pairs of another forest would
         certify answers that a LOO forest of this one may give differently.
         """
         p = Path(path)
@@ -610,62 +709,49 @@ class ForestGuard:
                              f"not to the given forest {h[:16]}...; refit it")
         with np.load(read_bundle_payload(p, _TABLES), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-        if sorted(arrays) != sorted((*_Table.ARRAYS, "leaf_tree", "leaf_path")) or hash_arrays(
-            *(arrays[k] for k in sorted(arrays))
-        ) != meta["tables_hash"]:
-            raise ValueError(f"{p}: the guard's tables do not match their recorded hash")
-        table = _Table(**{k: arrays[k] for k in _Table.ARRAYS})
-        L = forest.leaves()
-        # equal hashes imply equal leaf lists; checked because the tables index them, and the
-        # compiled kernels do not check bounds
-        if not (np.array_equal(L["tree"], arrays["leaf_tree"])
-                and np.array_equal(L["path"], arrays["leaf_path"])
-                and table.fits(len(L["node"]), forest.n_records_, forest.n_features_,
+        if sorted(arrays) != sorted((*_Pairs.ARRAYS, "node_tree", "node_path")) or hash_arrays(
+                *(arrays[k] for k in sorted(arrays))) != meta["tables_hash"]:
+            raise ValueError(f"{p}: the guard's state does not match its recorded hash")
+        st = _Structure.of(forest)
+        pairs = _Pairs(**{k: arrays[k].astype(np.float64 if k == "thr" else bool if k == "leaf"
+                                             else np.int64) for k in _Pairs.ARRAYS})
+        # equal hashes imply equal trees; checked because the kernels do not check bounds
+        if not (np.array_equal(st.tree, arrays["node_tree"])
+                and np.array_equal(st.path, arrays["node_path"])
+                and pairs.fits(len(st.kind), forest.n_records_, forest.n_features_,
                                forest.n_classes_)):  # fmt: skip
-            raise ValueError(f"{p}: the guard's tables do not fit the forest's leaves")
+            raise ValueError(f"{p}: the guard's state does not fit the forest's nodes")
         self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state)
-        self._install(table, ForestFitReport(**meta["fit_report"]), L)
+        self._install(st, pairs, ForestFitReport(**meta["fit_report"]))
         return self
 
     def _summarise(self) -> dict[str, Any]:
-        tab, rep = self._table, self.fit_report
-        nL = len(self._tree)
-        leaf = np.zeros(nL)
-        if len(tab.row):
-            np.maximum.at(leaf, tab.row, np.abs(tab.d).max(axis=1))
-        # one record's largest change anywhere: at most the sum over trees of its largest
-        # entry in each tree, over T
+        rep = self.fit_report
         T = rep.n_trees
-        per = np.zeros((max(rep.n_records, 1), T))
-        if len(tab.row):
-            np.maximum.at(per, (tab.rec, self._tree[tab.row]), np.abs(tab.d).max(axis=1))
         return {
-            "rule": "forest-loo-per-record",
+            "rule": "forest-loo-fragility",
             "forest_hash": rep.forest_hash,
             "n_records": rep.n_records,
             "n_trees": T,
             "n_leaves": rep.n_leaves,
-            "entries": len(tab.row),
+            "fragile_pairs": rep.fragile_pairs,
+            "fragile_share": round(rep.fragile_pairs / max(1, rep.n_records * T), 6),
+            "entries": int(rep.detail.get("entries", 0)),
             "fit_seconds": round(float(rep.seconds), 3),
-            "tree_delta_median": float(np.median(leaf)) if nL else 0.0,
-            "tree_delta_max": float(leaf.max(initial=0.0)),
-            "delta_max_bound": float(per.sum(axis=1).max() / T),
+            # a record is met once per tree: it moves a class probability by at most 1/T
+            # there, so by at most 1 over the forest
+            "delta_max_bound": 1.0,
         }
 
     @property
     def bound_summary(self) -> dict[str, Any]:
-        """Small JSON-able record of what the guard rests on, for a model manifest.
-
-        ``tree_delta_*``: over leaves, the largest change of one tree's class probability
-        there under one deletion; ``delta_max_bound``: an upper bound on how far one
-        deletion moves any class probability of the forest, anywhere.
-        """
+        """Small JSON-able record of what the guard rests on, for a model manifest."""
         return dict(self._summary)
 
     # ---------------------------------------------------------------- binding
 
     def _sound(self) -> bool:
-        """Whether the tables are the forest's; re-hashes only when `generation_` moved."""
+        """Whether the state is the forest's; re-hashes only when `generation_` moved."""
         gen = self.forest.generation_
         if self._checked is None or self._checked[0] != gen:
             h = self.forest.content_hash()
@@ -681,11 +767,11 @@ class ForestGuard:
     # ---------------------------------------------------------------- queries
 
     def _rows(self, Q: np.ndarray) -> np.ndarray:
-        r = self._routing
-        return _route(Q, r.root, r.attr, r.thr, r.left, r.right)
+        st = self._st
+        return _route(Q, st.root, st.kind, st.left, st.right, st.attr, st.thr)
 
     def _scores(self, rows: np.ndarray) -> np.ndarray:
-        """Forest scores from the leaf rows, with DaREForest.scores' own numpy arithmetic
+        """Forest scores from the leaves, with DaREForest.scores' own numpy arithmetic
         (same chunks of trees, same reductions), so the labels are bit for bit its argmax."""
         T, n = rows.shape
         out = np.zeros((n, self._P.shape[1]))
@@ -694,35 +780,70 @@ class ForestGuard:
             out += self._P[rows[t0:t0 + step]].sum(axis=0)
         return out / T
 
-    def _tables(self) -> tuple:
-        tb = self._table
-        return (self.fit_report.n_records, tb.start, tb.rec, tb.d, tb.con, tb.cdim, tb.clo,
-                tb.chi)
-
     def bounds(self, X: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(scores (n, C), delta (n,), H (n, C, C)) with delta(q) = max_x,c |p_{-x,c} - p_c|
         and H[q, a, b] = max_x of how far class b gains on class a at q. Raises when the
-        forest no longer matches the tables."""
+        forest no longer matches the guard."""
         if not self._sound():
             raise RuntimeError("the forest changed since the guard was fitted; call refit()")
         Q = check_features(X, None, self.forest.n_features_)
-        rows = self._rows(Q)
-        H, delta = _bounds(Q, rows, *self._tables())
-        return self._scores(rows), delta, H
+        H, delta = _gains(Q, *self._kernel_args)
+        return self._scores(self._rows(Q)), delta, H
 
     def certain(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         """Predicted class index (lowest on ties) and whether every LOO forest agrees."""
         Q = check_features(X, None, self.forest.n_features_)
         if not self._sound():
             return np.argmax(self.forest.scores(Q), axis=1), np.zeros(len(Q), dtype=bool)
-        rows = self._rows(Q)
-        return _certify(Q, rows, self._scores(rows), self.tol, *self._tables())
+        scores, _delta, H = self.bounds(Q)
+        w = np.argmax(scores, axis=1)
+        rows = np.arange(len(Q))
+        margin = scores[rows, w][:, None] - scores
+        need = H[rows, w, :] + self.tol
+        need[rows, w] = -np.inf
+        return w, (margin > need).all(axis=1)
 
     def answer(self, X: Any) -> np.ndarray:
         """Published labels (values of forest.classes_): certain ones as is, the rest through
-        the memoised exponential mechanism (everything noised when the hash does not match)."""
+        the exponential mechanism per grid cell (everything noised when the forest moved)."""
         Xq = np.asarray(X, dtype=np.float64) + 0.0
         labels, certain = self.certain(Xq)
         idx = self.guard.answer(Xq, labels, certain,
                                 lambda C: np.argmax(self.forest.scores(C), axis=1))
         return self.forest.classes_[idx]
+
+
+def _merge_kept(st: _Structure, node: np.ndarray, prec: np.ndarray, dom: np.ndarray,
+                kept: _Pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Pairs]:
+    """One pair per (tree, record), the highest: a recomputed pair above a kept one
+    replaces it; a kept pair above a recomputed one (impossible when every changed node
+    was recomputed, but checked) wins."""
+    new = {(int(st.tree[u]), int(r)): (int(st.depth[u]), i)
+           for i, (u, r) in enumerate(zip(node.tolist(), prec.tolist(), strict=True))}
+    keep_kept = np.ones(len(kept.node), dtype=bool)
+    keep_new = np.ones(len(node), dtype=bool)
+    for j, (u, r) in enumerate(zip(kept.node.tolist(), kept.prec.tolist(), strict=True)):
+        hit = new.get((int(st.tree[u]), int(r)))
+        if hit is None:
+            continue
+        if hit[0] <= st.depth[u]:
+            keep_kept[j] = False
+        else:
+            keep_new[hit[1]] = False
+    return node[keep_new], prec[keep_new], dom[keep_new], kept.select(keep_kept)
+
+
+def _path_keys(st: _Structure, positions: np.ndarray) -> set[tuple[int, int]]:
+    """(tree, heap path) of every node on the paths of the records at `positions`."""
+    want = np.zeros(len(st.y), dtype=bool)
+    want[positions[(positions >= 0) & (positions < len(st.y))]] = True
+    out: set[tuple[int, int]] = set()
+    leaves = np.flatnonzero(st.kind == dv.LEAF)
+    for u in leaves.tolist():
+        recs = st.rec[st.rec_off[u]:st.rec_off[u + 1]]
+        if want[recs].any():
+            t, path = int(st.tree[u]), int(st.path[u])
+            while path >= 1:
+                out.add((t, path))
+                path >>= 1
+    return out

@@ -102,6 +102,18 @@ def jsonable_float(v: float | None) -> float | str | None:
     return v
 
 
+def _highspy() -> Any:
+    """The HiGHS module; a clear ModuleNotFoundError when the optional solver is missing."""
+    try:
+        import highspy
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "LUCID's MILP bounds need the HiGHS solver, an optional dependency: "
+            "pip install 'obliviate[solvers]' (or highspy); the sidecar's own guards "
+            "(the DaRE forest guard, the SISA vote rule) need no solver") from None
+    return highspy
+
+
 def gurobi_available() -> bool:
     try:
         import gurobipy  # noqa: F401
@@ -143,7 +155,7 @@ def _solve_highs(m: MILP, time_limit: float, mip_gap: float, threads: int, seed:
 
 def _solve_highs_once(m: MILP, time_limit: float, mip_gap: float, threads: int, seed: int,
                       extra: dict) -> SolveResult:
-    import highspy
+    highspy = _highspy()
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -197,7 +209,7 @@ def lp_ranges(m: MILP, objectives: np.ndarray, *, time_limit: float = 10.0,
     optimum is widened by ``rel_pad * (1 + |value|)`` against solver
     tolerances, and an LP that does not finish optimally gives -inf / +inf.
     """
-    import highspy
+    highspy = _highspy()
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -335,7 +347,7 @@ def solve(m: MILP, *, solver: str = "highs", time_limit: float = 60.0, mip_gap: 
     note = ""
     if solver in ("gurobi", "auto"):
         if not gurobi_available():
-            note = "gurobipy not importable; used HiGHS"
+            note = "gurobipy not importable (pip install 'obliviate[gurobi]'); used HiGHS"
         elif not m.fits_gurobi_pip():
             note = (f"model has {m.n_vars} variables / {m.gurobi_rows()} constraints, over "
                     f"Gurobi's size-limited licence ({GUROBI_SIZE_LIMIT}); used HiGHS")
@@ -355,7 +367,7 @@ __all__ = ["GUROBI_SIZE_LIMIT", "MILP", "SolveResult", "gurobi_available", "json
 
 def _highs_lp(m: MILP, cost: np.ndarray) -> Any:
     """The model's rows, columns and bounds as a HiGHS LP (`highspy.HighsLp`) with `cost`."""
-    import highspy
+    highspy = _highspy()
 
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()

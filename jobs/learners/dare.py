@@ -225,6 +225,12 @@ class DaREForest(Learner, BaseEstimator):
         Split criterion of greedy nodes.
     min_samples_leaf : int
         A greedy split must leave at least this many records on each side.
+    random_domain : float or None
+        The range (-D, D) random nodes draw thresholds from. None: per attribute, the
+        smallest power of two above the live records' largest |value| (it moves when the
+        record holding it is deleted, and every random node on the attribute is then
+        re-drawn). A power of two: fixed for every attribute, so no update moves it; for
+        features scaled to a known box (the sidecar's [0, 1]: 2.0).
     random_state : int
         Key of every random choice (see the module docstring).
     """
@@ -249,6 +255,7 @@ class DaREForest(Learner, BaseEstimator):
         d_rmax: int = 0,
         criterion: str = "gini",
         min_samples_leaf: int = 1,
+        random_domain: float | None = None,
         random_state: int = 0,
     ) -> None:
         self.n_estimators = n_estimators
@@ -257,6 +264,7 @@ class DaREForest(Learner, BaseEstimator):
         self.d_rmax = d_rmax
         self.criterion = criterion
         self.min_samples_leaf = min_samples_leaf
+        self.random_domain = random_domain
         self.random_state = random_state
 
     # ================================================================== configuration / checks
@@ -274,6 +282,11 @@ class DaREForest(Learner, BaseEstimator):
         self._k = nonneg_int("k", self.k, 1)
         self._drmax = nonneg_int("d_rmax", self.d_rmax, 0)
         self._msl = nonneg_int("min_samples_leaf", self.min_samples_leaf, 1)
+        D = self.random_domain
+        if D is not None and not (isinstance(D, int | float | np.number) and not isinstance(D, bool)
+                                  and math.isfinite(D) and D > 0
+                                  and math.frexp(float(D))[0] == 0.5):
+            raise ValueError(f"random_domain must be None or a positive power of two, got {D!r}")
         if self.criterion not in ("gini", "entropy"):
             raise ValueError(f"criterion must be 'gini' or 'entropy', got {self.criterion!r}")
         if isinstance(self.random_state, bool) or not isinstance(
@@ -484,9 +497,11 @@ class DaREForest(Learner, BaseEstimator):
         live = np.flatnonzero(self._alive[: self._nrec])
         m = np.abs(self._X[np.ix_(attrs, live)]).max(axis=1) if live.size else np.zeros(len(attrs))
         self._absmax[attrs] = m
-        dom = np.array(
-            [1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023)) for v in m.tolist()]
-        )
+        if self.random_domain is not None:
+            dom = np.full(len(attrs), float(self.random_domain))
+        else:
+            dom = np.array([1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023))
+                            for v in m.tolist()])
         changed = attrs[dom != self._dom[attrs]]
         self._dom[attrs] = dom
         return changed
@@ -1705,8 +1720,11 @@ class DaREForest(Learner, BaseEstimator):
         h = hashlib.sha256()
         header = {
             "format": FORMAT,
+            # a parameter at a default that changes nothing is left out, so that forests
+            # hashed before it existed keep their hash
             "params": {key: (v if not isinstance(v, np.integer) else int(v))
-                       for key, v in self.get_params(deep=False).items()},
+                       for key, v in self.get_params(deep=False).items()
+                       if not (key == "random_domain" and v is None)},
             "classes": [repr(c) for c in self.classes_.tolist()],
             "n_features": self.n_features_,
             "ids": live_ids,

@@ -84,7 +84,7 @@ def test_sound_against_all_loo_forests(name):
     ids = np.array([f"r{i}" for i in range(n_train)])
     forest = DaREForest(random_state=3, **params).fit(ids, Xtr, ytr)
     h0 = forest.content_hash()
-    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert forest.content_hash() == h0
     rep = guard.fit_report
 
@@ -127,7 +127,7 @@ def test_sound_against_all_loo_forests(name):
     assert np.array_equal(answered[cte], plain[cte])
     print(
         f"\n[{name}] fit {rep.seconds:.2f}s, {rep.n_records} records x {rep.n_trees} trees, "
-        f"{rep.changed_trees} (record, tree) pairs with changed cells; "
+        f"{rep.fragile_pairs} fragile (record, tree) pairs; "
         f"certain {certain.mean():.3f} of {len(Q)} queries (LOO-stable {agree.mean():.3f}), "
         f"margin>2delta {np.mean(margin > 2 * delta + guard.tol):.3f}; "
         f"test: certain {cte.mean():.3f}, acc plain {np.mean(plain == yte):.3f}, "
@@ -166,7 +166,7 @@ def test_guard_notices_every_change_without_rehashing_each_query() -> None:
     X = (X - X.min(0)) / (X.max(0) - X.min(0))
     ids = [f"m{i}" for i in range(60)]
     forest = DaREForest(n_estimators=5, max_depth=4, k=5, random_state=0).fit(ids, X, y)
-    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert guard.mode == SOUND
     before = forest.generation_
     forest.delete(["m3"])
@@ -189,12 +189,9 @@ def test_own_routing_and_scores_match_the_forest_bit_for_bit():
     """The guard routes queries itself; its leaves and scores must be the forest's."""
     rng = np.random.default_rng(3)
     forest, X = _small_forest()
-    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
-    L = forest.leaves()
-    row_of = np.full(int(L["node"].max()) + 1, -1)
-    row_of[L["node"]] = np.arange(len(L["node"]))
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     Q = _queries(rng, forest, X)
-    assert np.array_equal(guard._rows(Q), row_of[forest.leaf_nodes(Q)])
+    assert np.array_equal(guard._st.forest_node[guard._rows(Q)], forest.leaf_nodes(Q))
     # more than 100_000 / T queries: DaREForest.scores sums the trees in chunks
     for batch in (Q[:1], Q, np.concatenate([Q] * (100_000 // (8 * len(Q)) + 1))):
         assert np.array_equal(guard._scores(guard._rows(batch)), forest.scores(batch))
@@ -203,7 +200,7 @@ def test_own_routing_and_scores_match_the_forest_bit_for_bit():
 def test_save_load_roundtrip_and_refusals(tmp_path):
     rng = np.random.default_rng(5)
     forest, X = _small_forest()
-    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     guard.save(tmp_path / "g")
     loaded = ForestGuard.load(tmp_path / "g", forest, epsilon=0.5, memo_size=10, random_state=1)
     assert loaded.mode == SOUND and loaded.guard.epsilon == 0.5 and loaded.guard.memo.size == 10
@@ -227,17 +224,17 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
 
     # tampered tables are refused, and so are tables whose indices do not fit the forest
     # (even with a matching recorded hash: the compiled kernels do not check bounds)
-    with np.load(tmp_path / "g" / "tables.npz") as z:
+    with np.load(tmp_path / "g" / "pairs.npz") as z:
         arrays = {k: z[k] for k in z.files}
-    np.savez(tmp_path / "g" / "tables.npz", **{**arrays, "d": arrays["d"] * 0.5})
+    np.savez(tmp_path / "g" / "pairs.npz", **{**arrays, "cnt": arrays["cnt"] + 1})
     with pytest.raises(ValueError, match="recorded hash"):
         ForestGuard.load(tmp_path / "g", forest)
-    bad = {**arrays, "rec": arrays["rec"] + 60}
-    np.savez(tmp_path / "g" / "tables.npz", **bad)
+    bad = {**arrays, "prec": arrays["prec"] + 60}
+    np.savez(tmp_path / "g" / "pairs.npz", **bad)
     meta = json.loads((tmp_path / "g" / "meta.json").read_text())
     meta["tables_hash"] = hash_arrays(*(bad[k] for k in sorted(bad)))
     (tmp_path / "g" / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="does not fit"):
         ForestGuard.load(tmp_path / "g", forest)
 
     # a loaded guard still notices a later update of its forest
@@ -247,11 +244,11 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
 
 def test_bound_summary_is_small_json_and_bounds_every_change():
     forest, X = _small_forest()
-    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     s = guard.bound_summary
     assert json.loads(json.dumps(s)) == s
     assert s["forest_hash"] == forest.content_hash() and s["n_records"] == 60
-    assert 0 <= s["tree_delta_median"] <= s["tree_delta_max"] <= 1
+    assert 0 <= s["fragile_share"] <= 1 and s["fragile_pairs"] <= 60 * 8
     Q = np.random.default_rng(0).random((2000, 2))
     _, delta, _ = guard.bounds(Q)
     assert delta.max() <= s["delta_max_bound"] + 1e-12

@@ -1,0 +1,224 @@
+"""A read-only view of a DaRE forest for code that reasons about single deletions.
+
+The forest guard (:mod:`jobs.idp.forest_fragility`) decides, for every record and
+node, whether deleting that one record would change the node's split. It needs what
+the forest's own update code reads: the nodes, the records each node holds, the
+ranks and labels of the records and, for every greedy node, its candidate split lists
+exactly as the split search builds them. This module hands those out without letting
+the guard touch the forest's private state elsewhere; nothing here modifies the
+forest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jobs.learners.dare import _W_MSL as W_MSL
+from jobs.learners.dare import GREEDY, LEAF, RANDOM, DaREForest, _h2, _ranges
+
+__all__ = ["GREEDY", "LEAF", "RANDOM", "W_MSL", "Candidates", "ForestView", "Grown",
+           "candidates", "grow", "node_records", "saved_nbytes", "view"]
+
+
+@dataclass(frozen=True)
+class ForestView:
+    """Node arrays are indexed by the forest's node ids (only ``used`` ones are real);
+    record arrays by slot (``live`` ones are records). Arrays are the forest's own:
+    read them, never write."""
+
+    n_trees: int
+    n_classes: int
+    msl: int  # min_samples_leaf
+    k: int
+    gini: bool
+    root: np.ndarray
+    used: np.ndarray
+    kind: np.ndarray
+    why: np.ndarray  # why a leaf is one (0: internal); W_MSL leaves can split after a deletion
+    depth: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    attr: np.ndarray
+    r1: np.ndarray
+    r2: np.ndarray
+    thr: np.ndarray
+    draw: np.ndarray
+    n: np.ndarray
+    cnt: np.ndarray
+    tree: np.ndarray
+    path: np.ndarray
+    rank: np.ndarray  # (features, slots)
+    X: np.ndarray  # (features, slots)
+    y: np.ndarray
+    live: np.ndarray
+    vmix: np.ndarray
+    voff: np.ndarray
+    node_keys: np.ndarray  # the keyed hash naming each node (priorities derive from it)
+    xlogx: np.ndarray  # the entropy table (a dummy for Gini)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Per greedy node (parallel to the nodes asked for): whether it found a split, and per
+    sampled attribute slot its candidate pairs in priority order (the first k are the
+    ones scored): ``attr[i, s]`` (-1: no slot), ``all_pairs[i, s]`` (the list holds every
+    valid pair), entries ``e_r1/e_r2/e_left[off[i, s]:off[i, s] + length[i, s]]``."""
+
+    ok: np.ndarray
+    split_attr: np.ndarray
+    split_r1: np.ndarray
+    attr: np.ndarray
+    all_pairs: np.ndarray
+    off: np.ndarray
+    length: np.ndarray
+    e_r1: np.ndarray
+    e_r2: np.ndarray
+    e_left: np.ndarray
+
+
+def view(forest: DaREForest) -> ForestView:
+    f = forest
+    f._check_fitted()
+    nodes = np.arange(f._ncap)
+    keys = _h2(f._tkeys[np.maximum(f._n_tree, 0)], f._n_path.astype(np.uint64))
+    table = f._tab(int(f._n_n.max(initial=0)) + 2)
+    return ForestView(
+        n_trees=f._T, n_classes=len(f.classes_), msl=f._msl, k=f._k,
+        gini=f.criterion == "gini", root=f._root[: f._T].astype(np.int64), used=f._n_used,
+        kind=f._n_kind, why=f._n_why, depth=f._n_depth, left=f._n_left, right=f._n_right,
+        attr=f._n_attr, r1=f._n_r1, r2=f._n_r2, thr=f._n_thr, draw=f._n_draw, n=f._n_n,
+        cnt=f._n_cnt, tree=f._n_tree, path=f._n_path, rank=f._rank, X=f._X, y=f._y,
+        live=f._alive[: f._nrec], vmix=f._vmix, voff=f._voff, node_keys=keys[nodes],
+        xlogx=table,
+    )  # fmt: skip
+
+
+def node_records(forest: DaREForest, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The live records (slots) of each node, CSR (rows, off)."""
+    return forest._node_rows(np.asarray(nodes, dtype=np.int64))
+
+
+def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
+               off: np.ndarray) -> Candidates:
+    """The candidate lists of greedy `nodes` (records in CSR rows/off), as the split
+    search builds them: the first k + buffer valid pairs of every sampled attribute."""
+    f = forest
+    nodes = np.asarray(nodes, dtype=np.int64)
+    m = len(nodes)
+    P = f._P
+    want = np.ones(m, dtype=bool)
+    ok, attr, r1, _r2, cache = f._greedy(
+        f._n_tree[nodes].astype(np.int64), f._n_path[nodes].astype(np.int64),
+        f._n_n[nodes].astype(np.int64), f._n_cnt[nodes].astype(np.int64), rows, off, want)
+    slot_attr = np.full((m, P), -1, dtype=np.int64)
+    allp = np.zeros((m, P), dtype=bool)
+    eoff = np.zeros((m, P), dtype=np.int64)
+    ln = np.zeros((m, P), dtype=np.int64)
+    C = len(f.classes_)
+    if cache is None:
+        e_r1 = e_r2 = np.zeros(0, dtype=np.int64)
+        e_left = np.zeros((0, C), dtype=np.int64)
+    else:
+        ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache
+        slot_attr[ct], allp[ct], eoff[ct], ln[ct] = sa, al, eo, el
+        e_r1, e_r2 = e_r1.astype(np.int64), e_r2.astype(np.int64)
+        e_left = e_left.astype(np.int64)
+    return Candidates(ok=ok, split_attr=attr.astype(np.int64), split_r1=r1.astype(np.int64),
+                      attr=slot_attr, all_pairs=allp, off=eoff, length=ln, e_r1=e_r1,
+                      e_r2=e_r2, e_left=e_left)
+
+
+@dataclass(frozen=True)
+class Grown:
+    """Subtrees grown by :func:`grow`, their nodes in one pool: task i's nodes are
+    ``off[i]:off[i + 1]`` (its root first); ``left``/``right`` index the pool (-1 at a
+    leaf), ``attr``/``thr`` route (``x <= thr`` to the left), ``cnt``/``n`` are the
+    class counts (a leaf's give its probabilities)."""
+
+    off: np.ndarray
+    leaf: np.ndarray
+    attr: np.ndarray
+    thr: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    cnt: np.ndarray
+    n: np.ndarray
+
+
+def grow(forest: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarray,
+         rows: np.ndarray, off: np.ndarray, domain: tuple[int, float] | None = None) -> Grown:
+    """Grow, without touching the forest, the subtree the forest would have at each task's
+    node (tree, heap path, depth) if it held the records rows[off[i]:off[i + 1]]: the
+    canonical subtree (every DaRE node is a function of its records), so for a node's
+    records minus one this is the subtree a deletion of that one record leaves. Level by
+    level, all tasks at once. `domain` (attribute, D): grow as if that attribute's
+    random-node domain were D (the forest's own is put back before returning)."""
+    f = forest
+    if domain is not None:
+        a, D = domain
+        saved = float(f._dom[a])
+        f._dom[a] = D
+        try:
+            return grow(f, tree, path, depth, rows, off)
+        finally:
+            f._dom[a] = saved
+    C = len(f.classes_)
+    ntask = len(tree)
+    # nodes as they are made: (task, parent, side, leaf, attr, thr, cnt, n)
+    cols: list[list[np.ndarray]] = [[] for _ in range(8)]
+    made = 0
+    cur_task = np.arange(ntask, dtype=np.int64)
+    parent = np.full(ntask, -1, dtype=np.int64)
+    side = np.zeros(ntask, dtype=np.int64)
+    tree, path, depth = (np.asarray(a, dtype=np.int64) for a in (tree, path, depth))
+    rows, off = np.asarray(rows, dtype=np.int64), np.asarray(off, dtype=np.int64)
+    while len(cur_task):
+        d = f._decide(tree, path, depth, rows, off, np.zeros(len(cur_task), dtype=bool))
+        ids = made + np.arange(len(cur_task))
+        made += len(cur_task)
+        leaf = d.kind == LEAF
+        for col, val in zip(cols, (cur_task, parent, side, leaf, d.attr, d.thr, d.cnt, d.n),
+                            strict=True):
+            col.append(np.asarray(val))
+        inner = np.flatnonzero(~leaf)
+        if not inner.size:
+            break
+        n = np.diff(off)
+        el = _ranges(off[inner], n[inner])
+        owner = np.repeat(np.arange(len(inner)), n[inner])
+        go = d.go_left[el]
+        kids_rows, kids_n = [], []
+        for s in (go, ~go):  # children: all left ones, then all right ones
+            kids_rows.append(rows[el[s]])
+            kids_n.append(np.bincount(owner[s], minlength=len(inner)))
+        rows = np.concatenate(kids_rows)
+        off = np.concatenate([[0], np.cumsum(np.concatenate(kids_n))]).astype(np.int64)
+        cur_task = np.concatenate([cur_task[inner], cur_task[inner]])
+        parent = np.concatenate([ids[inner], ids[inner]])
+        side = np.concatenate([np.zeros(len(inner), np.int64), np.ones(len(inner), np.int64)])
+        tree = np.concatenate([tree[inner], tree[inner]])
+        path = np.concatenate([2 * path[inner], 2 * path[inner] + 1])
+        depth = np.concatenate([depth[inner] + 1, depth[inner] + 1])
+    task, par, sd, lf, at, th, cn, nn = (np.concatenate(c) for c in cols)
+    order = np.argsort(task, kind="stable")  # per task, in the order made: root first
+    pos = np.empty(len(order), dtype=np.int64)
+    pos[order] = np.arange(len(order))
+    left = np.full(len(order), -1, dtype=np.int64)
+    right = np.full(len(order), -1, dtype=np.int64)
+    has = par >= 0
+    left[pos[par[has & (sd == 0)]]] = pos[np.flatnonzero(has & (sd == 0))]
+    right[pos[par[has & (sd == 1)]]] = pos[np.flatnonzero(has & (sd == 1))]
+    toff = np.searchsorted(task[order], np.arange(ntask + 1)).astype(np.int64)
+    return Grown(off=toff, leaf=lf[order], attr=np.maximum(at[order], 0).astype(np.int64),
+                 thr=th[order].astype(np.float64), left=left, right=right,
+                 cnt=cn[order].astype(np.int64).reshape(-1, C), n=nn[order].astype(np.int64))
+
+
+def saved_nbytes(forest: DaREForest) -> int:
+    """The size of what :meth:`DaREForest.save` writes (its arrays), in bytes."""
+    f = forest
+    n = int(f.n_records_)
+    arrays = [getattr(f, name) for name in f._SAVED]
+    return int(sum(a.nbytes for a in arrays) + f._X.shape[0] * n * 8 + n * 16)

@@ -1,0 +1,146 @@
+"""The database schema, as Alembic migrations: every table of the sidecar, one history.
+
+The ledger's tables (:mod:`ledger.models`), the model registry's
+(:mod:`jobs.registry`), the seed lineages' budget (:mod:`jobs.adaptive.budget`)
+and the guard's usage (:mod:`service.usage`) share one database, so they share
+one chain of revisions here (``versions/``). Nothing else creates or alters a
+table: the constructors of :class:`ledger.store.Ledger`, ``Registry``,
+``SeedBudgets`` and ``GuardUsage`` call :func:`ensure`, which upgrades the
+database to :data:`HEAD` (and is one ``SELECT`` once it is there), and
+``obliviate ledger init``, ``ledger migrate``, ``serve``, ``consume`` and
+``worker`` report what it did when they start.
+
+Every revision converges rather than assumes: it creates a table only if it is
+missing and adds a column only if it is not there. Databases from before the
+migrations (no ``alembic_version`` table) were made by ``create_all`` calls that
+created only the tables their process imported, so they come in every partial
+shape; upgrading one from the base revision brings it to head whatever it held.
+
+Several processes may start at once: the upgrade runs in one transaction that
+holds the database's write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an
+advisory lock, and transactional DDL), and looks at the revision again inside
+it, so one process upgrades and the others find the work done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, inspect, text
+
+log = logging.getLogger("obliviate.ledger")
+
+# The newest revision in versions/ (a test holds this to Alembic's own view of the chain).
+HEAD = "0003_input_transform"
+VERSION_TABLE = "alembic_version"
+SCRIPT_LOCATION = Path(__file__).resolve().parent
+_LOCK_KEY = 0x0B11_71A80  # PostgreSQL advisory lock: one upgrade at a time
+
+_ready: weakref.WeakKeyDictionary[Engine, Upgrade] = weakref.WeakKeyDictionary()
+_ready_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """What :func:`upgrade` found and left: revisions before and after (None: empty, or
+    a database from before the migrations)."""
+
+    before: str | None
+    after: str
+    created: bool = False  # the database held no table: nothing was there to upgrade
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    @property
+    def upgraded(self) -> bool:
+        """An existing database's schema was changed (worth telling its operator)."""
+        return self.changed and not self.created
+
+    def describe(self) -> str:
+        if not self.changed:
+            return f"database schema at revision {self.after} (head)"
+        if self.created:
+            return f"database schema created at revision {self.after} (head)"
+        return (f"database schema upgraded from {self.before or 'no revision'} to "
+                f"{self.after} (head)")
+
+
+def current(bind: Engine | Connection) -> str | None:
+    """The database's revision; None for an empty database or one from before migrations."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return current(conn)
+    if not inspect(bind).has_table(VERSION_TABLE):
+        return None
+    return bind.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+
+
+def upgrade(engine: Engine) -> Upgrade:
+    """Bring the database to :data:`HEAD`; a no-op (one SELECT) once it is there.
+
+    What the first call of this process found is remembered per engine, so the
+    start-up report of a process whose ledger was opened (and so upgraded) earlier
+    still says what changed.
+    """
+    with _ready_lock:
+        done = _ready.get(engine)
+    if done is not None:
+        return done
+    before, created = current(engine), False
+    if before != HEAD:
+        before, created = _run(engine)
+    result = Upgrade(before, HEAD, created)
+    with _ready_lock:
+        _ready.setdefault(engine, result)
+    if result.changed:
+        log.info("%s", result.describe())
+    return result
+
+
+ensure = upgrade
+
+
+def _run(engine: Engine) -> tuple[str | None, bool]:
+    """Run the upgrade in one transaction holding the write lock; returns the revision
+    found inside it, and whether the database held no table at all."""
+    from alembic import command
+    from alembic.config import Config
+
+    with engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE (the ledger's engines)
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+        before = current(conn)
+        if before == HEAD:  # another process upgraded meanwhile
+            return before, False
+        created = not inspect(conn).get_table_names()
+        cfg = Config()
+        cfg.set_main_option("script_location", str(SCRIPT_LOCATION))
+        if before is not None and before not in _known(cfg):
+            raise RuntimeError(f"the database's schema is at revision {before!r}, which this "
+                               f"version of obliviate does not know (its newest is {HEAD}): "
+                               "a newer obliviate migrated it; run that version")
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    return before, created
+
+
+def _known(cfg: object) -> set[str]:
+    from alembic.script import ScriptDirectory
+
+    return {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
+
+
+def script_heads() -> list[str]:
+    """Alembic's own view of the chain's heads (for tests and `ledger migrate`)."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(SCRIPT_LOCATION))
+    return list(ScriptDirectory.from_config(cfg).get_heads())

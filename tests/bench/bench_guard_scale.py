@@ -1,0 +1,117 @@
+"""How the DaRE forest guard grows with the training set (issue "Guarded answers at
+production scale").
+
+Generated data only: ``make_classification`` with 14 features, 2 classes, ``flip_y=0.05``,
+``class_sep=0.8``, features scaled to [0, 1]; the sidecar's default forest
+(``jobs.served_model.DEFAULT_PARAMS["dare"]``: 50 trees, depth 8, k 10, d_rmax 1, a fixed
+random-node domain). Per n, on 2,000 held-out queries:
+
+- ``fit_s``: time to fit the guard (fragility of every (node, record), the subtrees of the
+  fragile pairs within the state budget);
+- ``incr10_s``: median time to bring it up to date after a batch of 10 random deletions
+  (3 batches; ``ForestGuard.update``);
+- ``certified``: share of the held-out queries certified; ``acc``: the forest's accuracy;
+  ``acc_eps0``: accuracy at epsilon 0 (uncertain answers are a fair coin);
+- ``peak_rss_mb``; ``guard_mb`` / ``forest_mb``: the guard's and the forest's saved state.
+
+Then ``RESULT exponent=...``: the least-squares slope of log fit_s on log n. Targets
+(the issue's): exponent <= 1.15; fit_s at 64k <= 120 s; incr10_s at 64k <= 2 s;
+acc_eps0 within 1.4 points of acc at n >= 16k; peak RSS at 64k <= 4 GB; guard_mb <=
+2 x forest_mb. ``--quick`` stops at 4k. Each n runs in a fresh process, so peak RSS is
+that n's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = (1_000, 4_000, 16_000, 64_000)
+
+
+def one(n: int) -> dict:
+    from sklearn.datasets import make_classification
+
+    from jobs.idp.forest_guard import ForestGuard
+    from jobs.learners.dare import DaREForest
+    from jobs.served_model import DEFAULT_PARAMS
+
+    X, y = make_classification(n_samples=n + 2000, n_features=14, n_informative=7,
+                               flip_y=0.05, class_sep=0.8, random_state=0)
+    X = (X - X.min(axis=0)) / (X.max(axis=0) - X.min(axis=0))
+    Xtr, ytr, Xte, yte = X[:n], y[:n], X[n:], y[n:]
+    ids = np.array([f"r{i:07d}" for i in range(n)], dtype=object)
+    forest = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(ids, Xtr, ytr)
+    # compile the kernels on a small forest first: compile time is not fit time
+    small = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(ids[:300], Xtr[:300],
+                                                                       ytr[:300])
+    ForestGuard.fit(small).certain(Xte[:5])
+    t0 = time.perf_counter()
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    fit_s = time.perf_counter() - t0
+    _, certain = guard.certain(Xte)
+    plain = forest.predict(Xte)
+    acc = float(np.mean(plain == yte))
+    acc_eps0 = float(np.mean(np.where(certain, plain == yte, 0.5)))
+    with tempfile.TemporaryDirectory() as d:
+        forest.save(Path(d) / "forest")
+        guard.save(Path(d) / "guard")
+        size = {k: sum(f.stat().st_size for f in (Path(d) / k).rglob("*") if f.is_file())
+                for k in ("forest", "guard")}
+    rng = np.random.default_rng(2)
+    live = list(ids)
+    incr = []
+    for _ in range(3):
+        gone = [live.pop(int(i)) for i in sorted(rng.choice(len(live), 10, replace=False),
+                                                  reverse=True)]
+        forest.delete(gone)
+        t0 = time.perf_counter()
+        guard.update(gone)
+        incr.append(time.perf_counter() - t0)
+    return {"n": n, "fit_s": fit_s, "incr10_s": float(np.median(incr)),
+            "certified": float(certain.mean()), "acc": acc, "acc_eps0": acc_eps0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "guard_mb": size["guard"] / 2**20, "forest_mb": size["forest"] / 2**20,
+            "exact_share": guard.fit_report.detail["exact_pairs"]
+            / max(1, guard.fit_report.fragile_pairs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="stop at 4k records")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process's size
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one)))
+        return
+    sizes = [n for n in SIZES if not args.quick or n <= 4_000]
+    rows = []
+    for n in sizes:
+        out = subprocess.run([sys.executable, __file__, "--one", str(n)], check=True,
+                             capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        rows.append(r)
+        print(f"n={n:>6}: guard fit {r['fit_s']:.2f} s, update after 10 deletions "
+              f"{r['incr10_s']:.2f} s, certified {r['certified']:.3f}, acc {r['acc']:.3f}, "
+              f"acc at eps 0 {r['acc_eps0']:.3f}, {r['exact_share']:.2f} of fragile pairs "
+              f"exact, guard {r['guard_mb']:.1f} MB / forest {r['forest_mb']:.1f} MB",
+              flush=True)
+    for r in rows:
+        print(f"RESULT n={r['n']} fit_s={r['fit_s']:.3f} incr10_s={r['incr10_s']:.3f} "
+              f"certified={r['certified']:.3f} acc={r['acc']:.3f} acc_eps0={r['acc_eps0']:.3f} "
+              f"peak_rss_mb={r['peak_rss_mb']:.0f} guard_mb={r['guard_mb']:.2f} "
+              f"forest_mb={r['forest_mb']:.2f}")
+    slope = np.polyfit(np.log([r["n"] for r in rows]), np.log([r["fit_s"] for r in rows]), 1)[0]
+    print(f"RESULT exponent={slope:.3f}")
+
+
+if __name__ == "__main__":
+    main()
