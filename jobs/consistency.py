@@ -17,7 +17,10 @@ disagree with the log:
   requests it applied or verified, a `destroyed` event's manifest digest and
   content hash), with its own row (seq, parent) and with the `manifest.json`
   saved beside its files in the model store;
-- a destroyed version stays destroyed: `destroyed_at` set and no sealing key.
+- a destroyed version stays destroyed: `destroyed_at` set and no sealing key;
+- a `verified` event marked `in_place` (the exactness check run on a version
+  that was published already guarded) publishes nothing: it must follow the
+  event that published the version it names.
 
 Where the events say nothing (a manifest's other fields of a version that is
 still kept) only the copy in the model store can disagree: a publication event
@@ -47,6 +50,7 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
     problems: list[Problem] = []
     with ledger.engine.connect() as conn:
         announced: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+        checked: list[tuple[int, str]] = []  # (seq, version) verified where it stood
         destroyed: dict[str, tuple[int, dict[str, Any]]] = {}
         for e in conn.execution_options(yield_per=5000).execute(
                 select(EVENTS.c.seq, EVENTS.c.kind, EVENTS.c.payload, EVENTS.c.model_version)
@@ -59,6 +63,8 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
                 payload = {}  # `ledger verify` names the edited event
             if e.kind == "destroyed":
                 destroyed.setdefault(e.model_version, (e.seq, payload))
+            elif e.kind == "verified" and payload.get("in_place"):
+                checked.append((e.seq, e.model_version))
             else:
                 announced.setdefault(e.model_version, []).append((e.seq, e.kind, payload))
         rows = {r.version: r for r in conn.execute(
@@ -73,6 +79,11 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
             problems.append(Problem(f"model version {version}", f"event {evs[0][0]} "
                                     f"({evs[0][1]}) announces it, but no model version row "
                                     "exists (forged event, or row deleted)", evs[0][0]))
+    for seq, version in checked:
+        if not any(s < seq for s, _, _ in announced.get(version, [])):
+            problems.append(Problem(f"model version {version}", f"event {seq} (verified) "
+                                    "checked it where it stood, but no earlier event "
+                                    "published it (forged event)", seq))
     # (seq, version) of the latest event that published a version of this name
     latest = max(((evs[-1][0], v) for v, evs in announced.items() if v in rows), default=None)
     where = f"model pointer {registry.name}"

@@ -3,9 +3,10 @@
 The sidecar serves two kinds:
 
 - ``dare``: a DaRE forest (exact unlearning) guarded by :class:`ForestGuard`,
-  whose tables are fitted to one forest state. After any update the tables no
-  longer match, so the guard answers every query through the mechanism
-  (noise-all) until :meth:`ServedModel.refresh_guard` refits them.
+  whose state is fitted to one forest state. The worker brings it up to date with
+  every update (:meth:`ServedModel.update_guard`, incremental) before it publishes
+  the version, so a published forest is always guarded; a forest changed without
+  it answers every query through the mechanism (noise-all).
 - ``sisa``: a SISA ensemble (exact unlearning) guarded by the vote rule of
   DESIGN.md with every shard treated as fragile: one record lives in one shard,
   so a single deletion can move at most that shard's vote, to any class. The
@@ -27,6 +28,7 @@ import abc
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -112,6 +114,12 @@ class ServedModel(abc.ABC):
         Here, a rule with nothing to fit."""
         return {**self.guard_record(), "seconds": 0.0}
 
+    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
+                     ) -> dict[str, Any]:
+        """Bring the guard up to date after the learner deleted and added these records, in
+        about the time of the update itself where the guard allows (else a refit)."""
+        return self.refresh_guard()
+
     @abc.abstractmethod
     def guard_record(self) -> dict[str, Any]:
         """What the guard rests on (rule, bound summary), for the manifest."""
@@ -177,7 +185,17 @@ class ForestModel(ServedModel):
 
     def refresh_guard(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.guard = ForestGuard.fit(self.learner)
+        if not self.guard_ready:  # a guard loaded with its version is valid already
+            self.guard = ForestGuard.fit(self.learner)
+        return {**self.guard_record(), "seconds": time.perf_counter() - t0}
+
+    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
+                     ) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if self.guard is None:
+            self.guard = ForestGuard.fit(self.learner)
+        else:
+            self.guard.update(deleted, added)
         return {**self.guard_record(), "seconds": time.perf_counter() - t0}
 
     def guard_record(self) -> dict[str, Any]:

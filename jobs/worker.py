@@ -115,6 +115,11 @@ class Worker:
         self._guard_job: GuardJob | None = None
         self._guard_process = GuardProcess() if self.config.guard_process else None
         self._guard_owed_since: float | None = None  # monotonic time the debt began
+        # the requests the running job verifies when its version was published guarded
+        # (None: the job refits a noise-all version's guard and publishes it)
+        self._check_requests: list[str] | None = None
+        self._unverified_since: float | None = None  # monotonic: first unverified apply
+        self._check_started = 0.0
         self._last_update = 0.0
         self._last_retention = 0.0
         self.stop_event = threading.Event()
@@ -203,6 +208,8 @@ class Worker:
         """One pass; False when there was nothing to do."""
         if self._guard_overdue():
             return self._guard_pass(overdue=True)
+        if self._check_due() and self._guard_pass():
+            return True
         batch = self._claim()
         if batch:
             self._last_update = time.monotonic()
@@ -268,11 +275,14 @@ class Worker:
                 reports.append(model.learner.add(ids, X, y))
         seconds = time.perf_counter() - t0
         metrics.UPDATE_SECONDS.labels(learner=model.kind).observe(seconds)
+        added = [i for op, ids in updates if op == "add" for i in ids.tolist()]
+        guard = self._update_guard(model, deleted, added)
         change = {"op": "update", "requests": len(ok), "seconds": seconds,
-                  "updates": [r.as_dict() for r in reports]}
+                  "updates": [r.as_dict() for r in reports], "guard": guard}
         request_ids = [r.request_id for r in ok]
         detail = {"guarantee": model.learner.guarantee, "retrained": _retrained(reports),
-                  "update_seconds": round(seconds, 6)}
+                  "update_seconds": round(seconds, 6),
+                  "guard_seconds": round(guard["seconds"], 6)}
         if self.config.evaluate and deleted:
             detail["evaluation"] = (probe.evaluate(model) if probe is not None else
                                     {"skipped": "the learner holds out no records: there are "
@@ -285,6 +295,8 @@ class Worker:
         # with no update at all (every record named is gone already) the version is the
         # parent's model again, published so that the requests are verified as usual
         self._publish(model, parent.version, change, commit, removes_records=bool(deleted))
+        if self._unverified_since is None:
+            self._unverified_since = time.monotonic()
         if deleted:
             self.ledger.purge_maintenance()
         now = utc_now()
@@ -292,6 +304,24 @@ class Worker:
             metrics.APPLIED.labels(op=r.op).inc()
             if r.op == "delete":
                 metrics.DELETION_LATENCY.observe((now - as_utc(r.received_at)).total_seconds())
+
+    @staticmethod
+    def _update_guard(model: ServedModel, deleted: list[str], added: list[str]
+                      ) -> dict[str, Any]:
+        """Bring the guard up to date before the version is published, so that no answer
+        waits in noise-all. Should that fail, the version goes out with a stale guard
+        (noise-all, sound) and owes a refit, as it would without this step: a deletion is
+        never held back by its guard."""
+        t0 = time.perf_counter()
+        try:
+            guard = model.update_guard(deleted, added)
+        except Exception:
+            log.exception("updating the guard failed; the version is published in noise-all "
+                          "mode and its guard refitted in the background")
+            return {**model.guard_record(), "seconds": time.perf_counter() - t0,
+                    "error": "update failed"}
+        metrics.BOUND_SECONDS.labels(learner=model.kind).observe(guard["seconds"])
+        return guard
 
     # ------------------------------------------------------------------ seed lineages
     def _rotate_spent_seeds(self) -> bool:
@@ -338,6 +368,14 @@ class Worker:
         """A guard job is computing (its result is published by a later pass)."""
         return self._guard_job is not None
 
+    def _check_due(self) -> bool:
+        """Under a stream with no pause the guard pass must still run between claims: to
+        collect a finished job, or to start the check requests have waited too long for."""
+        if self._guard_job is not None:
+            return self._guard_job.done()
+        since = self._unverified_since
+        return since is not None and time.monotonic() - since >= self.config.guard_max_wait_s
+
     def _guard_overdue(self) -> bool:
         since = self._guard_owed_since
         return since is not None and time.monotonic() - since >= self.config.guard_max_wait_s
@@ -350,17 +388,22 @@ class Worker:
             self._guard_owed_since = time.monotonic()
 
     def _guard_pass(self, overdue: bool = False) -> bool:
-        """Start, or finish, refitting the guard and checking exactness off the update path.
+        """Start, or finish, the exactness check (and, for a version published without
+        its guard, the guard refit) off the update path.
 
-        Refitting can take seconds (the forest guard runs one exact deletion per
-        record), so it runs in a separate process while updates keep flowing. It is
-        started when no request is waiting, on the current version; its result is
+        It can take seconds (a retrain from scratch), so it runs in a separate process
+        while updates keep flowing, on the current version. A version published with
+        its guard up to date (the usual case) only owes the check: the job then verifies
+        the requests applied when it started, on that version, even if newer versions
+        were published meanwhile (they are in it). It starts when no request came for
+        ``guard_after_idle_s``, or under a stream with no pause once requests have
+        waited ``guard_max_wait_s`` for it. A version published without its guard
+        (noise-all: the guard update failed) owes the refit too: its result is
         published only if that version is still current (otherwise it is stale and
-        dropped). Under a stream with no pause the current version would never get
-        its guard, so once it has owed one for ``guard_max_wait_s`` (``overdue``) the
-        refit starts at once and no request is claimed until it is published. A
-        version this step published is not re-verified: if its exactness check
-        failed, its requests stay `applied` and the failure is counted.
+        dropped), and once it has owed one for ``guard_max_wait_s`` (``overdue``) the
+        refit starts at once and no request is claimed until it is published. A version
+        this step published is not re-verified: if its exactness check failed, its
+        requests stay `applied` and the failure is counted.
         """
         cur = self.registry.current()
         if cur is None:
@@ -369,7 +412,7 @@ class Worker:
         overdue = overdue and self._guard_overdue()
         job = self._guard_job
         if job is not None:
-            if job.version != cur.version:
+            if job.version != cur.version and self._check_requests is None:
                 log.info("guard for %s is stale (current %s); cancelled", job.version,
                          cur.version)
                 job.cancel()
@@ -380,12 +423,20 @@ class Worker:
             self._guard_job = None
             self._finish_guard(job)
             return True
-        if not overdue and time.monotonic() - self._last_update < self.config.guard_after_idle_s:
+        now = time.monotonic()
+        due = (overdue or now - self._last_update >= self.config.guard_after_idle_s
+               or (self._unverified_since is not None
+                   and now - self._unverified_since >= self.config.guard_max_wait_s))
+        if not due or cur.manifest["change"]["op"] == "guard":
             return False
-        applied = self.ledger.requests_with_status("applied")
-        if cur.manifest["change"]["op"] == "guard" or (
-                not applied and not _guard_owed(cur.manifest)):
+        applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
+        if self.registry.current().version != cur.version:
+            return True  # published meanwhile: the requests read may not be in `cur`
+        if not applied and not _guard_owed(cur.manifest):
+            self._unverified_since = None
             return False
+        self._check_requests = None if _guard_owed(cur.manifest) else applied
+        self._check_started = now
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
                                    self.registry.key(cur.version),
                                    self.config.verify_exactness, self._guard_process)
@@ -400,19 +451,30 @@ class Worker:
             job.discard()
             self._guard_owed_since = time.monotonic()  # updates flow again meanwhile
             return
-        model, parent = self._current()
-        with sealed_with(self.registry.key(parent.version)):
-            model.load_guard(result.guard_dir)
-        job.discard()
-        metrics.BOUND_SECONDS.labels(learner=model.kind).observe(result.guard["seconds"])
         check = result.check
         # an approximate learner is not retrain-identical by design: its check measures
         # the gap to a retrain, which the `verified` event records
         failed = bool(check) and check.get("guarantee") == "exact" and not check["exact"]
         if failed:
             metrics.VERIFY_FAILURES.inc()
-            log.error("exactness check failed for %s: %s != %s", parent.version,
+            log.error("exactness check failed for %s: %s != %s", job.version,
                       check["served_hash"], check["retrained_hash"])
+        in_place, self._check_requests = self._check_requests, None
+        if in_place is not None:  # published with its guard: only the check was owed
+            job.discard()
+            if in_place and not failed:
+                self.ledger.mark_verified(in_place, job.version, {
+                    "guard": result.guard, "exactness": check, "in_place": True},
+                    skip_settled=True)
+            # requests applied while the check ran have waited since it started, at most
+            self._unverified_since = (self._check_started if self.ledger.requests_with_status(
+                "applied") else None)
+            return
+        model, parent = self._current()
+        with sealed_with(self.registry.key(parent.version)):
+            model.load_guard(result.guard_dir)
+        job.discard()
+        metrics.BOUND_SECONDS.labels(learner=model.kind).observe(result.guard["seconds"])
         applied = self.ledger.requests_with_status("applied")
         change = {"op": "guard", "guard": result.guard, "exactness": check,
                   "requests": len(applied)}
@@ -429,6 +491,9 @@ class Worker:
             self._publish(model, parent.version, change, commit)
         except PublishConflict:
             self._model = None
+            return
+        if request_ids and not failed:
+            self._unverified_since = None
 
     def _retention_pass(self) -> bool:
         """At most once a second: destroy the versions a deletion superseded once their

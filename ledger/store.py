@@ -736,9 +736,15 @@ class Ledger:
 
     def mark_verified(self, request_ids: Sequence[str], model_version: str,
                       detail: dict[str, Any] | None = None,
-                      in_transaction: Callable[[Connection], None] | None = None) -> None:
+                      in_transaction: Callable[[Connection], None] | None = None,
+                      skip_settled: bool = False) -> None:
+        """Mark applied requests verified on `model_version`; with `skip_settled`, requests
+        no longer `applied` (another worker verified them) are left as they are instead
+        of refused."""
         with writing(self.engine) as conn:
-            self._requests_in_state(conn, request_ids, "applied", "verified")
+            reqs = self._requests_in_state(conn, request_ids, "applied", "verified",
+                                           skip_settled)
+            request_ids = [r.request_id for r in reqs]
             appender = _Appender(conn)
             now_s = iso(utc_now())
             for rid in request_ids:
@@ -1040,17 +1046,24 @@ class Ledger:
 
     @staticmethod
     def _requests_in_state(conn: Connection, request_ids: Sequence[str], state: str,
-                           target: str) -> list[Request]:
+                           target: str, skip_others: bool = False) -> list[Request]:
+        """The requests, locked until the transaction ends (PostgreSQL), all in `state`
+        (else KeyError / ValueError; with `skip_others`, those in another state left out)."""
         rows = {r.request_id: r for r in conn.execute(
-            select(REQUESTS).where(REQUESTS.c.request_id.in_(list(request_ids))))}
+            select(REQUESTS).where(REQUESTS.c.request_id.in_(list(request_ids)))
+            .with_for_update())}
+        out = []
         for rid in request_ids:
             r = rows.get(rid)
             if r is None:
                 raise KeyError(f"unknown request {rid!r}")
             if r.status != state:
+                if skip_others:
+                    continue
                 raise ValueError(f"request {rid!r} is {r.status!r}; only a {state!r} request "
                                  f"can become {target!r}")
-        return [Request.model_validate(dict(rows[rid]._mapping)) for rid in request_ids]
+            out.append(Request.model_validate(dict(r._mapping)))
+        return out
 
     @staticmethod
     def _set_status(conn: Connection, request_ids: Sequence[str], status: str) -> None:

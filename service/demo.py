@@ -346,13 +346,17 @@ def _what(ev: dict[str, Any]) -> str:
     if ev["kind"] == "claimed":
         return f"taken by worker {p.get('worker', '?')}"
     if ev["kind"] == "applied":
+        guard = (f" with its guard (updated in {p['guard_seconds']:.2f} s)"
+                 if "guard_seconds" in p else "")
         return (f"purged {len(p.get('purged_record_hashes', {}))} record(s) (keyed "
-                f"fingerprints in this event); version published, guarantee "
+                f"fingerprints in this event); version published{guard}, guarantee "
                 f"{p.get('guarantee')}")
     if ev["kind"] == "verified":
         exact = p.get("exactness", {}).get("exact")
+        guard = p.get("guard", {}).get("rule")
+        how = ("published with it" if p.get("in_place") else "refitted after it")
         return (f"retrain from scratch matches the served version bit for bit: {exact}; "
-                f"guard {p.get('guard', {}).get('rule')} refitted")
+                f"guard {guard} {how}")
     if ev["kind"] in ("rejected", "failed"):
         return str(p.get("reason"))[:80]
     return ", ".join(f"{k}={v}" for k, v in list(p.items())[:3])[:80]

@@ -73,9 +73,11 @@ class LedgerCollector:
     in multiprocess files.
     """
 
-    def __init__(self, pending: Callable[[], int], current_version: Callable[[], int],
+    def __init__(self, pending: Callable[[], int], unverified: Callable[[], int],
+                 current_version: Callable[[], int],
                  seed_budget_spent: Callable[[], float]) -> None:
         self._pending = pending
+        self._unverified = unverified
         self._current_version = current_version
         self._seed_budget_spent = seed_budget_spent
 
@@ -83,6 +85,10 @@ class LedgerCollector:
         yield GaugeMetricFamily("obliviate_requests_pending",
                                 "Requests received or claimed but not yet applied.",
                                 value=self._pending())
+        yield GaugeMetricFamily("obliviate_requests_unverified",
+                                "Requests applied to the served model whose exactness check "
+                                "has not run yet (it waits for a pause in the stream).",
+                                value=self._unverified())
         yield GaugeMetricFamily("obliviate_model_version",
                                 "Sequence number of the registry's current model version.",
                                 value=self._current_version())

@@ -132,8 +132,9 @@ class Obliviate:
         CONTEXT.admin_token = settings.admin_bearer_token()
         CONTEXT.status = self.holder.status
         self._ledger_metrics = CollectorRegistry(auto_describe=True)
-        self._ledger_metrics.register(LedgerCollector(self._pending, self.registry.current_seq,
-                                                      self._seed_budget_spent))
+        self._ledger_metrics.register(LedgerCollector(
+            self._pending, self._unverified, self.registry.current_seq,
+            self._seed_budget_spent))
 
     @bentoml.api(route="/v1/predict")
     def predict(self, instances: list[Any], scaled: bool = False) -> dict[str, Any]:
@@ -184,6 +185,9 @@ class Obliviate:
     def _pending(self) -> int:
         counts = self.ledger.status_counts()
         return counts.get("received", 0) + counts.get("claimed", 0)
+
+    def _unverified(self) -> int:
+        return self.ledger.status_counts().get("applied", 0)
 
 
 # Outermost first: the body limit before anything reads the body (every path; the mounted

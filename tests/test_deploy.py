@@ -197,7 +197,7 @@ def exported_samples() -> dict[str, str]:
                 samples[family.name + suffix] = family.name
         for family in metric.collect():  # unlabelled metrics: the real sample names
             samples.update({s.name: family.name for s in family.samples})
-    for family in service_metrics.LedgerCollector(lambda: 0, lambda: 0, lambda: 0.0).collect():
+    for family in service_metrics.LedgerCollector(*[lambda: 0] * 3, lambda: 0.0).collect():
         samples[family.name] = family.name
         samples.update({s.name: family.name for s in family.samples})
     return samples
@@ -438,7 +438,7 @@ def test_no_high_cardinality_labels() -> None:
     offenders = [f"{where}: {label}" for where, m in _metric_objects()
                  for label in getattr(m, "_labelnames", ()) if identity_like(label)]
     assert not offenders, f"labels naming a person, record or request: {offenders}"
-    for family in service_metrics.LedgerCollector(lambda: 0, lambda: 0, lambda: 0.0).collect():
+    for family in service_metrics.LedgerCollector(*[lambda: 0] * 3, lambda: 0.0).collect():
         assert all(not s.labels for s in family.samples)
     assert not [label for label in _exported_labels() | BUILTIN_LABELS if identity_like(label)]
 

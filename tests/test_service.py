@@ -119,12 +119,14 @@ def seq(version: str) -> int:
 
 
 def wait_idle(sc: Sidecar, timeout_s: float = 90.0) -> dict[str, Any]:
-    """Until the worker has nothing left to do: no request pending, and the current
-    version is its guard refit (so every applied request is verified); that version."""
+    """Until the worker has nothing left to do: no request pending or awaiting its
+    exactness check, and the current version guarded; that version."""
     def idle() -> dict[str, Any] | None:
         cur = sc.models()["current"]
-        pending = value(scrape(sc.url + "/metrics"), "obliviate_requests_pending")
-        return cur if pending == 0 and cur["manifest"]["change"]["op"] == "guard" else None
+        m = scrape(sc.url + "/metrics")
+        done = (value(m, "obliviate_requests_pending") == 0
+                and value(m, "obliviate_requests_unverified") == 0)
+        return cur if done and cur["manifest"]["guard"]["ready"] else None
     return sc.wait_until(idle, timeout_s, "the worker to be idle")
 
 

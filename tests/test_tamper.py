@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from itertools import combinations_with_replacement
 
 import pytest
@@ -306,14 +307,22 @@ def test_the_signer_never_vouches_for_a_rewritten_log(signed: Ledger, caplog) ->
 
 # ---------------------------------------------------------------------------- the registry
 def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
-    """A worker's real history: train v1, a deletion (v2), its guard (v3); v1 destroyed."""
+    """A worker's real history: train v1, a deletion (v2), an addition (v3), both verified
+    on v3; v1 destroyed."""
     reg = Registry(ledger.engine, name=f"t{uuid.uuid4().hex[:8]}")
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
-                                         guard_after_idle_s=0.0, destroy_grace_s=0.0))
+                                         guard_after_idle_s=3600.0, destroy_grace_s=0.0))
     w.bootstrap("dare", SMALL_DARE)
     assert ledger.receive(delete("d1", "r004")).status == "accepted"
+    assert w.step()
+    assert ledger.receive({"request_id": "a1", "op": "add", "subject_id": "snew", "payload": {
+        "records": [{"record_id": "n1", "features": [0.1, 0.2, 0.3, 0.4], "label": 1}]}}
+                          ).status == "accepted"
+    assert w.step()
+    w.config = replace(w.config, guard_after_idle_s=0.0)  # a pause: the check runs
     end = time.monotonic() + 60
-    while time.monotonic() < end and (w.step() or w.busy or not destroyed_versions(reg)):
+    while time.monotonic() < end and (w.step() or w.busy or not destroyed_versions(reg)
+                                      or ledger.requests_with_status("applied")):
         time.sleep(0.01)
     versions = [v.version for v in reversed(reg.lineage())]
     assert len(versions) == 3 and reg.current().version == versions[2]
@@ -355,13 +364,13 @@ def test_an_edited_manifest_is_caught_by_verify(signed: Ledger) -> None:
     tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v3)
            .values(manifest={**man, "training_set": {"count": 1, "merkle_root": "00" * 32}}))
     found = [str(p) for p in verify_registry(led, reg)]
-    # the guard refit's `verified` and v1's `destroyed` may come in either order
-    [verified] = [e["seq"] for e in led.export() if e["kind"] == "verified"]
+    [applied] = [e["seq"] for e in led.export()
+                 if e["kind"] == "applied" and e["request_id"] == "a1"]
     assert sorted(found) == sorted([
         f"model version {v3}: the manifest in the database is not the one saved beside its "
         "files (manifest.json in the model store): edited",
-        f"model version {v3}: the manifest's manifest_sha256 is not what event {verified} "
-        "(verified) says (manifest edited)"])  # its publication event carries its digest
+        f"model version {v3}: the manifest's manifest_sha256 is not what event {applied} "
+        "(applied) says (manifest edited)"])  # its publication event carries its digest
     # the update's: its `applied` event says which guarantee it gave
     man = reg.get(v2).manifest
     tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v2)

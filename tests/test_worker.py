@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from jobs.registry import PublishConflict, Registry
-from jobs.served_model import ServedModel
+from jobs.served_model import ForestModel, ServedModel
 from jobs.worker import Worker, WorkerConfig, _plan
 from ledger.chain import utc_now
 from ledger.models import RecordPayload, Request, TrainingRecord
@@ -69,14 +69,13 @@ def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> Non
     assert applied["payload"]["guarantee"] == "exact"
     assert verified["payload"]["exactness"]["exact"] is True
 
-    # the lineage: train -> update (noise-all for the forest) -> guard
+    # the lineage: train -> update, published with its guard up to date (never noise-all);
+    # the exactness check then verifies the requests on that same version
     lineage = w.registry.lineage()
-    assert [v.manifest["change"]["op"] for v in lineage] == ["guard", "update", "train"]
-    assert lineage[-1].version == v1 and lineage[1].parent == v1
-    assert applied["model_version"] == lineage[1].version
-    assert verified["model_version"] == lineage[0].version
+    assert [v.manifest["change"]["op"] for v in lineage] == ["update", "train"]
+    assert lineage[-1].version == v1 and lineage[0].parent == v1
+    assert applied["model_version"] == verified["model_version"] == lineage[0].version
     assert lineage[0].manifest["guard"]["ready"] is True
-    assert lineage[1].manifest["guard"]["ready"] is (kind == "sisa")
 
     # the served version no longer holds the records, and its raw data is gone
     model = w.registry.load(w.registry.current().version)
@@ -164,40 +163,96 @@ def test_additions_are_learned_and_the_guard_follows(seeded60: Ledger) -> None:
     assert ledger.history("a1")["request"]["status"] == "verified"
 
 
-def test_a_stream_without_pause_still_gets_its_guard(seeded60: Ledger) -> None:
-    """Requests keep coming, so the idle refit never starts; once the current version has
-    owed its guard for guard_max_wait_s, the next request waits until the guarded version
-    is published, and then builds on it."""
+def test_a_stream_without_pause_is_answered_by_guarded_versions(seeded60: Ledger) -> None:
+    """Requests keep coming, so the idle exactness check never starts: still every version
+    the worker publishes carries its guard, brought up to date with the update itself, so
+    no answer of the stream falls back to noise-all."""
     ledger = seeded60
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
-                                         guard_after_idle_s=3600.0, guard_max_wait_s=2.0))
+                                         guard_after_idle_s=3600.0))
+    w.bootstrap("dare", SMALL["dare"])
+    for i in range(1, 5):
+        assert ledger.receive({"request_id": f"d{i}", "op": "delete",
+                               "record_ids": [f"r{i:03d}"]}).status == "accepted"
+        assert w.step()
+        cur = reg.current()
+        assert cur.manifest["change"]["op"] == "update" and cur.manifest["guard"]["ready"]
+        served = reg.load(cur.version)
+        assert served.guard_ready and served.guard.mode == "sound"
+    assert [v.manifest["change"]["op"] for v in reg.lineage()] == ["update"] * 4 + ["train"]
+    assert not ledger.requests_with_status("verified")  # the check waits for a pause
+    _drain(_worker(ledger, registry=reg))  # a pause: every request verified on its version
+    for i in range(1, 5):
+        events = _events(ledger, f"d{i}")
+        assert [e["kind"] for e in events] == ["received", "claimed", "applied", "verified"]
+        assert events[3]["model_version"] == reg.current().version
+    assert len(reg.lineage()) == 5
+
+
+def test_a_stream_without_pause_is_verified_within_the_max_wait(seeded60: Ledger) -> None:
+    """Requests keep coming: once applied requests have waited guard_max_wait_s, the check
+    starts anyway, and versions published while it runs do not cancel it: it verifies the
+    requests applied when it started, on the version it checked, which holds them."""
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=3600.0, guard_max_wait_s=0.3))
     w.bootstrap("dare", SMALL["dare"])
 
-    def delete(rid: str, record: str) -> None:
-        assert ledger.receive({"request_id": rid, "op": "delete", "record_ids": [record]}
-                              ).status == "accepted"
+    def delete(i: int) -> None:
+        assert ledger.receive({"request_id": f"d{i}", "op": "delete",
+                               "record_ids": [f"r{i:03d}"]}).status == "accepted"
+        while ledger.history(f"d{i}")["request"]["status"] == "received":
+            assert w.step()
+        w._last_update = time.monotonic()  # no pause, ever
 
-    delete("d1", "r001")
-    assert w.step()  # applied: the new version answers in noise-all mode
-    delete("d2", "r002")
-    assert w.step()  # the debt is young: d2 goes straight on
-    delete("d3", "r003")
-    time.sleep(2.0)
-    end = time.monotonic() + 60
-    while reg.current().manifest["change"]["op"] != "guard":
-        assert time.monotonic() < end, "the overdue guard was never published"
-        assert [r.request_id for r in ledger.requests_with_status("received")] == ["d3"]
-        w.step()
-        time.sleep(0.02)
+    delete(1)
+    checked = reg.current().version
+    assert not w.step() and not w.busy  # young: no check yet
+    time.sleep(0.35)
+    assert w.step() and w.busy  # due: the check of `checked` starts, for d1
+    delete(2)  # a newer version meanwhile: the check goes on
+    end, i = time.monotonic() + 60, 3
+    while ledger.history("d1")["request"]["status"] != "verified":
+        assert time.monotonic() < end and i < 40, "d1 was never verified"
+        delete(i)
+        i += 1
+        time.sleep(0.05)
+    [verified] = [e for e in _events(ledger, "d1") if e["kind"] == "verified"]
+    assert verified["model_version"] == checked and verified["payload"]["in_place"]
+    assert verified["payload"]["exactness"]["exact"] is True
+    assert reg.current().version != checked  # newer versions kept coming meanwhile
+    assert all(v.manifest["change"]["op"] == "update" for v in reg.lineage()[:-1])
+
+
+def test_a_guard_update_that_fails_holds_no_deletion_back(seeded60: Ledger,
+                                                          monkeypatch) -> None:
+    """The deletion is published at once with a stale guard (noise-all, sound); the guard
+    is refitted in the background and published as its own version."""
+    ledger = seeded60
+    w = _worker(ledger)
+    w.bootstrap("dare", SMALL["dare"])
+
+    def broken(self, deleted=(), added=()):
+        raise RuntimeError("a bug in the guard")
+
+    monkeypatch.setattr(ForestModel, "update_guard", broken)
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001"]})
+    assert w.step()
+    cur = w.registry.current()
+    assert cur.manifest["change"]["op"] == "update" and not cur.manifest["guard"]["ready"]
+    assert cur.manifest["change"]["guard"]["error"] == "update failed"
+    assert "r001" not in reg_ids(w, cur.version)
     _drain(w)
-    lineage = reg.lineage()
-    assert [v.manifest["change"]["op"] for v in lineage] == [
-        "update", "guard", "update", "update", "train"]
-    assert lineage[1].manifest["guard"]["ready"] is True
-    assert lineage[0].parent == lineage[1].version
-    assert [e["kind"] for e in _events(ledger, "d3")] == ["received", "claimed", "applied"]
-    assert {r.request_id for r in ledger.requests_with_status("verified")} == {"d1", "d2"}
+    assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
+        "guard", "update", "train"]
+    assert w.registry.current().manifest["guard"]["ready"] is True
+    assert ledger.history("d1")["request"]["status"] == "verified"
+
+
+def reg_ids(w: Worker, version: str) -> set[str]:
+    return set(w.registry.load(version).learner.record_ids_.tolist())
 
 
 @pytest.mark.parametrize("same_batch", [True, False])
@@ -306,8 +361,7 @@ def test_batching_window_claims_each_request_once(seeded60: Ledger) -> None:
     _drain(w)
     for i in range(5):
         assert ledger.history(f"b{i}")["request"]["status"] == "verified"
-    assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
-        "guard", "update", "train"]
+    assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == ["update", "train"]
 
 
 @pytest.mark.parametrize("bad", [{"guard_max_wait_s": -1.0}, {"batch_window_s": float("nan")},

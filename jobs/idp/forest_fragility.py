@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from jobs.learners import dare_view as dv
 from jobs.learners.dare import DaREForest, _ranges
@@ -147,7 +147,7 @@ def _group_pure(g_cnt, g):  # pragma: no cover - compiled
     return True, lab
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw, n_cnt,
              node_keys, rank, X, y, vmix, voff, c_ok, c_split_attr, c_split_r1, c_attr,
              c_all, c_off, c_len, e_r1, e_r2, e_left, msl, k, gini,
@@ -159,15 +159,7 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
     memo_size = C * (k + 1) ** P
     if memo_size > 1 << 16:
         memo_size = 0
-    # per-record work space
-    sel_left = np.zeros((P * k, C), np.int64)
-    sel_r1 = np.zeros(P * k, np.int64)
-    sel_slot = np.zeros(P * k, np.int64)
-    sel_merged = np.zeros(P * k, np.bool_)
-    L = np.zeros((1, C), np.int64)
-    R = np.zeros((1, C), np.int64)
-    cnt_after = np.zeros(C, np.int64)
-    for i in range(nodes.shape[0]):
+    for i in prange(nodes.shape[0]):  # nodes are independent: one thread each
         v = nodes[i]
         s0 = off[i]
         nt = off[i + 1] - s0
@@ -198,6 +190,14 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
             continue
         nk = node_keys[v]
         memo = np.full(memo_size, -1, np.int8)
+        # per-record work space
+        sel_left = np.zeros((P * k, C), np.int64)
+        sel_r1 = np.zeros(P * k, np.int64)
+        sel_slot = np.zeros(P * k, np.int64)
+        sel_merged = np.zeros(P * k, np.bool_)
+        L = np.zeros((1, C), np.int64)
+        R = np.zeros((1, C), np.int64)
+        cnt_after = np.zeros(C, np.int64)
         # value groups of the node's records, per sampled attribute
         grp = np.empty((P, nt), np.int64)
         ng = np.zeros(P, np.int64)

@@ -30,44 +30,64 @@ Then, per tree t and record x:
   prediction) and, below u, the subtree DaRE grows from u's records without x (every
   DaRE node is a pure function of its records, so that IS the subtree the deletion
   leaves). The guard grows it (:func:`jobs.learners.dare_view.grow`, the forest's own
-  split search, without touching the forest), cuts every old leaf under u by the new
-  leaves, and keeps, per piece, the exact change of the tree's class probabilities
-  (pieces where nothing changed are dropped);
+  split search, without touching the forest) and keeps it: an "exact pair". At a query
+  on u's path, the tree's change is the grown subtree's leaf there against q's leaf;
 * a record whose deletion moves a random node's value domain (only when the forest's
   ``random_domain`` is data-dependent) is fragile at every random node on that
   attribute, and the subtree is grown there with the moved domain.
 
 The aggregation is per record (one deletion is one record): at q the kernel adds up,
 over the trees, each record's change (closed form for the stable records of q's leaf,
-the pieces holding q for the fragile ones) and takes the largest gain: the exact LOO
-answer, up to rounding. Only the fragile pairs cost storage (their pieces); the leaves'
-record lists are the forest's own.
+the grown subtrees for the exact pairs on q's path) and takes the largest gain: the
+exact LOO answer, up to rounding.
+
+The state budget
+----------------
+Only the fragile pairs cost storage (their subtrees; the leaves' record lists are the
+forest's own). A pair near a leaf grows a few nodes, one near a root a whole tree, and at
+small n most splits are near-ties, so the subtrees are capped: ``state_budget`` times the
+forest's saved size (default 1.5). The pairs whose subtrees are smallest are grown first;
+the rest are "worst-case pairs": at a query on their node's path the tree is charged the
+worst any tree can do (class b gains ``1 - p_b``, class a loses ``p_a``), which bounds
+whatever subtree the deletion grows, so H stays an upper bound (sound) and only fewer
+queries are certain. Pairs at nodes of more than ``grow_rows`` records (default 1,024)
+are worst-case pairs too: growing one costs its node's records, and a near-tie node high
+in a tree makes many of its records fragile, so growing them all would cost the square
+of the node's size. With ``state_budget=inf, grow_rows=inf`` every pair is exact.
 
 Cost and updates
 ----------------
 Fitting runs the split search once per node (the candidate lists), one pass over every
-(node, record) of every tree, and grows one subtree per fragile pair, mostly small ones
+(node, record) of every tree, and grows one subtree per exact pair, mostly small ones
 near the leaves: near-linear in the number of records (``tests/bench/
 bench_guard_scale.py``). After an update only nodes whose records changed can change
-their decisions or their subtrees: :meth:`refit` with ``nodes=`` (the paths of the
-deleted and added records and the retrained subtrees: every node whose records changed)
-recomputes the pairs at those nodes and keeps every other pair with its pieces, since
-its node holds the same records, so the same decisions and the same subtree, and a
-record that now turns fragile higher up drops its lower pair.
+their decisions or their subtrees: :meth:`update` (the deleted and added records)
+finds them (the records' paths, and every node whose split or counts moved, with its
+subtree), :meth:`refit` with ``nodes=`` recomputes the pairs there and keeps every other
+pair with its subtree, since its node holds the same records, so the same decisions and
+the same subtree; a record that now turns fragile higher up drops its lower pair. A
+record whose pair sat at a changed node and that is fragile at no changed node at or
+above it any more needs its nodes further down, which were never computed (a pair is
+the highest fragile node only): those below it on its path that did not change are
+computed for it. The result equals a fit from scratch (``tests/idp/test_forest_guard.py``;
+with a finite state budget the same pairs, though the budget may make other ones
+exact). The worker calls it before it publishes each version, so a published forest is
+always guarded.
 
 Binding and persistence
 -----------------------
 The state is tied to ``forest.content_hash()`` at fit time. Every :meth:`certain` /
 :meth:`answer` checks the forest: the hash is recomputed only when the forest's
-``generation_`` moved; on a mismatch (the forest was updated) nothing is certain and the
-:class:`~jobs.idp.guard.LabelGuard` is bound in noise-all mode until :meth:`refit`.
-:meth:`save` writes the fragile lists (by tree, node path and record position) with the
-hash; :meth:`load` refuses any other forest. Queries are not clipped: the certificate
-holds on all of R^d.
+``generation_`` moved; on a mismatch (the forest was updated and the guard was not)
+nothing is certain and the :class:`~jobs.idp.guard.LabelGuard` is bound in noise-all
+mode until :meth:`update` or :meth:`refit`. :meth:`save` writes the pairs (by tree, node
+path and record position) and their subtrees with the hash; :meth:`load` refuses any
+other forest. Queries are not clipped: the certificate holds on all of R^d.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -87,19 +107,25 @@ from jobs.learners.base import (
     read_bundle_payload,
     write_bundle,
 )
-from jobs.learners.dare import DaREForest
+from jobs.learners.dare import DaREForest, _ranges
 
 SOUND = "sound"
 NOISE_ALL = "noise-all"
 FORMAT = "obliviate.forest-guard/2"
 _TABLES = "pairs.npz"
 _CHUNK_ROWS = 2_000_000  # records handed to the subtree grower at once
-# The pieces of the fragile pairs are the guard's state. It may take at most this many
-# times the forest's own saved size (as arrays); the pairs whose subtrees are smallest
-# get their pieces first, the others are charged the worst a tree can do below their node
-# (few at large n: near-ties high up in a tree; many at small n, where most splits are
-# near-ties).
+# The grown subtrees of the fragile pairs are the guard's state. It may take at most this
+# many times the forest's own saved size (as arrays); the pairs whose subtrees are
+# smallest are grown first, the others are charged the worst a tree can do below their
+# node (few at large n: near-ties high up in a tree; many at small n, where most splits
+# are near-ties).
 STATE_BUDGET = 1.5  # the default of ForestGuard(state_budget=)
+# Growing a pair's subtree costs about its node's records times the levels below it, and a
+# near-tie node high up a tree makes many of its records fragile: growing all of those
+# would cost (records at the node)^2. Pairs at nodes with more records than this are
+# worst-case pairs, which keeps fit and update near-linear (bench_guard_scale.py: at 16k
+# records, 1,024 halves the fit and costs 0.1 points of accuracy at epsilon 0).
+GROW_ROWS = 1024  # the default of ForestGuard(grow_rows=)
 _PAIR_BYTES = 12  # node, record, root (int32)
 # what the saved state stores (the kernels read int64; thresholds stay exact float64)
 _SAVED_DTYPES = {"node": np.int32, "prec": np.int32, "root": np.int32, "leaf": np.bool_,
@@ -259,29 +285,25 @@ class _Pairs:
         """The pairs where `keep`, their subtrees packed anew (optionally renamed)."""
         node = self.node if node is None else node
         prec = self.prec if prec is None else prec
-        blocks = [self._block(r) for r in self.root[keep].tolist()]
-        sizes = np.array([len(b) for b in blocks], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        idx = np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, np.int64)
+        root = self.root[keep]
+        size = np.where(root >= 0, self._block_sizes()[np.maximum(root, 0)], 0)
+        idx = _ranges(np.maximum(root, 0), size)
         new_of = np.full(len(self.leaf), -1, dtype=np.int64)
         new_of[idx] = np.arange(len(idx))
-        root = np.where(self.root[keep] >= 0, new_of[np.maximum(self.root[keep], 0)], -1)
+        root = np.where(root >= 0, new_of[np.maximum(root, 0)], -1)
         kid = lambda a: np.where(a[idx] >= 0, new_of[np.maximum(a[idx], 0)], -1)  # noqa: E731
-        del starts
         return _Pairs(node=node[keep], prec=prec[keep], root=root, leaf=self.leaf[idx],
                       attr=self.attr[idx], thr=self.thr[idx], left=kid(self.left),
                       right=kid(self.right), cnt=self.cnt[idx], n=self.n[idx])
 
-    def _block(self, root: int) -> np.ndarray:
-        if root < 0:
-            return np.zeros(0, np.int64)
-        out, stack = [], [root]
-        while stack:
-            u = stack.pop()
-            out.append(u)
-            if not self.leaf[u]:
-                stack += [int(self.right[u]), int(self.left[u])]
-        return np.array(sorted(out), dtype=np.int64)
+    def _block_sizes(self) -> np.ndarray:
+        """Per pool node that is a pair's root: its subtree's size. Each subtree is one
+        block, root first (as grown, concatenated and packed), so a block ends where the
+        next begins."""
+        starts = np.unique(self.root[self.root >= 0])
+        out = np.zeros(len(self.leaf), dtype=np.int64)
+        out[starts] = np.diff(np.append(starts, len(self.leaf)))
+        return out
 
     def fits(self, n_nodes: int, n_records: int, n_features: int, C: int) -> bool:
         g = len(self.leaf)
@@ -344,7 +366,13 @@ def _pairs(forest: DaREForest, st: _Structure, nodes: np.ndarray | None) -> tupl
         node = np.concatenate([node, extra_n]).astype(np.int64)
         prec = np.concatenate([prec, extra_r]).astype(np.int64)
         dom = np.concatenate([dom, extra_d])
-    # one pair per (tree, record): the highest node (smallest depth; a domain pair first)
+    return _highest(st, node, prec, dom)
+
+
+def _highest(st: _Structure, node: np.ndarray, prec: np.ndarray, dom: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pair per (tree, record): the highest node (smallest depth; a domain pair
+    first)."""
     order = np.lexsort((np.isnan(dom), st.depth[node], prec, st.tree[node]))
     node, prec, dom = node[order], prec[order], dom[order]
     first = np.ones(len(node), dtype=bool)
@@ -352,10 +380,54 @@ def _pairs(forest: DaREForest, st: _Structure, nodes: np.ndarray | None) -> tupl
     return node[first], prec[first], dom[first]
 
 
-def _within_budget(st: _Structure, node: np.ndarray, budget_nodes: int) -> np.ndarray:
-    """Which pairs get their subtrees: the smallest first (by the old subtree's size),
-    while they fit the budget."""
-    order = np.argsort(st.size[node], kind="stable")
+def _below_dropped(forest: DaREForest, st: _Structure, touched: np.ndarray,
+                   dropped: tuple[np.ndarray, np.ndarray], node: np.ndarray,
+                   prec: np.ndarray, dom: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The recomputed pairs plus, for each dropped pair (a live record's pair at a
+    changed node) whose record has no recomputed pair at or above that node's depth, the
+    record's fragile nodes below it on its path that did not change."""
+    d_node, d_prec = dropped
+    best = {}
+    for u, r in zip(node.tolist(), prec.tolist(), strict=True):
+        key = (int(st.tree[u]), r)
+        best[key] = min(best.get(key, 1 << 30), int(st.depth[u]))
+    changed = np.zeros(len(st.kind), dtype=bool)
+    changed[touched] = True
+    X = dv.view(forest).X  # (attribute, slot)
+    slot = np.array([forest._slot[i] for i in forest.record_ids_.tolist()], dtype=np.int64)
+    want: dict[int, set[int]] = {}  # compact node -> record positions to compute there
+    for u, r in zip(d_node.tolist(), d_prec.tolist(), strict=True):
+        if best.get((int(st.tree[u]), r), 1 << 30) <= st.depth[u]:
+            continue
+        k = u
+        while st.kind[k] != dv.LEAF:
+            k = st.left[k] if X[st.attr[k], slot[r]] <= st.thr[k] else st.right[k]
+            if not changed[k]:
+                want.setdefault(int(k), set()).add(r)
+    if not want:
+        return node, prec, dom
+    comp = np.array(sorted(want), dtype=np.int64)
+    done, off, slots = fragile_records(forest, st.forest_node[comp])
+    pos = _positions(forest)
+    extra_n, extra_r = [], []
+    for i, u in enumerate(done.tolist()):
+        c = st.node_of[int(u)]
+        for r in pos[slots[off[i]:off[i + 1]]].tolist():
+            if r in want[c]:
+                extra_n.append(c)
+                extra_r.append(r)
+    return (np.concatenate([node, extra_n]).astype(np.int64),
+            np.concatenate([prec, extra_r]).astype(np.int64),
+            np.concatenate([dom, np.full(len(extra_n), np.nan)]))
+
+
+def _within_budget(st: _Structure, node: np.ndarray, budget_nodes: int,
+                   grow_rows: float) -> np.ndarray:
+    """Which pairs get their subtrees: those at nodes of at most `grow_rows` records, the
+    smallest first (by the old subtree's size), while they fit the budget."""
+    small = np.flatnonzero(st.n[node] <= grow_rows)
+    order = small[np.argsort(st.size[node[small]], kind="stable")]
     fits = np.cumsum(st.size[node][order]) <= budget_nodes
     out = np.zeros(len(node), dtype=bool)
     out[order[fits]] = True
@@ -363,11 +435,11 @@ def _within_budget(st: _Structure, node: np.ndarray, budget_nodes: int) -> np.nd
 
 
 def _grow_pairs(forest: DaREForest, st: _Structure, node: np.ndarray, prec: np.ndarray,
-                dom: np.ndarray, budget_nodes: int) -> _Pairs:
+                dom: np.ndarray, budget_nodes: int, grow_rows: float) -> _Pairs:
     """The pairs with the subtrees a deletion of their record grows at their node (for
     the pairs the budget admits; the others are worst-case pairs)."""
     C = st.cnt.shape[1]
-    exact = _within_budget(st, node, budget_nodes)
+    exact = _within_budget(st, node, budget_nodes, grow_rows)
     worst = _Pairs.empty(C)
     worst = _Pairs(node[~exact], prec[~exact], np.full(int((~exact).sum()), -1, np.int64),
                    *list(worst.arrays().values())[3:])
@@ -541,11 +613,15 @@ class ForestGuard:
     """
 
     def __init__(self, forest: DaREForest, epsilon: float = 1.0, memo_size: int = 100_000,
-                 random_state: int | None = None, state_budget: float = STATE_BUDGET) -> None:
+                 random_state: int | None = None, state_budget: float = STATE_BUDGET,
+                 grow_rows: float = GROW_ROWS) -> None:
         if not state_budget >= 0:
             raise ValueError(f"state_budget must be >= 0, got {state_budget!r}")
+        if not grow_rows >= 0:
+            raise ValueError(f"grow_rows must be >= 0, got {grow_rows!r}")
         self.forest = forest
         self.state_budget = state_budget
+        self.grow_rows = grow_rows
         self.guard = LabelGuard(max(2, forest.n_classes_), epsilon=epsilon,
                                 memo_size=memo_size, random_state=random_state)
         self.forest_hash: str | None = None
@@ -560,12 +636,14 @@ class ForestGuard:
 
     @classmethod
     def fit(cls, forest: DaREForest, epsilon: float = 1.0, memo_size: int = 100_000,
-            random_state: int | None = None, state_budget: float = STATE_BUDGET) -> ForestGuard:
+            random_state: int | None = None, state_budget: float = STATE_BUDGET,
+            grow_rows: float = GROW_ROWS) -> ForestGuard:
         """Compute the fragile pairs and their subtrees for `forest`; `state_budget`: the
-        most the subtrees may take, as a multiple of the forest's saved size (inf: every
-        pair exact, whatever it costs)."""
+        most the subtrees may take, as a multiple of the forest's saved size; `grow_rows`:
+        the most records a pair's node may hold for its subtree to be grown (both inf:
+        every pair exact, whatever it costs)."""
         self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state,
-                   state_budget=state_budget)
+                   state_budget=state_budget, grow_rows=grow_rows)
         self.refit()
         return self
 
@@ -588,16 +666,20 @@ class ForestGuard:
             # reaches all of them (there are few)
             nodes = np.union1d(nodes[v.used[nodes]],
                                np.flatnonzero(v.used & (v.kind == dv.RANDOM)))
-            kept = self._kept(st, {st.node_of[int(u)] for u in nodes.tolist()})
+            touched = np.array(sorted({st.node_of[int(u)] for u in nodes.tolist()}),
+                               dtype=np.int64)
+            kept, dropped = self._kept(st, touched)
         node, prec, dom = _pairs(self.forest, st, nodes if incremental else None)
         if incremental:
+            node, prec, dom = _highest(st, *_below_dropped(self.forest, st, touched, dropped,
+                                                           node, prec, dom))
             node, prec, dom, kept = _merge_kept(st, node, prec, dom, kept)
         node_bytes = 23 + 4 * C  # a grown node as saved: see _SAVED_DTYPES
         budget = self.state_budget * dv.saved_nbytes(self.forest) - _PAIR_BYTES * len(node)
         if incremental:
             budget -= _PAIR_BYTES * len(kept.node) + node_bytes * len(kept.leaf)
         fresh = _grow_pairs(self.forest, st, node, prec, dom,
-                            int(min(max(budget / node_bytes, 0), 2**62)))
+                            int(min(max(budget / node_bytes, 0), 2**62)), self.grow_rows)
         pairs = _Pairs.concat([kept, fresh], C) if incremental else fresh
         rep = ForestFitReport(
             seconds=time.perf_counter() - t0, n_records=int(self.forest.n_records_),
@@ -615,8 +697,9 @@ class ForestGuard:
         last fit): recompute what they can have changed and keep the rest. The changed
         nodes: the deleted records' paths before, the added ones' after, and every node
         whose split or counts moved, with its subtree."""
-        if self._st is None or self._pairs is None:
-            return self.refit()
+        if (self._st is None or self._pairs is None
+                or not np.array_equal(self._classes, self.forest.classes_)):
+            return self.refit()  # a class that came or went renumbers every count
         old = self._st
         new = _Structure.of(self.forest)
         keys: set[tuple[int, int]] = set()
@@ -626,23 +709,30 @@ class ForestGuard:
                                            == np.asarray(list(deleted), dtype=object))])
         ids = self.forest.record_ids_
         keys |= _path_keys(new, np.searchsorted(ids, np.asarray(list(added), dtype=object)))
+        # a node whose split moved (or that is new) sends other records to its children:
+        # its whole subtree changed; one whose counts alone moved holds fewer or more
+        # records, and only itself changed (its children are on the same paths)
         before = {key: i for i, key in enumerate(old.node_keys())}
-        moved = np.zeros(len(new.kind), dtype=bool)
+        split = np.zeros(len(new.kind), dtype=bool)
+        counts = np.zeros(len(new.kind), dtype=bool)
         for u, key in enumerate(new.node_keys()):
             i = before.get(key)
-            moved[u] = i is None or not (
-                old.kind[i] == new.kind[u] and old.attr[i] == new.attr[u]
-                and old.thr[i] == new.thr[u] and old.n[i] == new.n[u]
-                and (old.cnt[i] == new.cnt[u]).all())
-        for u in np.flatnonzero(moved).tolist():  # a moved node's subtree may hold others
-            moved[u:u + new.size[u]] = True
+            split[u] = i is None or not (old.kind[i] == new.kind[u]
+                                         and old.attr[i] == new.attr[u]
+                                         and old.thr[i] == new.thr[u])
+            counts[u] = not split[u] and not (old.n[i] == new.n[u]
+                                              and (old.cnt[i] == new.cnt[u]).all())
+        for u in np.flatnonzero(split).tolist():
+            split[u:u + new.size[u]] = True
         nodes = {new.forest_node[u] for u, key in enumerate(new.node_keys())
-                 if moved[u] or key in keys}
+                 if split[u] or counts[u] or key in keys}
         return self.refit(nodes=np.array(sorted(nodes), dtype=np.int64))
 
-    def _kept(self, st: _Structure, touched: set[int]) -> _Pairs:
+    def _kept(self, st: _Structure, touched: np.ndarray
+              ) -> tuple[_Pairs, tuple[np.ndarray, np.ndarray]]:
         """The last fit's pairs at nodes that did not change (with their subtrees), moved to
-        the new compact ids and record positions; pairs of deleted records dropped."""
+        the new compact ids and record positions, pairs of deleted records dropped; and
+        (node, record) of the live records' pairs at `touched` nodes (compact ids)."""
         old_st, old = self._st, self._pairs
         new_id = {key: i for i, key in enumerate(st.node_keys())}
         remap_node = np.array([new_id.get(k, -1) for k in old_st.node_keys()], dtype=np.int64)
@@ -651,12 +741,16 @@ class ForestGuard:
         at = np.searchsorted(ids, held)
         ok = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == held)
         node = remap_node[old.node]
-        keep = (node >= 0) & ok & ~np.isin(node, np.fromiter(touched, dtype=np.int64))
-        return old.select(keep, node=node, prec=np.where(ok, at, -1))
+        hit = np.isin(node, touched)
+        keep = (node >= 0) & ok & ~hit
+        gone = (node >= 0) & ok & hit
+        return (old.select(keep, node=node, prec=np.where(ok, at, -1)),
+                (node[gone], at[gone]))
 
     def _install(self, st: _Structure, pairs: _Pairs, rep: ForestFitReport) -> None:
         self._st, self._pairs, self._P = st, pairs, st.probabilities()
         self._ids = self.forest.record_ids_
+        self._classes = self.forest.classes_.copy()
         f_off, f_rec, f_root = pairs.by_node(len(st.kind), True)
         w_off, w_rec, _ = pairs.by_node(len(st.kind), False)
         self._kernel_args = (st.root, st.kind, st.left, st.right, st.attr, st.thr, st.cnt,
@@ -677,7 +771,7 @@ class ForestGuard:
 
     def save(self, path: str | Path) -> None:
         """Write ``path/meta.json`` (forest hash, fit report, summary) and ``path/pairs.npz``
-        (no pickle): the pairs and pieces, nodes named by (tree, path)."""
+        (no pickle): the pairs and their subtrees, nodes named by (tree, path)."""
         if self._st is None or self.fit_report is None:
             raise RuntimeError("nothing to save: the guard has not been fitted")
         arrays = {k: a.astype(_SAVED_DTYPES[k]) for k, a in self._pairs.arrays().items()}
@@ -686,6 +780,9 @@ class ForestGuard:
             "format": FORMAT,
             "forest_hash": self.forest_hash,
             "n_classes": int(self.forest.n_classes_),
+            # the budget later updates keep to (JSON has no inf: None)
+            "state_budget": None if math.isinf(self.state_budget) else self.state_budget,
+            "grow_rows": None if math.isinf(self.grow_rows) else self.grow_rows,
             "tables_hash": hash_arrays(*(arrays[k] for k in sorted(arrays))),
             "fit_report": asdict(self.fit_report),
             "summary": self._summary,
@@ -721,7 +818,10 @@ class ForestGuard:
                 and pairs.fits(len(st.kind), forest.n_records_, forest.n_features_,
                                forest.n_classes_)):  # fmt: skip
             raise ValueError(f"{p}: the guard's state does not fit the forest's nodes")
-        self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state)
+        budget, rows = meta.get("state_budget", STATE_BUDGET), meta.get("grow_rows", GROW_ROWS)
+        self = cls(forest, epsilon=epsilon, memo_size=memo_size, random_state=random_state,
+                   state_budget=math.inf if budget is None else float(budget),
+                   grow_rows=math.inf if rows is None else float(rows))
         self._install(st, pairs, ForestFitReport(**meta["fit_report"]))
         return self
 

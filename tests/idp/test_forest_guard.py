@@ -204,6 +204,7 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
     guard.save(tmp_path / "g")
     loaded = ForestGuard.load(tmp_path / "g", forest, epsilon=0.5, memo_size=10, random_state=1)
     assert loaded.mode == SOUND and loaded.guard.epsilon == 0.5 and loaded.guard.memo.size == 10
+    assert loaded.state_budget == np.inf  # later updates keep to the budget it was fitted with
     Q = np.concatenate([rng.random((4000, 2)), _queries(rng, forest, X)])
     for a, b in zip(guard.certain(Q), loaded.certain(Q), strict=True):
         assert np.array_equal(a, b)
@@ -254,3 +255,144 @@ def test_bound_summary_is_small_json_and_bounds_every_change():
     assert delta.max() <= s["delta_max_bound"] + 1e-12
     s["n_records"] = -1  # a copy: the guard's record is read-only
     assert guard.bound_summary["n_records"] == 60
+
+
+# ----------------------------------------------------------------- fragility, budget, updates
+
+def _tied(rng, n=300, d=5, levels=4):
+    """A table's character: few distinct values per feature (ties), a noisy label."""
+    X = np.round(rng.random((n, d)) * levels) / levels
+    y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, n) > 1).astype(int)
+    return X, y
+
+
+def _tree_leaves(forest, t):
+    L = forest.leaves()
+    m = L["tree"] == t
+    return L["path"][m], L["lo"][m], L["hi"][m], L["counts"][m]
+
+
+@pytest.mark.parametrize("data,params", [
+    ("tied", dict(n_estimators=5, max_depth=6, k=5, d_rmax=1, random_state=1)),
+    ("tied", dict(n_estimators=5, max_depth=7, k=3, d_rmax=1, min_samples_leaf=2,
+                  criterion="entropy", random_state=2)),
+    ("continuous", dict(n_estimators=5, max_depth=6, k=10, d_rmax=0, random_state=3)),
+])
+def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
+    """A record called stable at every node of its path in a tree must, when actually
+    deleted, leave that tree with the same leaves (paths, boxes) and one leaf's counts one
+    lower: the fact the closed form rests on. Fragile claims are the guard's caution."""
+    from jobs.idp.forest_fragility import domain_fragile, fragile_records
+    from jobs.learners import dare_view as dv
+
+    rng = np.random.default_rng(11)
+    if data == "tied":
+        X, y = _tied(rng)
+    else:
+        X = rng.random((300, 5))
+        y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, 300) > 1).astype(int)
+    ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
+    forest = DaREForest(**params).fit(ids, X, y)
+    nodes, off, slots = fragile_records(forest)
+    v = dv.view(forest)
+    fragile = np.zeros((forest.n_estimators, forest._cap), bool)
+    for i, nd in enumerate(nodes.tolist()):
+        fragile[v.tree[nd], slots[off[i]:off[i + 1]]] = True
+    for _, slot, _ in domain_fragile(forest):
+        fragile[:, slot] = True
+    before = [_tree_leaves(forest, t) for t in range(forest.n_estimators)]
+    stable = 0
+    for rid in ids[rng.permutation(len(ids))[:120]].tolist():
+        slot = forest._slot[rid]
+        after = copy.deepcopy(forest)
+        after.delete([rid])
+        for t in range(forest.n_estimators):
+            if fragile[t, slot]:
+                continue
+            stable += 1
+            p0, lo0, hi0, c0 = before[t]
+            p1, lo1, hi1, c1 = _tree_leaves(after, t)
+            assert np.array_equal(p0, p1) and np.array_equal(lo0, lo1) \
+                and np.array_equal(hi0, hi1), (rid, t)
+            assert (c0 - c1).sum() == 1 and (c0 != c1).any(axis=1).sum() == 1, (rid, t)
+    assert stable > 0.5 * 120 * forest.n_estimators  # the claims are not vacuous
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.3])
+def test_a_small_state_budget_stays_sound(budget):
+    """Pairs the budget cannot afford are charged the worst a tree can do: H still bounds
+    every LOO forest's gain, and fewer queries are certain than with every pair exact."""
+    rng = np.random.default_rng(4)
+    X, y = _tied(rng, n=140, d=4)
+    ids = np.array([f"r{i}" for i in range(len(y))])
+    forest = DaREForest(n_estimators=10, max_depth=6, k=5, d_rmax=1,
+                        random_state=5).fit(ids, X, y)
+    small = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=budget)
+    exact = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
+    assert small.fit_report.detail["exact_pairs"] < exact.fit_report.detail["exact_pairs"]
+    Q = _queries(rng, forest, X, n_random=1500)
+    scores, _, H = small.bounds(Q)
+    d = _loo_scores(forest, Q) - scores[None]
+    gain = (d[:, :, None, :] - d[:, :, :, None]).max(axis=0)
+    assert (gain <= H + 1e-12).all()
+    assert (exact.bounds(Q)[2] - 1e-12 <= H).all()
+    assert small.certain(Q)[1].sum() <= exact.certain(Q)[1].sum()
+
+
+@pytest.mark.parametrize("budget", [np.inf, 1.5])
+def test_an_incremental_update_equals_a_full_refit(budget):
+    """update(deleted, added) recomputes only what the records can have changed; the
+    result must be the guard a fit from scratch on the updated forest gives (with a
+    finite state budget: the same pairs, and bounds no smaller than the exact ones)."""
+    rng = np.random.default_rng(8)
+    X, y = _tied(rng, n=460, d=6, levels=10)
+    ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
+    n = 400
+    forest = DaREForest(n_estimators=10, max_depth=7, k=5, d_rmax=1, random_domain=2.0,
+                        random_state=1).fit(ids[:n], X[:n], y[:n])
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=budget)
+    Q = rng.random((1500, X.shape[1]))
+    live = list(ids[:n])
+    for step in range(3):
+        deleted = [live.pop(int(i)) for i in sorted(rng.choice(len(live), 6, replace=False),
+                                                    reverse=True)]
+        forest.delete(deleted)
+        added = []
+        if step == 1:
+            added = list(ids[n:n + 5])
+            forest.add(added, X[n:n + 5], y[n:n + 5])
+        rep = guard.update(deleted, added)
+        assert rep.detail["incremental"] and guard.mode == SOUND
+        full = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=budget)
+        assert rep.fragile_pairs == full.fit_report.fragile_pairs
+        if np.isinf(budget):
+            for a, b in zip(guard.bounds(Q), full.bounds(Q), strict=True):
+                assert np.allclose(a, b, rtol=0, atol=1e-12)
+        else:  # the budget may go to other pairs than a fit's: sound against exact gains
+            exact = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
+            scores, delta, H = guard.bounds(Q)
+            e_scores, e_delta, e_H = exact.bounds(Q)
+            assert np.allclose(scores, e_scores, rtol=0, atol=1e-12)
+            assert (e_H - 1e-12 <= H).all() and (e_delta - 1e-12 <= delta).all()
+
+
+def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
+    """The last record of a class deleted (the forest drops the class and renumbers its
+    counts), then a record of a new class added: the guard follows both."""
+    rng = np.random.default_rng(2)
+    X = rng.random((90, 3))
+    y = np.where(np.arange(90) < 3, 2, (X[:, 0] > 0.5).astype(int))
+    ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
+    forest = DaREForest(n_estimators=6, max_depth=5, k=5, random_state=0).fit(ids, X, y)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
+    Q = rng.random((800, 3))
+    for deleted, added in ((["r000", "r001", "r002"], []), ([], ["n0"])):
+        if deleted:
+            forest.delete(deleted)
+        else:
+            forest.add(np.array(added, dtype=object), rng.random((1, 3)), np.array([7]))
+        guard.update(deleted, added)
+        full = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
+        assert guard.mode == SOUND and guard.forest.n_classes_ == (2 if deleted else 3)
+        for a, b in zip(guard.bounds(Q), full.bounds(Q), strict=True):
+            assert np.allclose(a, b, rtol=0, atol=1e-12)
