@@ -51,8 +51,9 @@ KIND_FILE = "served.json"
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     # features are scaled to [0, 1]: a fixed random-node domain, which no deletion moves
     "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_domain": 2.0},
+    # plain SGD (the masked LOO schedule) at the learner's own rate: shards that learn
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
-             "batch_size": 32, "lr": 0.01},
+             "batch_size": 32},
     "game": {"hidden": [64], "epochs": 30},
 }
 

@@ -13,6 +13,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 from jobs.idp.loo import schedule_keys, train_single
+from jobs.idp.sisa_bounds import ensemble_loo_set
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.keyed import prf_u64
 from jobs.learners.nets import (
@@ -21,6 +22,7 @@ from jobs.learners.nets import (
     hash_state,
     init_net,
     mlp_state,
+    stage_epochs,
     state_to_cpu,
     states_equal,
 )
@@ -564,7 +566,8 @@ def test_cnn_on_small_digits_subset():
 def test_schedule_resolution_and_validation():
     ids, X, y = _pool(40)
     one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(ids, X, y)
-    assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.1
+    assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.5
+    assert one.config_["min_steps"] == 0
     assert one.config_["weight_decay"] == 1e-5
     sliced = SISAEnsemble(
         n_shards=2, n_slices=2, hidden=(8,), epochs_per_slice=1, device="cpu"
@@ -580,6 +583,9 @@ def test_schedule_resolution_and_validation():
         _model(schedule="loo", n_slices=2).fit(ids, X, y)
     with pytest.raises(ValueError, match="weight_decay"):
         _model(weight_decay=-1.0).fit(ids, X, y)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_steps"):
+            _model(min_steps=bad).fit(ids, X, y)
 
 
 def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
@@ -608,6 +614,75 @@ def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
     assert m.verify().exact
     with pytest.raises(ValueError, match="schedule"):
         _model(n_slices=2).fit(ids, X, y).shard_training_args(0)
+
+
+def test_min_steps_floor_follows_the_live_count_and_stays_exact():
+    """The step floor makes a shard's epochs a function of its batch count B, so a
+    deletion that lowers B raises the epochs, and the update still equals the retrain,
+    train_single with shard_training_args, and the LOO network of sisa_bounds."""
+    assert stage_epochs(30, 8, 2, 0) == 2 and stage_epochs(30, 8, 2, 40) == 10
+    assert stage_epochs(24, 8, 2, 40) == 14 and stage_epochs(500, 8, 2, 40) == 2
+    ids, X, y = _pool(90)
+    m = _model(n_shards=3, min_steps=40, classes=(0, 1, 2)).fit(ids, X, y)
+    s = int(np.argmax(m.shard_sizes_))
+    extra = (int(m.shard_sizes_[s]) - 1) % 8  # bring shard s to 8 k + 1 records
+    if extra:
+        m.delete(m.shard_records(s)[0][-extra:])
+    args = m.shard_training_args(s)
+    assert args["epochs"] == max(2, -(-40 // args["n_batches"]))
+    loo = ensemble_loo_set(m, s)  # checks its base network against the served shard
+    assert loo is not None
+    victim = m.shard_records(s)[0][0]
+    m.delete([victim])  # B drops by one, so the floor gives more epochs
+    assert m.shard_training_args(s)["n_batches"] == args["n_batches"] - 1
+    assert m.shard_training_args(s)["epochs"] > args["epochs"]
+    gone = loo.loo(victim)
+    assert states_equal(mlp_state(gone.weights, gone.biases), m.shard_state(s))
+    for k in range(3):
+        rid, Xs, ys = m.shard_records(k)
+        p = train_single(Xs, ys, rid, **m.shard_training_args(k))
+        assert states_equal(mlp_state(p.weights, p.biases), m.shard_state(k))
+    assert m.verify().exact
+    # the Adam stages of a sliced ensemble take the same floor per stage
+    sliced = _model(n_shards=2, n_slices=3, min_steps=30).fit(ids, X, y)
+    assert sliced.content_hash() != _model(n_shards=2, n_slices=3).fit(ids, X, y).content_hash()
+    sliced.delete(ids[:5])
+    sliced.add(["new1", "new2"], X[:2], y[:2])
+    assert sliced.verify().exact
+
+
+def _census_like(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A small census-style table in [0, 1]^6: integer ages and hours, ordinal-coded
+    categoricals with non-monotone effects, a skewed amount, a noisy logistic label."""
+    rng = np.random.default_rng(seed)
+    age = np.clip(np.round(17 + rng.gamma(3.0, 7.0, n)), 17, 90)
+    job = rng.integers(0, 14, n)
+    married = rng.integers(0, 7, n)
+    edu = rng.integers(1, 17, n)
+    hours = np.clip(np.round(rng.normal(40, 12, n)), 1, 99)
+    gain = np.where(rng.random(n) < 0.08, np.round(np.exp(rng.normal(8.5, 1.2, n))), 0.0)
+    job_eff = np.array([1.0, -0.6, 0.9, -0.4, 0.1, -1.0, 0.3, -0.8, 1.2, -0.2, 0.0, -1.2, 0.5,
+                        -0.5])
+    z = (-2.4 + 2.3 * (married == 0) + 0.33 * (edu - 9) + job_eff[job]
+         + 2.0 * np.exp(-(((age - 50) / 14) ** 2)) + 0.035 * (hours - 40)
+         + np.where(gain > 7000, 4.5, 0.0))
+    y = (rng.random(n) < 1 / (1 + np.exp(-1.5 * z))).astype(int)
+    X = np.column_stack([age, job, married, edu, hours, gain])
+    return (X - X.min(0)) / (X.max(0) - X.min(0)), y
+
+
+def test_five_shards_learn_a_census_like_table():
+    """The sidecar's shard network (one hidden layer of 32, 20 epochs, the default SGD
+    rate) beats the majority class clearly with 5 shards of 480 records. With an
+    Adam-sized rate (0.01) the SGD schedule voted the majority class here."""
+    X, y = _census_like(3000)
+    ids = np.array([f"c{i}" for i in range(3000)], dtype=object)
+    tr, te = slice(0, 2400), slice(2400, None)
+    m = SISAEnsemble(n_shards=5, hidden=(32,), epochs_per_slice=20, device="cpu",
+                     random_state=0).fit(ids[tr], X[tr], y[tr])
+    majority = max(y[te].mean(), 1 - y[te].mean())
+    acc = (m.predict(X[te]) == y[te]).mean()
+    assert acc >= majority + 0.05, (acc, majority)
 
 
 def test_loo_schedule_empty_shard_keeps_its_initialisation():

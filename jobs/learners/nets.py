@@ -207,6 +207,19 @@ def n_batches(n: int, batch_size: int) -> int:
     return max(1, -(-int(n) // int(batch_size)))
 
 
+def stage_epochs(n: int, batch_size: int, epochs: int, min_steps: int = 0) -> int:
+    """Epochs of a training run on ``n`` records: ``max(epochs, ceil(min_steps / B))``.
+
+    Why: what a network learns is set by its optimiser steps, not its epochs, and a
+    shard of ``n / S`` records gets ``S`` times fewer steps per epoch; a step floor
+    keeps small shards from stopping before they learn. A function of ``B`` alone
+    (:func:`n_batches`), so two record counts with the same ``B`` train the same
+    epochs (the LOO schedule relies on it); ``min_steps = 0`` is plain ``epochs``.
+    """
+    B = n_batches(n, batch_size)
+    return max(int(epochs), -(-int(min_steps) // B))
+
+
 def epoch_batches(record_keys: np.ndarray, salt: int, n_batch: int) -> list[np.ndarray]:
     """Split rows into ``n_batch`` keyed mini-batches for one epoch.
 

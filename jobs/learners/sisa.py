@@ -36,13 +36,15 @@ on the shard's live records with ``seed_s = prf(seed, "init", s)`` (the same
 initialisation), rows in the order of their schedule keys ``k = prf(seed_s,
 "loo-batch", id)``, per-epoch batch ``mix64(k ^ prf(seed_s, "loo-epoch", e))
 mod B``, ``B = max(1, ceil(n_s / batch_size))`` (``n_s`` the shard's live
-record count), plain SGD with ``lr`` and ``weight_decay``, ``epochs_per_slice``
-epochs, the padded batched kernels. Records deleted since ``fit`` stay in the
-schedule of every shard that held them as TOMBSTONES (``tombstones_``: shard ->
-sorted uint64 schedule keys under that shard's seed; no id, features or
-label): always-masked rows at the key's place, in the batch the key hashes
-to. A tombstone contributes an exact zero to every sum, so it
-changes nothing arithmetically, but it keeps every other row where it was:
+record count), plain SGD with ``lr`` and ``weight_decay``, ``E(B) =
+max(epochs_per_slice, ceil(min_steps / B))`` epochs (a function of ``B``, so of
+the live count, like ``B`` itself), the padded batched kernels. Records
+deleted since ``fit`` stay in the schedule of every shard that held them as
+TOMBSTONES (``tombstones_``: shard -> sorted uint64 schedule keys under that
+shard's seed; no id, features or label): always-masked rows at the key's
+place, in the batch the key hashes to. A tombstone contributes an exact zero
+to every sum, so it changes nothing arithmetically, but it keeps every other
+row where it was:
 the gemm kernels of some CPUs (seen on Sapphire Rapids, MKL, AVX-512) sum a
 batch's rows in an order that depends on row positions, so "x masked in
 place" and "x removed, later rows moved up" can differ in the last bits.
@@ -57,9 +59,9 @@ per-shard LUCID bounds for the SERVED ensemble. One checkpoint per shard
 keys are recomputed from the id); ``fit`` starts with none.
 
 ``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
-``r = 0 .. R-1`` trains on the union of slices ``0..r`` for
-``epochs_per_slice`` epochs, starting from the checkpoint after stage
-``r - 1``, with a fresh Adam optimiser (``lr``; no weight decay); a checkpoint
+``r = 0 .. R-1`` trains on the union of slices ``0..r`` for ``E(B)`` epochs
+(as above, ``B`` the stage's batch count), starting from the checkpoint after
+stage ``r - 1``, with a fresh Adam optimiser (``lr``; no weight decay); a checkpoint
 (state dict) is kept after every stage; within a stage, epoch ``e``: a
 record's mini-batch is a keyed hash of ``(seed, s, r, e, id)`` mod ``B``,
 ``B = max(1, ceil(n / batch_size))`` with ``n`` the stage's record count;
@@ -163,6 +165,7 @@ from jobs.learners.nets import (
     mlp_state,
     n_batches,
     resolve_device,
+    stage_epochs,
     state_to_cpu,
     states_equal,
     torch_threads,
@@ -175,6 +178,10 @@ _STATE = "state.pt"
 State = dict[str, torch.Tensor]
 Tombstones = dict[int, np.ndarray]  # shard -> sorted uint64 schedule keys (non-empty only)
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
+# Plain SGD on inputs in [0, 1]^d needs a rate about 50x Adam's: with 0.01 the sidecar's
+# 32-unit shards stayed at the majority class on census-like tables (README, "Learners").
+LOO_DEFAULT_LR = 0.5
+ADAM_DEFAULT_LR = 1e-2
 
 
 class SISAEnsemble(Learner, BaseEstimator):
@@ -200,12 +207,23 @@ class SISAEnsemble(Learner, BaseEstimator):
     hidden : tuple of int
         Hidden widths of the MLP, or of the CNN's fully connected head.
     epochs_per_slice : int
-        Epochs of each stage (stage r trains on slices 0..r).
+        Epochs of each stage (stage r trains on slices 0..r); at least
+        ``ceil(min_steps / B)`` (:func:`jobs.learners.nets.stage_epochs`).
+    min_steps : int
+        Floor on the optimiser steps of a stage: a stage of ``n`` records trains
+        ``max(epochs_per_slice, ceil(min_steps / B))`` epochs, ``B = ceil(n /
+        batch_size)``. Why: accuracy follows steps, and ``S`` shards get ``S`` times
+        fewer steps per epoch than one. A function of the stage's live count, like
+        ``B``, so updates stay exact. 0 (default): off. Costs time: a shard's retrain
+        then takes at least ``min_steps`` steps (README, "Learners").
     batch_size : int
         Target mini-batch size; batches per epoch ``B = ceil(n / batch_size)``.
     lr : float or None
-        Learning rate: of SGD (``schedule="loo"``; ``None`` -> 0.1, LUCID's) or
-        of Adam (``schedule="adam"``, a fresh optimiser per stage; ``None`` -> 0.01).
+        Learning rate: of plain SGD (``schedule="loo"``; ``None`` -> 0.5) or of
+        Adam (``schedule="adam"``, a fresh optimiser per stage; ``None`` -> 0.01).
+        The two live on different scales: an Adam-sized rate (0.01) given to the
+        SGD schedule barely moves inputs in [0, 1]^d, and small shards then vote
+        the majority class (README, "Learners").
     weight_decay : float
         SGD weight decay of the ``"loo"`` schedule (``p <- p - lr (g + wd p)``);
         the ``"adam"`` schedule has none and ignores it.
@@ -241,6 +259,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         model: str = "mlp",
         hidden: Sequence[int] = (64,),
         epochs_per_slice: int = 20,
+        min_steps: int = 0,
         batch_size: int = 32,
         lr: float | None = None,
         weight_decay: float = 1e-5,
@@ -259,6 +278,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.model = model
         self.hidden = hidden
         self.epochs_per_slice = epochs_per_slice
+        self.min_steps = min_steps
         self.batch_size = batch_size
         self.lr = lr
         self.weight_decay = weight_decay
@@ -301,19 +321,25 @@ class SISAEnsemble(Learner, BaseEstimator):
             schedule = "loo" if self.model == "mlp" and n_slices == 1 else "adam"
         if schedule == "loo" and (self.model != "mlp" or n_slices != 1):
             raise ValueError("schedule='loo' needs model='mlp' and n_slices=1")
-        lr = float(self.lr if self.lr is not None else 0.1 if schedule == "loo" else 1e-2)
+        lr = float(self.lr if self.lr is not None
+                   else LOO_DEFAULT_LR if schedule == "loo" else ADAM_DEFAULT_LR)
         if not np.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         wd = float(self.weight_decay)
         if not np.isfinite(wd) or wd < 0:
             raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
         threads = None if self.cpu_threads is None else pos_int("cpu_threads", self.cpu_threads)
+        min_steps = self.min_steps
+        if isinstance(min_steps, bool) or not isinstance(min_steps, int | np.integer) \
+                or min_steps < 0:
+            raise ValueError(f"min_steps must be an integer >= 0, got {min_steps!r}")
         return {
             "n_shards": pos_int("n_shards", self.n_shards),
             "n_slices": n_slices,
             "model": self.model,
             "hidden": list(hidden),
             "epochs_per_slice": pos_int("epochs_per_slice", self.epochs_per_slice),
+            "min_steps": int(min_steps),
             "batch_size": pos_int("batch_size", self.batch_size),
             "lr": lr,
             "weight_decay": wd,
@@ -442,19 +468,25 @@ class SISAEnsemble(Learner, BaseEstimator):
                         keys[sel],
                         seed=self.seed_,
                         stage_key=(s, r),
-                        epochs=cfg["epochs_per_slice"],
+                        epochs=self._epochs(len(sel)),
                         batch_size=cfg["batch_size"],
                         lr=cfg["lr"],
                     )
                 out.append(state_to_cpu(net))
         return out
 
+    def _epochs(self, n_records: int) -> int:
+        """Epochs of a stage of ``n_records`` live records (the ``min_steps`` floor)."""
+        cfg = self.config_
+        return stage_epochs(n_records, cfg["batch_size"], cfg["epochs_per_slice"],
+                            cfg.get("min_steps", 0))
+
     def _loo_args(self, s: int, n_records: int, tombstones: Tombstones) -> dict[str, Any]:
         cfg = self.config_
         return {
             "n_classes": len(self.classes_),
             "hidden": tuple(cfg["hidden"]),
-            "epochs": cfg["epochs_per_slice"],
+            "epochs": self._epochs(n_records),
             "batch_size": cfg["batch_size"],
             "lr": cfg["lr"],
             "weight_decay": cfg["weight_decay"],
@@ -476,7 +508,8 @@ class SISAEnsemble(Learner, BaseEstimator):
     def shard_training_args(self, s: int, n_records: int | None = None) -> dict[str, Any]:
         """Keyword arguments of :func:`jobs.idp.loo.train_loo` / ``train_single`` that
         reproduce shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records
-        (default: the shard's current count; ``n_records`` only sets ``n_batches``).
+        (default: the shard's current count; ``n_records`` only sets ``n_batches`` and,
+        through it, ``epochs`` under a ``min_steps`` floor).
 
         ``train_loo(*self.shard_records(s), **self.shard_training_args(s))`` gives the
         served shard network as its ``N`` bit for bit (same device type, torch build,
@@ -936,6 +969,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         if "schedule" not in config:  # bundles written before schedules existed: Adam
             config.update(schedule="adam", weight_decay=0.0)
             params.update(schedule="adam", weight_decay=0.0)
+        config.setdefault("min_steps", 0)  # bundles written before the step floor
+        params.setdefault("min_steps", 0)
         if params["classes"] is not None:
             params["classes"] = tuple(params["classes"])
         self = cls(**params)
