@@ -3,13 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 # The CPU build of torch lies in /opt/wheels on the build machines.
 WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
 .PHONY: install test demo bench bench-quick lint clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +18,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(FIND_LINKS) "torch==2.13.0"
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e ".[test]"
 	touch $(STAMP)
+
+# numba compiles a kernel on first use (minutes for all of them on two cores) and caches
+# it beside its source: compile them here, not in the first deletion a worker applies.
+$(KERNELS): $(STAMP) jobs/learners/dare_kernels.py jobs/learners/dare_delete.py \
+            jobs/idp/forest_guard.py jobs/idp/forest_fragility.py
+	$(PY) -m jobs.warm_kernels
+	touch $(KERNELS)
 
 # Debian's chromium and its driver, for the audit page's browser test (not fetched by
 # Selenium: tests/test_audit_page.py points it at /usr/bin/chromium{,driver}).
@@ -27,17 +35,17 @@ $(BROWSER): $(STAMP)
 	  (apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver)
 	touch $(BROWSER)
 
-test: $(STAMP) $(BROWSER)
+test: $(STAMP) $(KERNELS) $(BROWSER)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(STAMP) $(KERNELS)
 	$(VENV)/bin/obliviate demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNELS)
 	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(KERNELS)
 	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
 
 lint: $(STAMP)

@@ -18,10 +18,14 @@ SMALL = dict(n_estimators=5, max_depth=4, k=3)
 EXAMPLES = int(os.environ.get("DARE_EXAMPLES", "40"))
 
 
-def variant(cache_min: int = 4, buffer: int = 1) -> type[DaREForest]:
+def variant(cache_min: int = 4, buffer: int = 1, hist_ratio: int = 4) -> type[DaREForest]:
     """DaREForest with small cache thresholds, so small data exercises every update path
-    (cached nodes, uncached nodes, cache refills). verify() retrains with the same class."""
-    return type("DaRE", (DaREForest,), {"_CACHE_MIN": cache_min, "_BUFFER": buffer})
+    (cached nodes, uncached nodes, cache refills, value group tables or not). Batches go
+    incremental up to a quarter of the records (on data this small the cost estimate would
+    mostly refit, and these tests are about the incremental path; the estimate has tests
+    of its own). verify() retrains with the same class."""
+    return type("DaRE", (DaREForest,), {"_CACHE_MIN": cache_min, "_BUFFER": buffer,
+                                        "_HIST_RATIO": hist_ratio, "_CHOOSE_BY_COST": False})
 
 
 def make_data(rng: np.random.Generator, n: int, p: int = 5, n_classes: int = 3, decimals=1):
@@ -46,6 +50,12 @@ class World:
         for i in ids:
             del self.live[i]
         return rep
+
+    def delete_random(self, rng, size):
+        """Delete `size` live records drawn by `rng`, always leaving one."""
+        size = min(size, len(self.live) - 1)
+        if size > 0:
+            self.delete(list(rng.choice(sorted(self.live), size=size, replace=False)))
 
     def add(self, ids, X, y):
         rep = self.m.add(ids, X, y)
@@ -73,30 +83,34 @@ def world(seed=0, n=80, cls=None, decimals=1, n_classes=3, p=5, **params):
 # ------------------------------------------------------------------ property-based sequences
 
 
+def forest_params(draw, max_depth: tuple[int, int], max_k: int, criteria: list[str]) -> dict:
+    return dict(
+        n_estimators=draw(st.integers(1, 4)),
+        max_depth=draw(st.integers(*max_depth)),
+        k=draw(st.integers(1, max_k)),
+        d_rmax=draw(st.integers(0, 3)),
+        criterion=draw(st.sampled_from(criteria)),
+        min_samples_leaf=draw(st.integers(1, 3)),
+        random_state=draw(st.integers(0, 2**31)),
+    )
+
+
+def op_lists(kinds: list[str], max_count: int, max_len: int) -> st.SearchStrategy:
+    """Sequences of (operation, how many records, seed)."""
+    return st.lists(st.tuples(st.sampled_from(kinds), st.integers(1, max_count),
+                              st.integers(0, 2**31)), min_size=1, max_size=max_len)
+
+
 @st.composite
 def scenario(draw):
     n = draw(st.integers(6, 70))
     p = draw(st.integers(1, 5))
-    params = dict(
-        n_estimators=draw(st.integers(1, 4)),
-        max_depth=draw(st.integers(0, 5)),
-        k=draw(st.integers(1, 5)),
-        d_rmax=draw(st.integers(0, 3)),
-        criterion=draw(st.sampled_from(["gini", "entropy"])),
-        min_samples_leaf=draw(st.integers(1, 3)),
-        random_state=draw(st.integers(0, 2**31)),
-    )
+    params = forest_params(draw, max_depth=(0, 5), max_k=5, criteria=["gini", "entropy"])
     cache_min = draw(st.sampled_from([2, 6, 10_000]))
     buffer = draw(st.sampled_from([0, 1, 8]))
     decimals = draw(st.sampled_from([0, 1, None]))
     n_classes = draw(st.integers(2, 4))
-    ops = draw(
-        st.lists(
-            st.tuples(st.sampled_from(["del", "del_many", "add", "add_far", "add_new_class"]),
-                      st.integers(1, 4), st.integers(0, 2**31)),
-            min_size=1, max_size=7,
-        )
-    )  # fmt: skip
+    ops = draw(op_lists(["del", "del_many", "add", "add_far", "add_new_class"], 4, 7))
     seed = draw(st.integers(0, 2**31))
     return n, p, params, cache_min, buffer, decimals, n_classes, ops, seed
 
@@ -115,10 +129,7 @@ def test_random_update_sequences_equal_a_retrain(sc):
         if op in ("del", "del_many"):
             if op == "del_many":  # a batch of up to a quarter of the records (no refit)
                 size = max(1, len(w.live) * size // 16)
-            size = min(size, len(w.live) - 1)
-            if size <= 0:
-                continue
-            w.delete(list(r.choice(sorted(w.live), size=size, replace=False)))
+            w.delete_random(r, size)
         else:
             take, pool = pool[:size], pool[size:]
             if not take:
@@ -129,6 +140,50 @@ def test_random_update_sequences_equal_a_retrain(sc):
             if op == "add_new_class":
                 yn[0] = 9
             w.add([f"r{i}" for i in take], Xn, yn)
+        w.check()
+    assert w.m.verify().exact
+
+
+@st.composite
+def tied_scenario(draw):
+    """Tables whose features take 2-8 values (ordinal categories, counts): most thresholds
+    tie, value groups vanish and turn pure, and caches with and without value group tables
+    (hist_ratio 1: every cached slot keeps one; 10**9: none) take every update path."""
+    n = draw(st.integers(20, 160))
+    p = draw(st.integers(1, 6))
+    levels = draw(st.lists(st.sampled_from([2, 3, 4, 8]), min_size=p, max_size=p))
+    params = forest_params(draw, max_depth=(1, 7), max_k=6,
+                           criteria=["gini", "gini", "entropy"])
+    knobs = (draw(st.sampled_from([2, 8, 32])), draw(st.sampled_from([0, 1, 8])),
+             draw(st.sampled_from([1, 4, 10**9])))
+    ops = draw(op_lists(["del", "del", "del_many", "add", "save_load"], 6, 10))
+    return n, levels, params, knobs, draw(st.integers(2, 4)), ops, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=tied_scenario())
+def test_update_sequences_on_tied_data_equal_a_retrain(sc, tmp_path_factory):
+    n, levels, params, (cache_min, buffer, hist_ratio), n_classes, ops, seed = sc
+    rng = np.random.default_rng(seed)
+    X = np.stack([rng.integers(0, lv, size=n + 60) for lv in levels], axis=1).astype(float)
+    score = X @ rng.normal(size=len(levels)) + 0.5 * rng.normal(size=n + 60)
+    y = np.digitize(score, np.quantile(score, np.linspace(0, 1, n_classes + 1)[1:-1]))
+    ids = [f"r{i}" for i in range(n)]
+    w = World(variant(cache_min, buffer, hist_ratio), params, X[:n], y[:n], ids)
+    pool = list(range(n, n + 60))
+    for op, size, s in ops:
+        r = np.random.default_rng(s)
+        if op == "save_load":  # the value group tables are not saved: load recomputes them
+            path = tmp_path_factory.mktemp("dare") / "m"
+            w.m.save(path)
+            w.m = type(w.m).load(path)
+        elif op in ("del", "del_many"):
+            w.delete_random(r, max(1, len(w.live) * size // 25) if op == "del_many" else 1)
+        else:
+            take, pool = pool[:size], pool[size:]
+            if not take:
+                continue
+            w.add([f"r{i}" for i in take], X[take].copy(), y[take].copy())
         w.check()
     assert w.m.verify().exact
 
@@ -299,6 +354,35 @@ def test_batch_deletion_and_refit_path_are_exact():
     w.check()
 
 
+def test_batches_choose_incremental_or_refit_by_estimated_cost():
+    """A batch is applied incrementally while that is estimated to cost less than a retrain
+    and refits otherwise; the report says which was taken and what either was estimated to
+    cost. Both are exact, and the estimate is a function of the forest and its history
+    (the same stream makes the same choices)."""
+    rng = np.random.default_rng(21)
+    X = rng.integers(0, 6, size=(3000, 8)).astype(float)
+    y = (X[:, 0] + X[:, 1] + rng.integers(0, 3, 3000) > 6).astype(int)
+    runs = []
+    for _ in range(2):
+        order = np.random.default_rng(5).permutation(3000)
+        m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(np.arange(3000), X, y)
+        modes, at = [], 0
+        for size in (1, 10, 900):
+            rep = m.delete(order[at : at + size])
+            at += size
+            live = np.sort(order[at:])
+            r = rep.retrained
+            assert r["cost_incremental"] >= 0 and r["cost_refit"] >= 0
+            assert r["mode"] == ("refit" if r["cost_incremental"] > r["cost_refit"]
+                                 else "incremental")
+            modes.append((r["mode"], r["cost_incremental"], r["cost_refit"]))
+            assert m.content_hash() == DaREForest(n_estimators=8, max_depth=8, random_state=2
+                                                  ).fit(live, X[live], y[live]).content_hash()
+        assert [mode for mode, _, _ in modes] == ["incremental", "incremental", "refit"]
+        runs.append(modes)
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("d_rmax", [0, 1])
 @pytest.mark.parametrize("criterion", ["gini", "entropy"])
 def test_batch_deletion_equals_one_by_one(d_rmax, criterion):
@@ -332,8 +416,10 @@ def test_default_class_and_predictions():
     s = m.scores(X[150:])
     assert s.shape == (50, 2) and np.allclose(s.sum(axis=1), 1.0)
     assert (m.predict(X[150:]) == y[150:]).mean() > 0.7
-    rep = m.delete(np.arange(10))
-    assert rep.retrained["nodes_touched"] > 0 and rep.seconds >= 0
+    rep = m.delete(np.arange(10))  # on 10 small trees a batch of 10 refits (cheaper)
+    assert rep.retrained["mode"] in ("incremental", "refit") and rep.seconds >= 0
+    rep = m.delete([10])
+    assert rep.retrained["mode"] == "incremental" and rep.retrained["nodes_touched"] > 0
     assert m.verify().exact
 
 

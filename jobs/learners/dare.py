@@ -62,11 +62,40 @@ cache: when a record in them changes, their best split is recomputed from their
 records. Additions re-derive every node on the new records' paths from its
 records (exact, but slower than deletions).
 
-A batch deletion applies the count and cache updates record by record, marking each
-node on the paths "dirty" when its canonical state no longer matches its stored split
-(the latest evaluation wins), and retrains only the outermost dirty nodes, once, at the
-end; a near-tie that flips and flips back within the batch costs nothing (see
-:meth:`DaREForest._delete_apply`). A single deletion is the batch of one.
+Ties. Finding w's group, its neighbours and their class counts is where tied
+data made deletions slow: on a feature with a handful of values most of a node
+(or of the training set) shares w. A cached slot whose attribute has at most one
+distinct value per ``_HIST_RATIO`` of the node's records therefore also keeps the
+node's value group table (rank and class counts of every value the node holds,
+in value order; a function of the node's records, rebuilt on load, not hashed):
+w's group and its neighbours are a binary search away, and the table shrinks
+with the node (a vanished value leaves it). Values that tie are also counted
+into a dense table instead of being sorted when a node is (re)built.
+
+Skipping the re-scoring. A greedy node keeps an upper bound on the scores of its
+other scored candidates: the runner-up's score at its last full scoring, plus 1
+per deletion since (a Gini score, sum L_c^2 / n_l + sum R_c^2 / n_r, grows by at
+most (n_l - 2) / n_l < 1 when a record leaves its side; a margin covers
+rounding). While the scored candidates are the same pairs (for a cached node: no
+pair among the first k died and none was inserted there; for an uncached one:
+the deleted record's value group neither vanished nor turned pure on any sampled
+attribute) and the stored split, scored from its children's counts, still beats
+the bound, the split stands without re-scoring. Entropy has no such cheap bound
+and always re-scores. None of this changes a choice: it only avoids work whose
+outcome is known.
+
+Deletions run in one compiled kernel (:mod:`jobs.learners.dare_delete`) over all
+trees, and a tree's walk ends at its first changed node: that node is retrained
+from its live records (:func:`dare_kernels.build_subtrees`, depth first, the same
+split search as training), so nothing below it needs updating. A batch applies
+its records one after the other the same way, also ending a walk at a node an
+earlier record of the batch changed (its counts still follow, for its parent's
+checks), and retrains the outermost changed nodes once, at the end: a subtree
+retrained from its records is the canonical one whatever happened below it, so
+this is exact even for a node that flipped back. A batch refits from scratch
+instead when that is estimated to cost less (:meth:`DaREForest._estimate`,
+deterministic, in units of build work; the report's ``retrained`` says which
+mode was taken and both estimates).
 
 Exactness does not make flips cheap: when two candidates of a large node are
 nearly tied, successive deletions can flip the argmax back and forth, and each
@@ -103,6 +132,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
+from jobs.learners import dare_delete as _del
 from jobs.learners import dare_kernels as _kern
 from jobs.learners.base import (
     Learner,
@@ -203,7 +233,7 @@ class _Decisions:
     __slots__ = (
         "kind", "why", "attr", "thr", "r1", "r2", "draw", "n", "cnt", "go_left",
         "cache_task", "cache_slots", "cache_all", "cache_cutp", "cache_cutv", "cache_off",
-        "cache_len", "e_r1", "e_r2", "e_left",
+        "cache_len", "e_r1", "e_r2", "e_left", "cache_hoff", "cache_hlen", "h_r", "h_c",
     )  # fmt: skip
 
 
@@ -244,8 +274,25 @@ class DaREForest(Learner, BaseEstimator):
     #: random-node threshold draws per vectorised round and the cap before a fallback
     _DRAW_CHUNK = 64
     _MAX_DRAWS = 1 << 16
-    #: a batch deletion larger than this fraction of the live records refits from scratch
+    #: a cached slot keeps its node's value group table when the attribute has at most one
+    #: distinct value per this many of the node's records (ties; see dare_delete)
+    _HIST_RATIO = 4
+    #: a batch deletion refits from scratch when that is estimated to be cheaper
+    #: (:meth:`_estimate`); without the estimate (False), when it is larger than
+    #: _REFIT_FRACTION of the live records
+    _CHOOSE_BY_COST = True
     _REFIT_FRACTION = 0.25
+    #: costs in units of build work (one record through one level of the builder): a node
+    #: on a deletion's path costs 35-130 units (measured on tables of 120-16,000 records,
+    #: 2-10 classes, 20-64 features; the kernel is bound by memory, the builder by the
+    #: data), a deleted record about 1,000 more (the Python around it). The high end is
+    #: taken, so that near the break-even point a batch refits
+    _NODE_UNITS = 100.0
+    _RECORD_UNITS = 1000.0
+    #: share of the forest's build work one deletion retrains, until measured, and the
+    #: weight of the newest measurement in its running average
+    _PRIOR_RHO = 0.005
+    _EMA = 0.2
 
     def __init__(
         self,
@@ -480,6 +527,10 @@ class DaREForest(Learner, BaseEstimator):
         self._rstart = np.concatenate(rstart)
         self._roff = np.array(roff, dtype=np.int64)
         self._nvals_max = max((len(v) for v in vals), default=1)
+        # the compiled kernels read a record's ranks together: record-major, 16 bits where
+        # they fit (one cache line per record on tables of up to 32 features)
+        dt = np.uint16 if self._nvals_max <= 65_535 else np.int32
+        self._rank_rm = np.ascontiguousarray(self._rank.T, dtype=dt)
         if old_vals is None:
             return None
         return [np.searchsorted(vals[a], old_vals[a]).astype(np.int32) for a in range(p)]
@@ -492,11 +543,15 @@ class DaREForest(Learner, BaseEstimator):
         if not hasattr(self, "_dom"):
             self._dom = np.ones(p, dtype=np.float64)
             self._absmax = np.zeros(p, dtype=np.float64)
+        if not hasattr(self, "_absmax_n"):  # live records holding the largest |x_a|
+            self._absmax_n = np.zeros(p, dtype=np.int64)
         if len(attrs) == 0:
             return attrs
         live = np.flatnonzero(self._alive[: self._nrec])
-        m = np.abs(self._X[np.ix_(attrs, live)]).max(axis=1) if live.size else np.zeros(len(attrs))
+        ax = np.abs(self._X[np.ix_(attrs, live)])
+        m = ax.max(axis=1) if live.size else np.zeros(len(attrs))
         self._absmax[attrs] = m
+        self._absmax_n[attrs] = (ax == m[:, None]).sum(axis=1) if live.size else 0
         if self.random_domain is not None:
             dom = np.full(len(attrs), float(self.random_domain))
         else:
@@ -529,6 +584,7 @@ class DaREForest(Learner, BaseEstimator):
         self._n_e = np.zeros(ncap, dtype=np.int32)
         self._n_cid = np.full(ncap, -1, dtype=np.int32)
         self._n_used = np.zeros(ncap, dtype=bool)
+        self._init_bounds(ncap)
         self._nfree = np.arange(ncap - 1, -1, -1, dtype=np.int64)
         self._nfree_n = ncap
         # cache table: one row per cached greedy node
@@ -539,6 +595,8 @@ class DaREForest(Learner, BaseEstimator):
         self._c_all = np.zeros((ccap, P), dtype=bool)
         self._c_cutp = np.zeros((ccap, P), dtype=np.int64)
         self._c_cutv = np.zeros((ccap, P), dtype=np.float64)
+        self._c_hoff = np.zeros((ccap, P), dtype=np.int64)
+        self._c_hlen = np.zeros((ccap, P), dtype=np.int32)
         self._cfree = np.arange(ccap - 1, -1, -1, dtype=np.int64)
         self._cfree_n = ccap
         # entry pool (cached candidate pairs)
@@ -551,6 +609,7 @@ class DaREForest(Learner, BaseEstimator):
         self._eleft = np.zeros((C, ecap), dtype=cdt)
         self._eused = 0
         self._egarb = 0
+        self._init_tables(max(1024, ecap // 4))
         # per-tree layout of records (leaves' instance lists are ranges of it)
         self._samp = np.full((self._T, scap), -1, dtype=np.int32)
         self._pos = np.zeros((self._T, self._cap), dtype=np.int32)
@@ -561,10 +620,25 @@ class DaREForest(Learner, BaseEstimator):
         ("_n_tree", 0), ("_n_depth", 0), ("_n_path", 0), ("_n_kind", 0), ("_n_why", 0),
         ("_n_left", -1), ("_n_right", -1), ("_n_attr", -1), ("_n_thr", 0), ("_n_r1", -1),
         ("_n_r2", -1), ("_n_draw", -1), ("_n_n", 0), ("_n_s", 0), ("_n_e", 0),
-        ("_n_cid", -1), ("_n_used", False),
+        ("_n_cid", -1), ("_n_used", False), ("_n_bound", np.inf),
     )  # fmt: skip
 
+    def _init_bounds(self, ncap: int) -> None:
+        """Per greedy node, what lets a deletion keep its split without re-scoring (see
+        :func:`dare_delete._greedy_changed`): an upper bound on its other candidates' scores
+        (+inf: unknown) and its sampled attributes. Derived state, not saved."""
+        self._n_bound = np.full(ncap, np.inf)
+        self._n_sattr = np.full((ncap, self._P), -1, dtype=np.int32)
+
     def _alloc_nodes(self, m: int) -> np.ndarray:
+        self._grow_nodes(m)
+        out = self._nfree[self._nfree_n - m : self._nfree_n][::-1].copy()
+        self._nfree_n -= m
+        self._n_used[out] = True
+        return out
+
+    def _grow_nodes(self, m: int) -> None:
+        """Make sure at least m nodes are free (the pool doubles)."""
         if self._nfree_n < m:
             old = self._ncap
             cap = max(2 * old, old + m)
@@ -576,30 +650,16 @@ class DaREForest(Learner, BaseEstimator):
             cnt = np.zeros((cap, self._n_cnt.shape[1]), dtype=np.int32)
             cnt[:old] = self._n_cnt
             self._n_cnt = cnt
+            sattr = np.full((cap, self._P), -1, dtype=np.int32)
+            sattr[:old] = self._n_sattr
+            self._n_sattr = sattr
             fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
-            self._nfree = np.concatenate([fresh, self._nfree[: self._nfree_n]])
-            self._nfree_n = len(self._nfree)
+            nfree = np.zeros(cap, dtype=np.int64)
+            nfree[: len(fresh)] = fresh
+            nfree[len(fresh) : len(fresh) + self._nfree_n] = self._nfree[: self._nfree_n]
+            self._nfree = nfree
+            self._nfree_n += len(fresh)
             self._ncap = cap
-        out = self._nfree[self._nfree_n - m : self._nfree_n][::-1].copy()
-        self._nfree_n -= m
-        self._n_used[out] = True
-        return out
-
-    def _free_nodes(self, nodes: np.ndarray) -> None:
-        if len(nodes) == 0:
-            return
-        self._uncache(nodes)
-        self._n_used[nodes] = False
-        self._n_kind[nodes] = LEAF
-        self._n_left[nodes] = -1
-        self._n_right[nodes] = -1
-        need = self._nfree_n + len(nodes)
-        if need > len(self._nfree):
-            f = np.zeros(max(need, 2 * len(self._nfree)), dtype=np.int64)
-            f[: self._nfree_n] = self._nfree[: self._nfree_n]
-            self._nfree = f
-        self._nfree[self._nfree_n : need] = nodes
-        self._nfree_n = need
 
     def _uncache(self, nodes: np.ndarray) -> None:
         cid = self._n_cid[nodes]
@@ -607,8 +667,10 @@ class DaREForest(Learner, BaseEstimator):
         if cid.size == 0:
             return
         self._egarb += int(self._c_len[cid].sum())
+        self._hgarb += int(self._c_hlen[cid].sum())
         self._c_attr[cid] = -1
         self._c_len[cid] = 0
+        self._c_hlen[cid] = 0
         self._n_cid[nodes] = -1
         need = self._cfree_n + len(cid)
         if need > len(self._cfree):
@@ -619,6 +681,13 @@ class DaREForest(Learner, BaseEstimator):
         self._cfree_n = need
 
     def _alloc_caches(self, m: int) -> np.ndarray:
+        self._grow_caches(m)
+        out = self._cfree[self._cfree_n - m : self._cfree_n][::-1].copy()
+        self._cfree_n -= m
+        return out
+
+    def _grow_caches(self, m: int) -> None:
+        """Make sure at least m cache rows are free (the table doubles)."""
         if self._cfree_n < m:
             old = self._ccap
             cap = max(2 * old, old + m)
@@ -627,17 +696,18 @@ class DaREForest(Learner, BaseEstimator):
                 ("_c_attr", -1, np.int32), ("_c_off", 0, np.int64),
                 ("_c_len", 0, np.int32), ("_c_all", False, bool),
                 ("_c_cutp", 0, np.int64), ("_c_cutv", 0.0, np.float64),
+                ("_c_hoff", 0, np.int64), ("_c_hlen", 0, np.int32),
             ):  # fmt: skip
                 b = np.full((cap, P), fill, dtype=dt)
                 b[:old] = getattr(self, name)
                 setattr(self, name, b)
             fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
-            self._cfree = np.concatenate([fresh, self._cfree[: self._cfree_n]])
-            self._cfree_n = len(self._cfree)
+            cfree = np.zeros(cap, dtype=np.int64)
+            cfree[: len(fresh)] = fresh
+            cfree[len(fresh) : len(fresh) + self._cfree_n] = self._cfree[: self._cfree_n]
+            self._cfree = cfree
+            self._cfree_n += len(fresh)
             self._ccap = cap
-        out = self._cfree[self._cfree_n - m : self._cfree_n][::-1].copy()
-        self._cfree_n -= m
-        return out
 
     def _alloc_entries(self, m: int) -> int:
         self._reserve_entries(m)
@@ -661,6 +731,131 @@ class DaREForest(Learner, BaseEstimator):
                 b[:, : self._eused] = self._eleft[:, : self._eused]
                 self._eleft = b
                 self._ecap = cap
+
+    # ------------------------------------------------------------------ value group tables
+
+    def _init_tables(self, hcap: int) -> None:
+        """Pool of value group tables (rank, class counts per value of a node), one segment
+        per cached slot that keeps one (``_c_hoff``, ``_c_hlen``; length 0: none)."""
+        self._hcap = hcap
+        self._hr = np.zeros(hcap, dtype=np.int32)
+        self._hc = np.zeros((hcap, len(self.classes_)), dtype=np.int32)
+        self._hused = 0
+        self._hgarb = 0
+
+    def _reserve_tables(self, m: int) -> None:
+        """Make room for m more table entries (may compact the pool, moving segments)."""
+        if self._hused + m > self._hcap:
+            if self._hgarb > self._hused // 4:
+                self._compact_tables()
+            if self._hused + m > self._hcap:
+                cap = max(self._hcap + self._hcap // 2, self._hused + m)
+                hr = np.zeros(cap, dtype=np.int32)
+                hr[: self._hused] = self._hr[: self._hused]
+                hc = np.zeros((cap, self._hc.shape[1]), dtype=np.int32)
+                hc[: self._hused] = self._hc[: self._hused]
+                self._hr, self._hc, self._hcap = hr, hc, cap
+
+    def _compact_tables(self) -> None:
+        """Drop freed table segments (each segment keeps its value order)."""
+        cids, ss = np.nonzero(self._c_hlen > 0)
+        ln = self._c_hlen[cids, ss].astype(np.int64)
+        idx = _ranges(self._c_hoff[cids, ss], ln)
+        m = len(idx)
+        self._hr[:m] = self._hr[idx]
+        self._hc[:m] = self._hc[idx]
+        self._c_hoff[cids, ss] = np.cumsum(ln) - ln
+        self._hused = m
+        self._hgarb = 0
+
+    def _rebuild_tables(self) -> None:
+        """Recompute every cached slot's value group table from the node's records (a
+        saved forest does not store them: they are a function of the records)."""
+        self._init_tables(max(1024, self._hcap if hasattr(self, "_hcap") else 0))
+        self._c_hlen[:] = 0
+        nodes = np.flatnonzero(self._n_used & (self._n_cid >= 0)).astype(np.int64)
+        W = self._work(self._cap)[0]
+        ctr = self._ctr()
+        while True:
+            N, CC, _E, H, R, LAY = self._pools()
+            if not _kern.node_tables(nodes, N, CC, H, R, LAY, ctr, self._HIST_RATIO, W):
+                break
+            at, need = int(ctr[_kern.CTR_SP]), int(ctr[_kern.CTR_NEED_H])
+            self._put_ctr(ctr)
+            self._reserve_tables(need)
+            ctr = self._ctr()
+            ctr[_kern.CTR_SP] = at
+        self._put_ctr(ctr)
+
+    # ------------------------------------------------------------------ compiled kernels' view
+
+    def _pools(self) -> tuple:
+        """The arrays the compiled kernels read and write, grouped as they expect (see
+        :mod:`jobs.learners.dare_kernels`): nodes, cache table, entries, group tables,
+        records, layout. The free lists are made long enough to take every slot back."""
+        if len(self._nfree) < self._ncap:
+            f = np.zeros(self._ncap, dtype=np.int64)
+            f[: self._nfree_n] = self._nfree[: self._nfree_n]
+            self._nfree = f
+        if len(self._cfree) < self._ccap:
+            f = np.zeros(self._ccap, dtype=np.int64)
+            f[: self._cfree_n] = self._cfree[: self._cfree_n]
+            self._cfree = f
+        N = (
+            self._n_tree, self._n_depth, self._n_path, self._n_kind, self._n_why, self._n_left,
+            self._n_right, self._n_attr, self._n_thr, self._n_r1, self._n_r2, self._n_draw,
+            self._n_n, self._n_cnt, self._n_s, self._n_e, self._n_cid, self._n_used,
+            self._nfree, self._n_bound, self._n_sattr,
+        )  # fmt: skip
+        CC = (
+            self._c_attr, self._c_off, self._c_len, self._c_all, self._c_cutp, self._c_cutv,
+            self._c_hoff, self._c_hlen, self._cfree,
+        )  # fmt: skip
+        E = (self._er1, self._er2, self._eleft)
+        H = (self._hr, self._hc)
+        R = (self._X, self._rank_rm, self._y, self._vals, self._vmix, self._voff, self._dom,
+             self._tkeys)
+        LAY = (self._samp, self._pos)
+        return N, CC, E, H, R, LAY
+
+    def _params(self) -> tuple:
+        return (self._maxd, self._drmax, self._msl, self._P, self._k, self._BUFFER,
+                self.criterion == "gini", self._CACHE_MIN, self._MAX_DRAWS, self._HIST_RATIO)
+
+    def _ctr(self) -> np.ndarray:
+        ctr = np.zeros(_kern.CTR_LEN, dtype=np.int64)
+        ctr[_kern.CTR_NFREE] = self._nfree_n
+        ctr[_kern.CTR_CFREE] = self._cfree_n
+        ctr[_kern.CTR_EUSED] = self._eused
+        ctr[_kern.CTR_EGARB] = self._egarb
+        ctr[_kern.CTR_HUSED] = self._hused
+        ctr[_kern.CTR_HGARB] = self._hgarb
+        return ctr
+
+    def _put_ctr(self, ctr: np.ndarray) -> None:
+        self._nfree_n = int(ctr[_kern.CTR_NFREE])
+        self._cfree_n = int(ctr[_kern.CTR_CFREE])
+        self._eused = int(ctr[_kern.CTR_EUSED])
+        self._egarb = int(ctr[_kern.CTR_EGARB])
+        self._hused = int(ctr[_kern.CTR_HUSED])
+        self._hgarb = int(ctr[_kern.CTR_HGARB])
+
+    def _work(self, maxn: int) -> tuple:
+        """Scratch buffers of the compiled split search for nodes of up to maxn records
+        (kept between calls; not part of the model): W, S, class counts, a record buffer."""
+        maxn = max(maxn, self._samp.shape[1]) if hasattr(self, "_samp") else maxn
+        C = len(self.classes_)
+        KB = self._k + self._BUFFER
+        key = (C, self.n_features_, self._P, KB, self._HIST_RATIO)
+        wk = getattr(self, "_wk", None)
+        if wk is None or wk[0] != key or wk[1] < maxn or wk[2] < self._nvals_max:
+            maxn = max(maxn, wk[1] if wk is not None and wk[0] == key else 0)
+            W, S = _kern.make_work(maxn, self._nvals_max, self.n_features_, C, self._P, KB,
+                                   self._HIST_RATIO)
+            wk = (key, maxn, self._nvals_max, W, S, np.zeros(C, dtype=np.int64),
+                  np.empty(max(maxn, 1), dtype=np.int64))
+            self._wk = wk
+        return wk[3], wk[4], wk[5], wk[6]
 
     def _compact_entries(self) -> None:
         """Drop freed segments and dead entries, keeping each segment's priority order."""
@@ -694,6 +889,13 @@ class DaREForest(Learner, BaseEstimator):
             self._er2 = self._er2[:cap].copy()
             self._eleft = np.ascontiguousarray(self._eleft[:, :cap])
             self._ecap = cap
+        if self._hgarb:
+            self._compact_tables()
+        cap = self._hused + max(1024, self._hused // 16)
+        if cap < self._hcap:
+            self._hr = self._hr[:cap].copy()
+            self._hc = self._hc[:cap].copy()
+            self._hcap = cap
         used = np.flatnonzero(self._n_used)
         top = int(used.max()) + 1 if used.size else 1
         cap = top + max(64, top // 16)
@@ -701,6 +903,7 @@ class DaREForest(Learner, BaseEstimator):
             for name, _fill in self._NODE_1D:
                 setattr(self, name, getattr(self, name)[:cap].copy())
             self._n_cnt = self._n_cnt[:cap].copy()
+            self._n_sattr = self._n_sattr[:cap].copy()
             self._nfree = np.flatnonzero(~self._n_used)[::-1].copy()
             self._nfree_n = len(self._nfree)
             self._ncap = cap
@@ -711,7 +914,8 @@ class DaREForest(Learner, BaseEstimator):
         if cap < self._ccap:
             inuse = np.zeros(self._ccap, dtype=bool)
             inuse[cid] = True
-            for name in ("_c_attr", "_c_off", "_c_len", "_c_all", "_c_cutp", "_c_cutv"):
+            for name in ("_c_attr", "_c_off", "_c_len", "_c_all", "_c_cutp", "_c_cutv",
+                         "_c_hoff", "_c_hlen"):
                 setattr(self, name, getattr(self, name)[:cap].copy())
             self._cfree = np.flatnonzero(~inuse[:cap])[::-1].copy()
             self._cfree_n = len(self._cfree)
@@ -734,21 +938,23 @@ class DaREForest(Learner, BaseEstimator):
         nk = self._nodekey(tree, path)
         wc = np.ascontiguousarray(want_cache, dtype=bool)
         (ok, attr, r1, r2, slot_attr, allf, cutp, cutv, elen, e_r1, e_r2,
-         e_left) = _kern.greedy_tasks(
+         e_left, hlen, h_r, h_c) = _kern.greedy_tasks(
             nk, n.astype(np.int64), np.ascontiguousarray(cnt, dtype=np.int64),
-            rows.astype(np.int64), off.astype(np.int64), wc, self._rank, self._y, self._vals,
+            rows.astype(np.int64), off.astype(np.int64), wc, self._rank_rm, self._y, self._vals,
             self._vmix, self._voff, self._P, self._k, self._BUFFER, self._msl,
             self.criterion == "gini", self._tab(int(n.max(initial=0)) + 2),
-            self._nvals_max,
+            self._nvals_max, self._HIST_RATIO,
         )  # fmt: skip
         ctask = np.flatnonzero(wc & ok)
         cache = None
         if ctask.size:
             ln = elen[ctask]
             eoff = (np.cumsum(ln.ravel()) - ln.ravel()).reshape(ln.shape)
+            hl = hlen[ctask]
+            hoff = (np.cumsum(hl.ravel()) - hl.ravel()).reshape(hl.shape)
             cache = (
                 ctask, slot_attr[ctask], allf[ctask], cutp[ctask], cutv[ctask], eoff, ln,
-                e_r1, e_r2, e_left,
+                e_r1, e_r2, e_left, hoff, hl, h_r, h_c,
             )  # fmt: skip
         return ok, attr, r1, r2, cache
 
@@ -871,7 +1077,8 @@ class DaREForest(Learner, BaseEstimator):
             )
             if cache is not None:
                 (ct, d.cache_slots, d.cache_all, d.cache_cutp, d.cache_cutv, d.cache_off,
-                 d.cache_len, d.e_r1, d.e_r2, d.e_left) = cache  # fmt: skip
+                 d.cache_len, d.e_r1, d.e_r2, d.e_left, d.cache_hoff, d.cache_hlen, d.h_r,
+                 d.h_c) = cache  # fmt: skip
                 d.cache_task = grd[ct]
         d.kind, d.why, d.attr, d.thr, d.r1, d.r2, d.draw, d.go_left = (
             kind, why, attr, thr, r1, r2, draw, go_left
@@ -912,80 +1119,44 @@ class DaREForest(Learner, BaseEstimator):
         self._c_all[cids] = d.cache_all[sel]
         self._c_cutp[cids] = d.cache_cutp[sel]
         self._c_cutv[cids] = d.cache_cutv[sel]
+        hl = d.cache_hlen[sel]
+        htot = int(hl.sum())
+        self._reserve_tables(htot)
+        hsrc = _ranges(d.cache_hoff[sel].ravel(), hl.ravel())
+        hdst = np.arange(self._hused, self._hused + htot)
+        self._hr[hdst] = d.h_r[hsrc]
+        self._hc[hdst] = d.h_c[hsrc]
+        self._c_hoff[cids] = self._hused + (np.cumsum(hl.ravel()) - hl.ravel()).reshape(hl.shape)
+        self._c_hlen[cids] = hl
+        self._hused += htot
         self._n_cid[nodes] = cids
 
-    def _build(self, tree, path, depth, node, s, e, rows, off) -> int:
-        """Level-wise (re)build of the subtrees rooted at the given (allocated) nodes.
-
-        Each task owns positions [s, e) of its tree's layout; rows/off: its live records.
-        Returns the number of nodes written."""
-        written = 0
-        while len(tree):
-            d = self._decide(tree, path, depth, rows, off)
-            n = d.n
-            self._n_tree[node] = tree
-            self._n_depth[node] = depth
-            self._n_path[node] = path
-            self._n_n[node] = n
-            self._n_cnt[node] = d.cnt
-            self._n_s[node] = s
-            self._n_e[node] = e
-            self._n_kind[node] = d.kind
-            self._n_why[node] = d.why
-            self._n_attr[node] = d.attr
-            self._n_thr[node] = d.thr
-            self._n_r1[node] = d.r1
-            self._n_r2[node] = d.r2
-            self._n_draw[node] = d.draw
-            self._n_cid[node] = -1
-            written += len(tree)
-            if d.cache_task.size:
-                self._install_caches(node[d.cache_task], d, np.arange(len(d.cache_task)))
-            leaf = np.flatnonzero(d.kind == LEAF)
-            if leaf.size:
-                self._n_left[node[leaf]] = -1
-                self._n_right[node[leaf]] = -1
-                el = _ranges(off[leaf], n[leaf])
-                tr = np.repeat(tree[leaf], n[leaf])
-                q = _ranges(s[leaf], n[leaf])
-                self._samp[tr, q] = rows[el]
-                self._pos[tr, rows[el]] = q
-                tl = e[leaf] - s[leaf] - n[leaf]
-                self._samp[np.repeat(tree[leaf], tl), _ranges(s[leaf] + n[leaf], tl)] = -1
-            it = np.flatnonzero(d.kind != LEAF)
-            if it.size == 0:
+    def _grow_subtrees(self, stack: np.ndarray, ctr: np.ndarray, rows: np.ndarray) -> int:
+        """Run the compiled builder on the tasks of `stack` until it is done, growing the
+        pools whenever it stops short of room (it resumes where it stopped). Returns its
+        work (records x levels), the unit of the batch cost estimate."""
+        sp = int(ctr[_kern.CTR_SP])
+        n_max = int((stack[:sp, 7] - stack[:sp, 6]).max(initial=0))
+        tab = self._tab(n_max + 2)
+        W, S, cnt, _rbuf = self._work(n_max)
+        Pm = self._params()
+        while True:
+            N, CC, E, H, R, LAY = self._pools()
+            if not _kern.build_subtrees(stack, ctr, rows, N, CC, E, H, R, LAY, Pm, tab, W, S,
+                                        cnt):
                 break
-            m = len(it)
-            el = _ranges(off[it], n[it])
-            rr = rows[el]
-            gl = d.go_left[el]
-            ni = n[it]
-            tr = np.repeat(np.arange(m), ni)
-            nl = np.bincount(tr, weights=gl, minlength=m).astype(np.int64)
-            start = np.cumsum(ni) - ni
-            csl = np.concatenate([[0], np.cumsum(gl)])
-            csr = np.concatenate([[0], np.cumsum(~gl)])
-            st = start[tr]
-            dest = np.where(
-                gl, st + csl[1:] - 1 - csl[st], st + nl[tr] + csr[1:] - 1 - csr[st]
-            )
-            new_rows = np.empty_like(rr)
-            new_rows[dest] = rr
-            kids = self._alloc_nodes(2 * m)
-            lk, rk = kids[0::2], kids[1::2]
-            self._n_left[node[it]] = lk
-            self._n_right[node[it]] = rk
-            ch_n = np.stack([nl, ni - nl], axis=1).ravel()
-            off = np.concatenate([[0], np.cumsum(ch_n)])
-            rows = new_rows
-            si, ei = s[it], e[it]
-            s = np.stack([si, si + nl], axis=1).ravel()
-            e = np.stack([si + nl, ei], axis=1).ravel()
-            tree = np.repeat(tree[it], 2)
-            path = (np.repeat(path[it], 2) << 1) | np.tile([0, 1], m)
-            depth = np.repeat(depth[it] + 1, 2)
-            node = kids
-        return written
+            sp, work = int(ctr[_kern.CTR_SP]), int(ctr[_kern.CTR_WORK])
+            need_e, need_h = int(ctr[_kern.CTR_NEED_E]), int(ctr[_kern.CTR_NEED_H])
+            self._put_ctr(ctr)
+            self._grow_nodes(max(2, self._ncap // 2))
+            self._grow_caches(max(1, self._ccap // 2))
+            self._reserve_entries(max(need_e, self._ecap // 4))
+            self._reserve_tables(max(need_h, self._hcap // 4))
+            ctr = self._ctr()
+            ctr[_kern.CTR_SP] = sp
+            ctr[_kern.CTR_WORK] = work
+        self._put_ctr(ctr)
+        return int(ctr[_kern.CTR_WORK])
 
     # ================================================================== fit / predict
 
@@ -1020,26 +1191,36 @@ class DaREForest(Learner, BaseEstimator):
                      * self._P * (self._k + self._BUFFER) // 2),
             scap=n,
         )  # fmt: skip
-        self._build_trees(np.arange(self._T))
+        work = self._build_trees(np.arange(self._T))
         self._trim_pools()
+        # what the batch cost estimate starts from (not part of the model)
+        self._costs = {"work": work, "n": n, "rho": None}
         self.generation_ = next(_GENERATIONS)
         return self
 
-    def _build_trees(self, trees: np.ndarray) -> None:
-        n = self._nrec
-        live = np.flatnonzero(self._alive[:n]).astype(np.int64)
+    def _build_trees(self, trees: np.ndarray) -> int:
+        """Grow whole trees from the live records (compiled, depth first, a chunk of trees
+        at a time so that the record buffer stays small)."""
+        live = np.flatnonzero(self._alive[: self._nrec]).astype(np.int64)
         nl = len(live)
-        chunk = max(1, 250_000 // max(1, nl * min(self._P, self.n_features_)))
+        work = 0
+        chunk = max(1, 1_000_000 // max(1, nl))
         for t0 in range(0, len(trees), chunk):
             tr = trees[t0 : t0 + chunk].astype(np.int64)
             m = len(tr)
             roots = self._alloc_nodes(m)
             self._root[tr] = roots
-            self._build(
-                tr, np.ones(m, dtype=np.int64), np.zeros(m, dtype=np.int64), roots,
-                np.zeros(m, dtype=np.int64), np.full(m, self._samp.shape[1], dtype=np.int64),
-                np.tile(live, m), np.arange(m + 1, dtype=np.int64) * nl,
-            )  # fmt: skip
+            stack = np.zeros((m + self._maxd + 4, 8), dtype=np.int64)
+            stack[:m, 0] = roots
+            stack[:m, 1] = tr
+            stack[:m, 2] = 1
+            stack[:m, 5] = self._samp.shape[1]
+            stack[:m, 6] = np.arange(m) * nl
+            stack[:m, 7] = np.arange(1, m + 1) * nl
+            ctr = self._ctr()
+            ctr[_kern.CTR_SP] = m
+            work += self._grow_subtrees(stack, ctr, np.tile(live, m))
+        return work
 
     def _leaf_of(self, Xq: np.ndarray, trees: np.ndarray) -> np.ndarray:
         """Leaf node of each (tree, query row), following the served thresholds."""
@@ -1159,29 +1340,6 @@ class DaREForest(Learner, BaseEstimator):
         tt, rr, dd = np.nonzero(P >= 0)
         return P[tt, rr, dd].astype(np.int64), tt, dd, rr
 
-    def _cached_delete(self, nodes: np.ndarray, r: int, c: int):
-        """Incremental update of cached greedy nodes after record r (class c) left them
-        (compiled kernel :func:`dare_kernels.cached_delete`).
-
-        Returns per node a status (0 same, 1 same split with a new v2, 2 best split
-        changed, 3 cache must be recomputed) and the new r2 for status 1."""
-        cid = self._n_cid[nodes]
-        # each slot may move its live entries plus one new pair to the end of the pool
-        self._reserve_entries(int(self._c_len[cid].sum()) + self._P * len(nodes))
-        nk = self._nodekey(self._n_tree[nodes], self._n_path[nodes])
-        status, newr2, eused, garb = _kern.cached_delete(
-            nodes, nk, r, c, self._n_cid, self._n_tree, self._n_s, self._n_e, self._n_n,
-            self._n_cnt, self._n_attr, self._n_r1, self._n_r2, self._c_attr, self._c_off,
-            self._c_len, self._c_all, self._c_cutp, self._c_cutv, self._er1, self._er2,
-            self._eleft, self._eused, self._rank, self._roff, self._rstart, self._gorder,
-            self._pos, self._alive, self._samp, self._y, self._vals, self._vmix, self._voff,
-            self._k, self._msl, self.criterion == "gini",
-            self._tab(int(self._n_n[nodes].max(initial=0)) + 2),
-        )  # fmt: skip
-        self._eused = int(eused)
-        self._egarb += int(garb)
-        return status, newr2
-
     def _node_rows(self, nodes: np.ndarray):
         """Live records of each node (CSR rows, off), from the layout ranges."""
         s = self._n_s[nodes].astype(np.int64)
@@ -1222,16 +1380,6 @@ class DaREForest(Learner, BaseEstimator):
         v2 = self._vals[self._voff[a] + r2]
         self._n_thr[nodes] = _midpoint(v1, v2)
 
-    def _descendants(self, nodes: np.ndarray) -> np.ndarray:
-        out = []
-        fr = nodes
-        while fr.size:
-            fr = fr[self._n_kind[fr] != LEAF]
-            fr = np.concatenate([self._n_left[fr], self._n_right[fr]]).astype(np.int64)
-            fr = fr[fr >= 0]
-            out.append(fr)
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-
     def _outermost(self, nodes: np.ndarray) -> np.ndarray:
         """Drop nodes that lie below another node of the set."""
         nodes = np.unique(nodes)
@@ -1240,18 +1388,22 @@ class DaREForest(Learner, BaseEstimator):
         return nodes[~self._below(nodes, nodes)]
 
     def _rebuild(self, nodes: np.ndarray) -> int:
-        """Retrain the subtrees rooted at `nodes` from their live records."""
+        """Retrain the subtrees rooted at `nodes` from their live records (compiled: the
+        old subtrees are freed, the new ones grown depth first). Returns the records; the
+        build work is added to _rebuilt_work."""
         if len(nodes) == 0:
             return 0
-        self._free_nodes(self._descendants(nodes))
-        self._uncache(nodes)
-        rows, off = self._node_rows(nodes)
-        self._build(
-            self._n_tree[nodes].astype(np.int64), self._n_path[nodes].astype(np.int64),
-            self._n_depth[nodes].astype(np.int64), nodes.astype(np.int64),
-            self._n_s[nodes].astype(np.int64), self._n_e[nodes].astype(np.int64), rows, off,
-        )  # fmt: skip
-        return int(off[-1])
+        if not hasattr(self, "_rebuilt_work"):
+            self._rebuilt_work = 0
+        nodes = np.asarray(nodes, dtype=np.int64)
+        width = int((self._n_e[nodes].astype(np.int64) - self._n_s[nodes]).sum())
+        rows = np.empty(max(width, 1), dtype=np.int64)
+        stack = np.zeros((len(nodes) + self._maxd + 4, 8), dtype=np.int64)
+        ctr = self._ctr()
+        N, CC, _E, _H, _R, LAY = self._pools()
+        m = _kern.prepare_rebuild(nodes, N, CC, LAY, ctr, rows, stack)
+        self._rebuilt_work += self._grow_subtrees(stack, ctr, rows)
+        return int(m)
 
     def _below(self, nodes: np.ndarray, roots: np.ndarray) -> np.ndarray:
         """Whether each node lies strictly below one of the roots."""
@@ -1303,97 +1455,83 @@ class DaREForest(Learner, BaseEstimator):
         stats["subtrees_retrained"] += len(roots)
         stats["records_retrained"] += self._rebuild(roots)
 
-    def _delete_apply(self, r: int, stats: dict, dirty: np.ndarray, extra: list) -> None:
-        """Remove record r from the counts and caches of every node on its paths, WITHOUT
-        retraining: each node on the paths is re-evaluated against its stored split and
-        dirty[node] is set to whether its canonical state now differs from the stored one
-        (the latest evaluation of a node wins). Random nodes whose stream domain changed are
-        appended to `extra` (sticky).
+    def _delete_apply(self, r: int, stats: dict, dirty: np.ndarray, extra: list,
+                      stop: bool) -> np.ndarray:
+        """Remove record r from the counts, caches and value tables of the nodes on its
+        paths, WITHOUT retraining (compiled: :func:`dare_delete.delete_record`): each node
+        is re-evaluated against its stored split, and a tree's walk ends at the first node
+        whose canonical state now differs, or (in a batch) that is already marked dirty.
+        Random nodes whose stream domain changed are appended to `extra`.
 
         Deferring the retraining is exact: a node's counts, caches and layout range follow
-        its records, whatever happens to its subtree, and records are routed by the stored
-        splits. If a node's final state equals its stored one (a near-tie that flipped and
-        flipped back within a batch), every record that left it was routed by that split,
-        so its subtree's state is the one a retrain gives; otherwise the outermost changed
-        nodes are retrained from their live records once, at the end (:meth:`_finish`)."""
+        its records, and records are routed by the stored splits, so the nodes above the
+        first changed one of each path are right; that one, and every node marked dirty by
+        a batch, is retrained from its live records once, at the end, which gives its
+        canonical subtree whatever happened below it.
+
+        With `stop` (a deletion on its own) returns the changed nodes; in a batch they are
+        marked in `dirty`."""
         c = int(self._y[r])
         self._alive[r] = False
         self._nlive -= 1
         self._class_n[c] -= 1
         self._samp[self._tt, self._pos[:, r]] = -1
-        dom = np.zeros(0, dtype=np.int64)
+        domchg = np.zeros(self.n_features_, dtype=bool)
         if self._drmax > 0:
             at = np.flatnonzero(np.abs(self._X[:, r]) >= self._absmax)
+            if at.size:  # the domain moves only when the last record at the largest |x| goes
+                self._absmax_n[at] -= 1
+                at = at[self._absmax_n[at] <= 0]
             if at.size:
                 dom = self._update_domain(at)
-        pn, ptree, pdepth, _ = self._path_nodes(np.array([r], dtype=np.int64))
-        stats["nodes_touched"] += len(pn)
-        self._n_n[pn] -= 1
-        self._n_cnt[pn, c] -= 1
-        n = self._n_n[pn]
-        kind = self._n_kind[pn]
-        internal = kind != LEAF
-        pure = self._n_cnt[pn].max(axis=1) == n
-        flag = internal & (pure | (n < 2 * self._msl))
-        lf = ~internal & (self._n_why[pn] <= _W_PURE)
-        if lf.any():  # a leaf's reason follows its counts (depth, then size, then purity)
-            why = np.where(n < 2 * self._msl, _W_SMALL, _W_PURE)
-            why = np.where(self._n_depth[pn] >= self._maxd, _W_DEPTH, why)
-            self._n_why[pn[lf]] = why[lf]
-        rnd = np.flatnonzero(internal & ~flag & (kind == RANDOM))
-        if rnd.size:
-            ri = pn[rnd]
-            bad = (self._n_n[self._n_left[ri]] == 0) | (self._n_n[self._n_right[ri]] == 0)
-            bad |= self._n_draw[ri] < 0
-            if dom.size:
-                bad |= np.isin(self._n_attr[ri], dom)
-            flag[rnd] = bad
-        grd = internal & ~flag & (kind == GREEDY)
-        drop = grd & (self._n_cid[pn] >= 0) & (n < self._CACHE_MIN)
-        if drop.any():
-            self._uncache(pn[drop])
-        cached = np.flatnonzero(grd & (self._n_cid[pn] >= 0))
-        check = (grd & (self._n_cid[pn] < 0)) | (~internal & (self._n_why[pn] >= _W_CONST))
-        wantc = np.zeros(len(pn), dtype=bool)
-        if cached.size:
-            st, nr2 = self._cached_delete(pn[cached], r, c)
-            flag[cached[st == 2]] = True
-            check[cached[st == 3]] = True
-            wantc[cached[st == 3]] = True
-            self._set_r2(pn[cached[st == 1]], nr2[st == 1])
-            stats["caches_recomputed"] += int((st == 3).sum())
-        ck = np.flatnonzero(check)
-        if ck.size:
-            d = self._decide_nodes(pn[ck], wantc[ck])
-            same = self._same(pn[ck], d)
-            flag[ck[~same]] = True
-            lf = same & (d.kind == LEAF)
-            self._n_why[pn[ck[lf]]] = d.why[lf]
-            g = same & (d.kind == GREEDY) & (d.r2 != self._n_r2[pn[ck]])
-            self._set_r2(pn[ck[g]], d.r2[g])
-            if d.cache_task.size:
-                # a cache is a function of the node's records alone: install it on greedy nodes
-                # even where the split changed (the node stays correct if it flips back)
-                sel = np.flatnonzero(kind[ck[d.cache_task]] == GREEDY)
-                self._install_caches(pn[ck[d.cache_task[sel]]], d, sel)
-        dirty[pn] = flag
-        if dom.size:
-            used = np.flatnonzero(self._n_used & (self._n_kind == RANDOM))
-            extra.append(used[np.isin(self._n_attr[used], dom)])
+                if dom.size:
+                    domchg[dom] = True
+                    used = np.flatnonzero(self._n_used & (self._n_kind == RANDOM))
+                    extra.append(used[np.isin(self._n_attr[used], dom)])
+        flagged = np.empty(self._T, dtype=np.int64)
+        counts = np.zeros(2, dtype=np.int64)
+        W, S, cnt, rbuf = self._work(self._cap)
+        tab = self._tab(int(self._nlive) + 2)
+        Pm = self._params()
+        GO = (self._roff, self._rstart, self._gorder, self._alive)
+        ctr = self._ctr()
+        ctr[_kern.CTR_AT_NODE] = -1
+        while True:
+            N, CC, E, H, R, LAY = self._pools()
+            m = _del.delete_record(r, c, stop, domchg, dirty, flagged, self._root, N, CC, E, H,
+                                   R, LAY, GO, Pm, tab, W, S, cnt, rbuf, ctr, counts)
+            if m >= 0:
+                break
+            # short of room at one node: make it and resume there
+            keep = ctr[_kern.CTR_AT_TREE : _kern.CTR_NFLAG + 1].copy()
+            need_e, need_h = int(ctr[_kern.CTR_NEED_E]), int(ctr[_kern.CTR_NEED_H])
+            self._put_ctr(ctr)
+            self._reserve_entries(max(need_e, self._ecap // 8))
+            self._reserve_tables(max(need_h, self._hcap // 8))
+            ctr = self._ctr()
+            ctr[_kern.CTR_AT_TREE : _kern.CTR_NFLAG + 1] = keep
+        self._put_ctr(ctr)
+        stats["nodes_touched"] += int(counts[_del.STAT_NODES])
+        stats["caches_recomputed"] += int(counts[_del.STAT_CACHES])
+        return flagged[:m]
 
     def _delete_slots(self, slots: list[int], stats: dict) -> None:
         """Delete records (slots) one after the other from the counts and caches, then
         retrain the outermost changed nodes once."""
-        dirty = np.zeros(self._ncap, dtype=bool)
+        stop = len(slots) == 1
+        dirty = np.zeros(1 if stop else self._ncap, dtype=bool)
         extra: list[np.ndarray] = []
+        roots = np.zeros(0, dtype=np.int64)
         for r in slots:
-            self._delete_apply(r, stats, dirty, extra)
-        roots = np.flatnonzero(dirty)
+            roots = self._delete_apply(r, stats, dirty, extra, stop)
+        if not stop:
+            roots = _del.outermost(self._root, dirty, self._n_kind, self._n_left, self._n_right)
         if extra:
-            roots = np.concatenate([roots, *extra])
-        roots = self._outermost(roots)
+            roots = self._outermost(np.concatenate([roots, *extra]))
+        self._rebuilt_work = 0
         stats["subtrees_retrained"] += len(roots)
         stats["records_retrained"] += self._rebuild(roots)
+        self._learn_costs(len(slots), self._rebuilt_work)
 
     # ================================================================== classes
 
@@ -1407,6 +1545,7 @@ class DaREForest(Learner, BaseEstimator):
         self._class_n = self._class_n[keep]
         self._n_cnt = np.ascontiguousarray(self._n_cnt[:, keep])
         self._eleft = np.ascontiguousarray(self._eleft[keep])
+        self._hc = np.ascontiguousarray(self._hc[:, keep])
         y = self._y[: self._nrec]
         self._y[: self._nrec] = np.where(np.isin(y, gone), 0, remap[y])
 
@@ -1424,6 +1563,7 @@ class DaREForest(Learner, BaseEstimator):
 
         self._n_cnt = widen(self._n_cnt)
         self._eleft = np.ascontiguousarray(widen(self._eleft.T).T)
+        self._hc = widen(self._hc)
         cn = np.zeros(C, dtype=np.int64)
         cn[pos] = self._class_n
         self._class_n = cn
@@ -1457,8 +1597,12 @@ class DaREForest(Learner, BaseEstimator):
         }  # fmt: skip
         if len(rids) == 0:
             return self._report("delete", rids, t0, stats)
-        if len(rids) > self._REFIT_FRACTION * self._nlive:
-            keep = [i for i in self._slot if i not in set(rids.tolist())]
+        m = len(rids)
+        incr, refit = self._estimate(m)
+        stats.update(cost_incremental=round(incr), cost_refit=round(refit))
+        if (incr > refit) if self._CHOOSE_BY_COST else (m > self._REFIT_FRACTION * self._nlive):
+            gone = set(rids.tolist())
+            keep = [i for i in self._slot if i not in gone]
             self._refit(keep)
             stats.update(mode="refit", subtrees_retrained=self._T, records_retrained=len(keep))
             return self._report("delete", rids, t0, stats)
@@ -1466,12 +1610,43 @@ class DaREForest(Learner, BaseEstimator):
         self._drop_empty_classes()
         return self._report("delete", rids, t0, stats)
 
+    def _estimate(self, m: int) -> tuple[float, float]:
+        """Estimated cost of deleting m records (incremental, refit), in units of build work
+        (records x levels), so that a batch never costs more than a retrain (up to the
+        estimate). Deterministic: it depends on the forest and its update history only.
+
+        Refit: the forest's build work scaled to the records that stay. Incremental: per
+        record, the nodes on its paths (_NODE_UNITS each) and a fixed part; plus the build
+        work the batch retrains: one deletion retrains a share rho of the forest's work
+        (measured, a running average), a batch of m the union of m such shares,
+        1 - (1 - rho)^m of it, as each changed subtree is retrained once."""
+        c = self._costs
+        n = max(int(self._nlive), 1)
+        work = c["work"] * n / max(c["n"], 1)
+        path_len = c["work"] / max(c["n"] * self._T, 1)  # nodes a record passes, per tree
+        rho = self._PRIOR_RHO if c["rho"] is None else c["rho"]
+        refit = work * (n - m) / n
+        per = self._T * path_len * self._NODE_UNITS + self._RECORD_UNITS
+        incr = m * per + work * (1.0 - (1.0 - rho) ** m)
+        return incr, refit
+
+    def _learn_costs(self, m: int, work: int) -> None:
+        """Fold the build work an incremental deletion of m records retrained into the
+        running estimate of the share one deletion retrains."""
+        c = self._costs
+        total = c["work"] * max(int(self._nlive), 1) / max(c["n"], 1)
+        share = min(work / max(total, 1.0), 0.999)
+        rho = 1.0 - (1.0 - share) ** (1.0 / m)
+        c["rho"] = rho if c["rho"] is None else (1 - self._EMA) * c["rho"] + self._EMA * rho
+
     def _refit(self, keep_ids: list[str]) -> None:
         sl = np.array([self._slot[i] for i in keep_ids], dtype=np.int64)
         ids = np.array(keep_ids, dtype=object)
         X = self._X[:, sl].T.copy()
         y = self.classes_[self._y[sl]]
+        rho = self._costs["rho"]
         self.fit(ids, X, y)
+        self._costs["rho"] = rho  # what deletions retrain is not forgotten by a refit
 
     def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
         """Learn new records; the forest is then identical to a retrain with them.
@@ -1532,8 +1707,9 @@ class DaREForest(Learner, BaseEstimator):
         self._class_n += np.bincount(yi, minlength=len(self.classes_))
         dom = np.zeros(0, dtype=np.int64)
         if self._drmax > 0:
-            at = np.flatnonzero((np.abs(Xa) > self._absmax[None, :]).any(axis=0))
-            dom = self._update_domain(at)
+            above = np.abs(Xa) > self._absmax[None, :]
+            self._absmax_n += (np.abs(Xa) == self._absmax[None, :]).sum(axis=0)
+            dom = self._update_domain(np.flatnonzero(above.any(axis=0)))
         pn, ptree, pdepth, prec = self._path_nodes(slots)
         self._place(pn, ptree, prec, slots)
         C = len(self.classes_)
@@ -1541,6 +1717,7 @@ class DaREForest(Learner, BaseEstimator):
         add = np.bincount(inv * C + yi[prec], minlength=len(u) * C).reshape(len(u), C)
         self._n_cnt[u] += add.astype(np.int32)
         self._n_n[u] += add.sum(axis=1).astype(np.int32)
+        self._n_bound[u] = np.inf  # re-derived below; the next deletion re-scores them
         stats["nodes_touched"] += len(u)
         # every node on the new records' paths is re-derived from its records
         order = np.lexsort((self._n_depth[u], self._n_tree[u]))
@@ -1590,6 +1767,12 @@ class DaREForest(Learner, BaseEstimator):
             E, ea = E[live], ea[live]
             self._er1[E] = flat[base[ea] + self._er1[E]]
             self._er2[E] = flat[base[ea] + self._er2[E]]
+        cids, ss = np.nonzero(self._c_hlen > 0)
+        if cids.size:
+            ln = self._c_hlen[cids, ss].astype(np.int64)
+            Hx = _ranges(self._c_hoff[cids, ss], ln)
+            ha = np.repeat(self._c_attr[cids, ss].astype(np.int64), ln)
+            self._hr[Hx] = flat[base[ha] + self._hr[Hx]]
 
     def _place(self, pn, ptree, prec, slots) -> None:
         """Put new records into free positions of their leaves' layout ranges."""
@@ -1829,6 +2012,12 @@ class DaREForest(Learner, BaseEstimator):
         }
         self._rerank()
         self._update_domain()
+        self._c_hoff = np.zeros(self._c_attr.shape, dtype=np.int64)
+        self._c_hlen = np.zeros(self._c_attr.shape, dtype=np.int32)
+        self._init_bounds(self._ncap)
+        self._rebuild_tables()
+        work = int(self._n_n[self._n_used].sum())  # = what the builder went through
+        self._costs = {"work": work, "n": self._nlive, "rho": None}
         got = self.content_hash()
         if got != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch after loading ({got} != "

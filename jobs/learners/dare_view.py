@@ -121,7 +121,7 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
         e_r1 = e_r2 = np.zeros(0, dtype=np.int64)
         e_left = np.zeros((0, C), dtype=np.int64)
     else:
-        ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache
+        ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache[:10]
         slot_attr[ct], allp[ct], eoff[ct], ln[ct] = sa, al, eo, el
         e_r1, e_r2 = e_r1.astype(np.int64), e_r2.astype(np.int64)
         e_left = e_left.astype(np.int64)
