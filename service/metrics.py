@@ -87,7 +87,8 @@ class LedgerCollector:
                                 value=self._pending())
         yield GaugeMetricFamily("obliviate_requests_unverified",
                                 "Requests applied to the served model whose exactness check "
-                                "has not run yet (it waits for a pause in the stream).",
+                                "has not run yet (it runs after a pause in the stream, or "
+                                "after --guard-max-wait under one that never pauses).",
                                 value=self._unverified())
         yield GaugeMetricFamily("obliviate_model_version",
                                 "Sequence number of the registry's current model version.",

@@ -34,6 +34,16 @@ at every random node on that attribute (:func:`domain_fragile`). Tests
 compare every claim of "stable" with the tree an actual deletion leaves
 (``tests/idp/test_forest_guard.py``).
 
+Far from a tie, most records need no look. Unless x's deletion changes the first k listed
+pairs of some attribute (x's value group is an end of one of them, or it vanishes and the
+pair that replaces it may rank among the first k) or makes the node pure, the candidates
+after the deletion are the listed ones with one record of x's class taken from one side.
+:func:`_margin_holds` scores every listed pair with ANY one record removed from either
+side; when the split's lowest such score beats every other pair's highest, the per-record
+rule would call all those records stable, and they are skipped. Only the others are
+decided one by one (same answer, ``tests/idp/test_forest_guard.py``); at 16k records this
+skips most of the records of the big nodes an update touches.
+
 Leaves stay leaves under one deletion (fewer records cannot unmake purity, size,
 depth or a constant attribute), except one whose scored candidates all left fewer
 than ``min_samples_leaf`` records on a side: a pair from beyond the first k may
@@ -50,15 +60,17 @@ from numba import njit, prange
 
 from jobs.learners import dare_view as dv
 from jobs.learners.dare import DaREForest, _ranges
-from jobs.learners.dare_kernels import _TAG_THR, h2, mix, score1
+from jobs.learners.dare_kernels import _TAG_THR, _sort_keys, h2, mix, score1
 
 _S32 = np.uint64(32)
 
 
-def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None
+def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the internal `nodes` (default: all), the records fragile at each: (nodes,
-    off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``."""
+    off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
+    the per-record rule where a node is far from a tie (the same answer; False decides
+    every record, for tests)."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -79,7 +91,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None
         v.cnt.astype(np.int64), v.node_keys, v.rank, v.X, v.y.astype(np.int64), v.vmix,
         v.voff, cand.ok, cand.split_attr, cand.split_r1, cand.attr, cand.all_pairs,
         cand.off, cand.length, cand.e_r1, cand.e_r2, cand.e_left, v.msl, v.k, v.gini,
-        v.xlogx)  # fmt: skip
+        v.xlogx, margin)  # fmt: skip
     cnt = np.add.reduceat(frag.astype(np.int64), off[:-1]) if len(rows) else np.zeros(
         len(nodes), np.int64)
     if len(rows):
@@ -147,16 +159,99 @@ def _group_pure(g_cnt, g):  # pragma: no cover - compiled
     return True, lab
 
 
+@njit(cache=True)
+def _order(vals, vbits):  # pragma: no cover - compiled
+    """The positions of `vals` (non-negative, below 2**vbits) in ascending order: a radix
+    sort of (value, position) keys for a large node, where a comparison sort of every
+    attribute of every node on the updated paths was most of an update's time."""
+    n = vals.shape[0]
+    if n < 256:
+        return np.argsort(vals, kind="mergesort")
+    jbits = 1
+    while (1 << jbits) < n:
+        jbits += 1
+    keys = np.empty(n, np.int64)
+    for j in range(n):
+        keys[j] = (vals[j] << jbits) | j
+    keys = _sort_keys(keys, np.empty(n, np.int64), n, vbits + jbits)
+    mask = (np.int64(1) << jbits) - 1
+    out = np.empty(n, np.int64)
+    for j in range(n):
+        out[j] = keys[j] & mask
+    return out
+
+
+@njit(cache=True)
+def _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all, c_off, c_len, e_r1, e_left,
+                  msl, k, gini, tab):  # pragma: no cover - compiled
+    """Whether no single deletion that leaves the first k listed pairs as they are can
+    change greedy node v's split: the split's pair, with ANY one record removed from either
+    side, still scores strictly above every other listed pair with any one record removed
+    (the per-record rule then says "stable" for each such record)."""
+    C = cnt.shape[0]
+    P = c_attr.shape[1]
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    split_lo = np.inf
+    others_hi = -np.inf
+    found = False
+    for s in range(P):
+        a = c_attr[ci, s]
+        if a < 0:
+            continue
+        m = c_len[ci, s]
+        if m < k and not c_all[ci, s]:
+            return False  # fewer than k known pairs: every record is "bad" anyway
+        for q in range(min(k, m)):
+            E = c_off[ci, s] + q
+            is_split = a == n_attr[v] and e_r1[E] == n_r1[v]
+            found = found or is_split
+            nl0 = 0
+            for cc in range(C):
+                nl0 += e_left[E, cc]
+            for side in range(2):
+                for c in range(C):
+                    for cc in range(C):
+                        L[0, cc] = e_left[E, cc]
+                        R[0, cc] = cnt[cc] - e_left[E, cc]
+                    nl = nl0
+                    nr = (nt - nl0)
+                    if side == 0:
+                        if L[0, c] == 0:
+                            continue
+                        L[0, c] -= 1
+                        nl -= 1
+                    else:
+                        if R[0, c] == 0:
+                            continue
+                        R[0, c] -= 1
+                        nr -= 1
+                    if nl < msl or nr < msl:
+                        if is_split:
+                            return False  # the split itself may turn invalid
+                        continue
+                    sc = score1(L, 0, R, 0, nl, nr, gini, tab)
+                    if is_split:
+                        split_lo = min(split_lo, sc)
+                    else:
+                        others_hi = max(others_hi, sc)
+    return found and split_lo > others_hi
+
+
 @njit(cache=True, parallel=True)
 def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw, n_cnt,
              node_keys, rank, X, y, vmix, voff, c_ok, c_split_attr, c_split_r1, c_attr,
-             c_all, c_off, c_len, e_r1, e_r2, e_left, msl, k, gini,
-             tab):  # pragma: no cover - compiled
+             c_all, c_off, c_len, e_r1, e_r2, e_left, msl, k, gini, tab,
+             use_margin):  # pragma: no cover - compiled
     """fragile[j] for every record rows[j] of every node (see the module docstring)."""
     C = n_cnt.shape[1]
     P = c_attr.shape[1]
     frag = np.zeros(rows.shape[0], np.bool_)
     memo_size = C * (k + 1) ** P
+    top = rank.max() if rank.size else 0
+    rbits = 1
+    while (np.int64(1) << rbits) <= top:
+        rbits += 1
     if memo_size > 1 << 16:
         memo_size = 0
     for i in prange(nodes.shape[0]):  # nodes are independent: one thread each
@@ -213,7 +308,7 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
             vals = np.empty(nt, np.int64)
             for j in range(nt):
                 vals[j] = rank[a, rows[s0 + j]]
-            order = np.argsort(vals, kind="mergesort")
+            order = _order(vals, rbits)
             g = -1
             last = -1
             for q in range(nt):
@@ -233,6 +328,32 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
                 E = c_off[ci, s] + q
                 e_g[s, q] = np.searchsorted(g_rank[s, :ng[s]], e_r1[E])
                 e_p[s, q] = _prio(nk, a, vmix, va, e_r1[E])
+        # far from a tie, only records whose deletion changes the listed pairs (value groups
+        # at their ends; a vanishing group whose new pair may rank among the first k) or
+        # makes the node pure can be fragile: the rest are stable without a look
+        fast = use_margin and _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all,
+                                            c_off, c_len, e_r1, e_left, msl, k, gini, tab)
+        near = np.zeros((P, nt), np.bool_)
+        if fast:
+            for s in range(P):
+                a = c_attr[ci, s]
+                if a < 0:
+                    continue
+                m = c_len[ci, s]
+                kk = min(k, m)
+                for q in range(kk):
+                    near[s, e_g[s, q]] = True
+                    if e_g[s, q] + 1 < ng[s]:
+                        near[s, e_g[s, q] + 1] = True
+                for g in range(ng[s]):
+                    if g_cnt[s, g].sum() != 1:
+                        continue  # the group keeps records
+                    if ng[s] == 2:
+                        near[s, g] = True  # the attribute may turn constant
+                    elif 0 < g < ng[s] - 1 and (
+                            m < k or kk == 0
+                            or _prio(nk, a, vmix, voff[a], g_rank[s, g - 1]) <= e_p[s, kk - 1]):
+                        near[s, g] = True  # (prev, next) may enter the first k
         for j in range(nt):
             r = rows[s0 + j]
             c = y[r]
@@ -240,6 +361,14 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
             if pure:
                 frag[s0 + j] = True
                 continue
+            if fast:
+                look = False
+                for s in range(P):
+                    if c_attr[ci, s] >= 0 and near[s, grp[s, j]]:
+                        look = True
+                        break
+                if not look:
+                    continue
             for cc in range(C):
                 cnt_after[cc] = cnt[cc] - (1 if cc == c else 0)
             bad = False

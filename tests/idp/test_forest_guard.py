@@ -396,3 +396,34 @@ def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
         assert guard.mode == SOUND and guard.forest.n_classes_ == (2 if deleted else 3)
         for a, b in zip(guard.bounds(Q), full.bounds(Q), strict=True):
             assert np.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("data,params", [
+    ("tied", dict(n_estimators=4, max_depth=8, k=10, d_rmax=1, random_state=4)),
+    ("tied", dict(n_estimators=4, max_depth=6, k=3, criterion="entropy", min_samples_leaf=3,
+                  random_state=5)),
+    ("continuous", dict(n_estimators=4, max_depth=8, k=10, random_state=6)),
+    ("three", dict(n_estimators=4, max_depth=7, k=5, criterion="entropy", random_state=7)),
+])
+def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params):
+    """Nodes far from a tie skip the per-record rule for records that cannot move their
+    listed pairs: the fragile sets must be exactly those of deciding every record."""
+    from jobs.idp.forest_fragility import fragile_records
+
+    rng = np.random.default_rng(21)
+    n = 3000
+    if data == "tied":
+        X, y = _tied(rng, n=n, d=6, levels=6)
+    else:
+        X = rng.random((n, 6))
+        y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, n) > 1).astype(int)
+        if data == "three":
+            y = y + (X[:, 2] > 0.7)
+    ids = np.array([f"r{i:05d}" for i in range(n)], dtype=object)
+    forest = DaREForest(**params).fit(ids, X, y)
+    forest.delete(ids[rng.permutation(n)[:40]].tolist())  # counts moved, some splits too
+    full = fragile_records(forest, margin=False)
+    short = fragile_records(forest)
+    for a, b in zip(full, short, strict=True):
+        assert np.array_equal(a, b)
+    assert len(full[2]) > 0
