@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from jobs.idp.loo import schedule_keys, train_single
 from jobs.idp.sisa_bounds import ensemble_loo_set
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.keyed import prf_u64
+from jobs.learners.loo import schedule_keys, train_single
 from jobs.learners.nets import (
     build_net,
     epoch_batches,
@@ -589,7 +589,7 @@ def test_schedule_resolution_and_validation():
 
 
 def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
-    """schedule="loo": shard s is jobs.idp.loo.train_single on its live records with
+    """schedule="loo": shard s is jobs.learners.loo.train_single on its live records with
     shard_training_args(s) (which carry the shard's tombstones); the batch count follows
     the live shard size, also after a deletion that changes it."""
     ids, X, y = _pool(90)

@@ -1,7 +1,8 @@
 """The iDP guard (LUCID, papers/NOTES.md section 1, and what goes beyond it).
 
-* :mod:`jobs.idp.loo` -- the full network N and all leave-one-out networks N_{-x},
-  trained together with one masked, keyed schedule (bit-identical to single runs);
+* (:mod:`jobs.learners.loo`, a learner's training and so in ``learners``: the full
+  network N and all leave-one-out networks N_{-x}, trained together with one masked,
+  keyed schedule, bit-identical to single runs);
 * :mod:`jobs.idp.ibp` -- interval bound propagation for a network and for a
   hyper-network, and the difference intervals of matching neurons;
 * :mod:`jobs.idp.milp` -- the MILP of LUCID's Eq. 3 (network + hyper-network);

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jobs.idp.ibp import HyperNet, Net64
-from jobs.idp.loo import LOOSet
 from jobs.idp.milp import DEFAULT_SAFETY_MARGIN, SetBound, bound_set, tighten_lp
 from jobs.idp.solvers import jsonable_float
+from jobs.learners.loo import LOOSet
 
 log = logging.getLogger(__name__)
 

@@ -59,8 +59,9 @@ import numpy as np
 from numba import njit, prange
 
 from jobs.learners import dare_view as dv
-from jobs.learners.dare import DaREForest, _ranges
+from jobs.learners.dare import DaREForest
 from jobs.learners.dare_kernels import _TAG_THR, _sort_keys, h2, mix, score1
+from jobs.learners.dare_shared import _ranges
 
 _S32 = np.uint64(32)
 

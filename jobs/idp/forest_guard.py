@@ -107,7 +107,8 @@ from jobs.learners.base import (
     read_bundle_payload,
     write_bundle,
 )
-from jobs.learners.dare import DaREForest, _ranges
+from jobs.learners.dare import DaREForest
+from jobs.learners.dare_shared import _ranges
 
 SOUND = "sound"
 NOISE_ALL = "noise-all"

@@ -1,6 +1,6 @@
 """A guarded network: label-only, eps-iDP answers from one verified MLP (LUCID, Alg. 2).
 
-:class:`GuardedNetwork` serves the full network N of a :class:`~jobs.idp.loo.LOOSet`
+:class:`GuardedNetwork` serves the full network N of a :class:`~jobs.learners.loo.LOOSet`
 through :class:`~jobs.idp.guard.LabelGuard`:
 
 * every query is clipped to [0, 1]^d (the box the bound was verified over);
@@ -55,7 +55,7 @@ import numpy as np
 
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import LabelGuard, clip_unit, lucid_certain
-from jobs.idp.loo import LOOSet, MLPParams, schedule_keys, train_loo
+from jobs.learners.loo import LOOSet, MLPParams, schedule_keys, train_loo
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ class Net64:
 
     @classmethod
     def from_params(cls, params: object) -> Net64:
-        """From anything with ``.weights`` / ``.biases`` (e.g. :class:`~jobs.idp.loo.MLPParams`)."""
+        """From anything with ``.weights`` / ``.biases`` (e.g.
+        :class:`~jobs.learners.loo.MLPParams`)."""
         return cls([np.asarray(W, dtype=np.float64) for W in params.weights],  # type: ignore[attr-defined]
                    [np.asarray(b, dtype=np.float64) for b in params.biases])  # type: ignore[attr-defined]
 

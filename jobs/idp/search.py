@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from jobs.idp.loo import LOOSet
+from jobs.learners.loo import LOOSet
 
 
 def margins(logits: np.ndarray, c: int) -> np.ndarray:

@@ -15,7 +15,7 @@ bound-free vote rule, which is sound because one record lives in one shard).
 Stand-alone (benchmarks, soundness tests), :func:`train_sharded_loo` trains
 its own one-slice ensemble: ``S`` shards, record ``r`` in shard ``prf_u64(seed, "shard", r) % S``
 (as :mod:`jobs.learners.sisa` assigns shards); shard ``s``'s model is the full
-network of :func:`jobs.idp.loo.train_loo` on the shard's records, so the same
+network of :func:`jobs.learners.loo.train_loo` on the shard's records, so the same
 call also gives every single-deletion model of that shard. The ensemble
 answers the majority vote of the shards' labels (ties to the lowest class).
 NOTE: this is a one-slice ensemble trained with the LOO schedule, not the
@@ -45,8 +45,8 @@ import numpy as np
 
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import sisa_certain, top_margin, vote_winner
-from jobs.idp.loo import LOOSet, train_loo, train_single
 from jobs.learners.keyed import prf_u64
+from jobs.learners.loo import LOOSet, train_loo, train_single
 from jobs.learners.nets import mlp_state, states_equal
 
 if TYPE_CHECKING:

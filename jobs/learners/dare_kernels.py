@@ -41,7 +41,7 @@ def mix(x):
 
 @njit(cache=True)
 def h2(a, b):
-    """Keyed hash of two uint64 values (= ``dare._h2``)."""
+    """Keyed hash of two uint64 values (= ``dare_shared._h2``)."""
     return mix(a ^ mix(b + _GOLD))
 
 

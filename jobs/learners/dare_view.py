@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jobs.learners.dare import _W_MSL as W_MSL
-from jobs.learners.dare import GREEDY, LEAF, RANDOM, DaREForest, _h2, _ranges
+from jobs.learners.dare import DaREForest
+from jobs.learners.dare_shared import _W_MSL as W_MSL
+from jobs.learners.dare_shared import GREEDY, LEAF, RANDOM, _h2, _ranges
 
 __all__ = ["GREEDY", "LEAF", "RANDOM", "W_MSL", "Candidates", "ForestView", "Grown",
            "candidates", "grow", "node_records", "saved_nbytes", "view"]

@@ -27,7 +27,7 @@ every later deletion needs:
   remaining records first (timed as part of the deletion), so the surrogate
   never holds deleted data.
 * the frozen attacker ``M_A`` (Chen et al.'s attack on the pair of posteriors;
-  :class:`jobs.eval.attacks.Attacker`): a shadow network is retrained without a
+  :class:`jobs.learners.attacks.Attacker`): a shadow network is retrained without a
   keyed ``attack_fraction`` of the training records (the same initialisation
   and batches as ``M_o``: the exact retrain for that deletion). Positives: pair
   features ``(M_o(x), M_shadow(x))`` of those records ("in the original, not in
@@ -113,11 +113,11 @@ from sklearn.exceptions import NotFittedError
 from torch import nn
 from torch.nn import functional as F
 
-from jobs.eval.attacks import AttackConfig, Attacker, pair_features, pair_features_np
-from jobs.eval.metrics import accuracy, agreement, mean_kl, priaa
 from jobs.learners import base, nets
+from jobs.learners.attacks import AttackConfig, Attacker, pair_features, pair_features_np
 from jobs.learners.base import Learner, UpdateReport, VerifyReport
 from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
+from jobs.learners.metrics import accuracy, agreement, mean_kl, priaa
 
 FORMAT = "obliviate.game/1"
 _STATE = "state.pt"

@@ -31,7 +31,7 @@ Two training schedules
 ----------------------
 ``schedule="loo"`` (the default for ``model="mlp", n_slices=1``, the
 configuration the sidecar serves): shard ``s`` is trained by the masked
-leave-one-out kernel of :mod:`jobs.idp.loo` -- :func:`jobs.idp.loo.train_single`
+leave-one-out kernel of :mod:`jobs.learners.loo` -- :func:`jobs.learners.loo.train_single`
 on the shard's live records with ``seed_s = prf(seed, "init", s)`` (the same
 initialisation), rows in the order of their schedule keys ``k = prf(seed_s,
 "loo-batch", id)``, per-epoch batch ``mix64(k ^ prf(seed_s, "loo-epoch", e))
@@ -141,7 +141,6 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from jobs.idp.loo import schedule_keys, train_single
 from jobs.learners.base import (
     Learner,
     UnknownRecordError,
@@ -157,6 +156,7 @@ from jobs.learners.base import (
     write_bundle,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
+from jobs.learners.loo import schedule_keys, train_single
 from jobs.learners.nets import (
     build_net,
     deterministic,
@@ -499,14 +499,14 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
                          tombstones: Tombstones) -> State:
-        """Shard ``s`` trained by :func:`jobs.idp.loo.train_single` (schedule ``"loo"``)."""
+        """Shard ``s`` trained by :func:`jobs.learners.loo.train_single` (schedule ``"loo"``)."""
         rows = np.flatnonzero(data["member"][:, s])
         params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
                               **self._loo_args(s, len(rows), tombstones))
         return mlp_state(params.weights, params.biases)
 
     def shard_training_args(self, s: int, n_records: int | None = None) -> dict[str, Any]:
-        """Keyword arguments of :func:`jobs.idp.loo.train_loo` / ``train_single`` that
+        """Keyword arguments of :func:`jobs.learners.loo.train_loo` / ``train_single`` that
         reproduce shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records
         (default: the shard's current count; ``n_records`` only sets ``n_batches`` and,
         through it, ``epochs`` under a ``min_steps`` floor).

@@ -119,11 +119,11 @@ from jobs.idp.guard import (  # noqa: E402
     sisa_certain,
 )
 from jobs.idp.guarded import GuardedNetwork  # noqa: E402
-from jobs.idp.loo import LOOSet, train_loo  # noqa: E402
 from jobs.idp.search import find_leaking, margins  # noqa: E402
 from jobs.idp.sisa_bounds import ensemble_loo_set, naive_certain, shard_bounds  # noqa: E402
 from jobs.idp.solvers import gurobi_available  # noqa: E402
 from jobs.learners.dare import DaREForest  # noqa: E402
+from jobs.learners.loo import LOOSet, train_loo  # noqa: E402
 from jobs.learners.sisa import SISAEnsemble  # noqa: E402
 
 EPSILONS = (0.0, 0.2, 1.0)

@@ -6,7 +6,7 @@ Data: make_moons (200 points, noise 0.2; --quick: 100 points) min-max scaled to
 [0, 1]^2; an MLP 2x50 (--quick: 2x10), SGD lr 0.1, weight decay 1e-5, 30
 epochs, batch 32 (LUCID's settings), one CPU thread.
 
-1. LOO training: all |D| + 1 networks batched (:func:`jobs.idp.loo.train_loo`)
+1. LOO training: all |D| + 1 networks batched (:func:`jobs.learners.loo.train_loo`)
    against two sequential estimates -- ``train_single`` (the same kernel, one
    network) and a plain PyTorch loop (``nn.Module`` + autograd +
    ``torch.optim.SGD`` on the same keyed batches) -- each timed on a few
@@ -41,9 +41,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from jobs.idp.bab import compute_bounds  # noqa: E402
-from jobs.idp.loo import train_loo, train_single  # noqa: E402
 from jobs.idp.search import find_leaking  # noqa: E402
 from jobs.learners.keyed import prf_u64, prf_u64_many  # noqa: E402
+from jobs.learners.loo import train_loo, train_single  # noqa: E402
 from jobs.learners.nets import MLP, epoch_batches, init_net  # noqa: E402
 
 

@@ -13,7 +13,7 @@ Equal training budget across R: a record of slice 0 is seen for
 SISA paper's convention).
 
 Training schedule (``SISAEnsemble(schedule="auto")``): the table MLP with
-R = 1 trains with the masked leave-one-out schedule of :mod:`jobs.idp.loo`
+R = 1 trains with the masked leave-one-out schedule of :mod:`jobs.learners.loo`
 (``schedule="loo"``: SGD lr 0.3, weight decay 1e-5 -- the served, boundable
 configuration; of lr 0.1 and 0.3, 0.3 matched Adam's accuracy here: full run,
 S = 1: 0.847 vs Adam 0.857, S = 5: 0.670 vs 0.654; lr 0.1 lost 6-8 points);

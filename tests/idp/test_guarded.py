@@ -13,7 +13,7 @@ import torch
 from jobs.idp.bab import BoundReport, compute_bounds
 from jobs.idp.guard import cell_centres, clip_unit, grid_cells, top_margin
 from jobs.idp.guarded import NOISE_ALL, SOUND, BoundBinding, GuardedNetwork
-from jobs.idp.loo import LOOSet, schedule_keys, train_loo, train_single
+from jobs.learners.loo import LOOSet, schedule_keys, train_loo, train_single
 
 from ..leaks import traces_found
 from .conftest import TINY, tiny_loo

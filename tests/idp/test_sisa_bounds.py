@@ -19,13 +19,13 @@ from sklearn.datasets import make_moons
 
 from jobs.idp.bab import BoundReport
 from jobs.idp.guard import sisa_certain
-from jobs.idp.loo import LOOSet, MLPParams
 from jobs.idp.sisa_bounds import (
     ShardMismatchError,
     ensemble_loo_set,
     naive_certain,
     shard_bounds,
 )
+from jobs.learners.loo import LOOSet, MLPParams
 from jobs.learners.nets import mlp_state, n_batches, states_equal
 from jobs.learners.sisa import SISAEnsemble
 

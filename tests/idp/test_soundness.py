@@ -37,9 +37,9 @@ from jobs.idp.guard import (
     top_margin,
 )
 from jobs.idp.guarded import SOUND, GuardedNetwork
-from jobs.idp.loo import LOOSet, train_loo
 from jobs.idp.search import find_leaking, margins
 from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo
+from jobs.learners.loo import LOOSet, train_loo
 
 torch.set_num_threads(1)
 
