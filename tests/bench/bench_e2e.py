@@ -160,7 +160,13 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
                             n_requests or sidecar.dead():
                         break
                     time.sleep(0.2)
-                time.sleep(0.5)  # let the watcher see the last version served
+                # every applied request is measured: wait (bounded) until the service
+                # serves the version that applied the last of them
+                registry = Registry(ledger.engine, s.model_name)
+                last = registry.current_seq()
+                end = time.monotonic() + 60
+                while time.monotonic() < end and max(first_served, default=0) < last:
+                    time.sleep(0.1)
             finally:
                 asking.set()
                 client.join()

@@ -427,3 +427,52 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
     for a, b in zip(full, short, strict=True):
         assert np.array_equal(a, b)
     assert len(full[2]) > 0
+
+
+def test_the_margin_shortcut_on_many_random_forests():
+    """The same on 24 forests drawn at random: sizes, value levels (ties or none), classes,
+    k, min_samples_leaf, criterion, and a batch of deletions and additions since the fit."""
+    from jobs.idp.forest_fragility import fragile_records
+
+    for seed in range(24):
+        rng = np.random.default_rng(100 + seed)
+        n = int(rng.integers(200, 1500))
+        d = int(rng.integers(2, 8))
+        levels = [2, 3, 5, 20, 0][seed % 5]
+        X = rng.random((n + 20, d))
+        if levels:
+            X = np.round(X * levels) / levels
+        C = int(rng.integers(2, 5))
+        score = X[:, 0] + 0.5 * X[:, -1] + rng.normal(0, 0.25, n + 20)
+        y = np.digitize(score, np.quantile(score, np.linspace(0, 1, C + 1)[1:-1]))
+        ids = np.array([f"r{i:05d}" for i in range(n + 20)], dtype=object)
+        forest = DaREForest(n_estimators=3, max_depth=int(rng.integers(3, 9)),
+                            k=int(rng.integers(1, 12)), d_rmax=int(rng.integers(0, 2)),
+                            min_samples_leaf=int(rng.integers(1, 4)),
+                            criterion=["gini", "entropy"][seed % 2],
+                            random_state=seed).fit(ids[:n], X[:n], y[:n])
+        forest.delete(ids[rng.permutation(n)[:int(rng.integers(1, 30))]].tolist())
+        forest.add(ids[n:], X[n:], y[n:])
+        full = fragile_records(forest, margin=False)
+        short = fragile_records(forest)
+        for a, b in zip(full, short, strict=True):
+            assert np.array_equal(a, b), seed
+
+
+def test_a_batch_that_changes_almost_every_node_refits():
+    """When the changed nodes hold nearly every (node, record) pair, update() refits
+    from scratch (cheaper than recomputing them one by one) and says so."""
+    rng = np.random.default_rng(9)
+    X, y = _tied(rng, n=400, d=6, levels=10)
+    ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
+    forest = DaREForest(n_estimators=6, max_depth=6, k=5, d_rmax=1, random_domain=2.0,
+                        random_state=2).fit(ids, X, y)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    deleted = list(ids[rng.permutation(len(ids))[:200]])
+    forest.delete(deleted)
+    rep = guard.update(deleted)
+    assert not rep.detail["incremental"] and guard.mode == SOUND
+    full = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    Q = rng.random((500, X.shape[1]))
+    for a, b in zip(guard.bounds(Q), full.bounds(Q), strict=True):
+        assert np.allclose(a, b, rtol=0, atol=1e-12)
