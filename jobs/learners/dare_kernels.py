@@ -15,7 +15,7 @@ give equal bits. ``cache=True`` keeps the compiled code on disk next to this fil
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -527,12 +527,20 @@ def decide_one(rows, lo, hi, tree, path, depth, want_cache, R, Pm, tab, W, S, cn
     return kind, why, attr, thr, r1, r2, draw, ns, second
 
 
-@njit(cache=True)
+# tasks of one greedy_tasks call are split into this many chunks (each owns its scratch)
+_CHUNKS = 16
+
+
+@njit(cache=True, parallel=True)
 def greedy_tasks(nk, n, cnt, rows, off, want_cache, rank, y, vals, vmix, voff, P, k, buf,
                  msl, gini, tab, nvals_max, hist_ratio):
     """Greedy split of each task (node) from its records rows[off[t]:off[t+1]]
     (:func:`greedy_one` per task). Tasks with want_cache that found a split keep their
     lists: entries and value group tables in task then slot order.
+
+    Tasks are independent: they run in parallel, in chunks that each own their scratch
+    buffers, writing to per-task places; the lists are then packed in task order, so the
+    result does not depend on the number of threads.
 
     Returns ok, attr, r1, r2 (per task), slot_attr, allf, cutp, cutv, elen (per task and
     slot), the entries' r1, r2 and left counts, hlen (per task and slot) and the group
@@ -551,56 +559,82 @@ def greedy_tasks(nk, n, cnt, rows, off, want_cache, rank, y, vals, vmix, voff, P
     cutv = np.zeros((ntask, P), np.float64)
     elen = np.zeros((ntask, P), np.int64)
     hlen = np.zeros((ntask, P), np.int64)
-    ne = 0
-    nh = 0
+    e_at = np.zeros(ntask + 1, np.int64)  # each task's place in the unpacked lists
+    h_at = np.zeros(ntask + 1, np.int64)
     maxn = 1
     for t in range(ntask):
-        if want_cache[t]:
-            ne += P * KB
-            nh += P * (n[t] // hist_ratio + 1)
+        e_at[t + 1] = e_at[t] + (P * KB if want_cache[t] else 0)
+        h_at[t + 1] = h_at[t] + (P * (n[t] // hist_ratio + 1) if want_cache[t] else 0)
         if n[t] > maxn:
             maxn = n[t]
+    u_r1 = np.empty(e_at[ntask], np.int32)
+    u_r2 = np.empty(e_at[ntask], np.int32)
+    u_left = np.empty((e_at[ntask], C), np.int32)
+    u_hr = np.empty(h_at[ntask], np.int32)
+    u_hc = np.empty((h_at[ntask], C), np.int32)
+    nchunk = min(ntask, _CHUNKS)
+    for ch in prange(nchunk):
+        W, S = make_work(maxn, nvals_max, p, C, P, KB, hist_ratio)
+        s_attr, s_all, s_cutp, s_cutv, s_len, s_r1, s_r2, s_left, s_hlen, s_hoff, s_hr, s_hc = S
+        for t in range(ch, ntask, nchunk):
+            good, a, r1, r2, _ns, _sc = greedy_one(
+                rows, off[t], off[t + 1], nk[t], cnt[t], want_cache[t], rank, y, vmix, voff,
+                vals, P, k, buf, msl, gini, tab, hist_ratio, W, S)
+            if not good:
+                continue
+            ok[t] = True
+            o_attr[t] = a
+            o_r1[t] = r1
+            o_r2[t] = r2
+            if not want_cache[t]:
+                continue
+            used = e_at[t]
+            hused = h_at[t]
+            for ss in range(P):
+                slot_attr[t, ss] = s_attr[ss]
+                allf[t, ss] = s_all[ss]
+                cutp[t, ss] = s_cutp[ss]
+                cutv[t, ss] = s_cutv[ss]
+                elen[t, ss] = s_len[ss]
+                for q in range(s_len[ss]):
+                    u_r1[used] = s_r1[ss * KB + q]
+                    u_r2[used] = s_r2[ss * KB + q]
+                    for c in range(C):
+                        u_left[used, c] = s_left[ss * KB + q, c]
+                    used += 1
+                hlen[t, ss] = s_hlen[ss]
+                for q in range(s_hlen[ss]):
+                    u_hr[hused] = s_hr[s_hoff[ss] + q]
+                    for c in range(C):
+                        u_hc[hused, c] = s_hc[s_hoff[ss] + q, c]
+                    hused += 1
+    ne = 0
+    nh = 0
+    for t in range(ntask):
+        if ok[t] and want_cache[t]:
+            ne += elen[t].sum()
+            nh += hlen[t].sum()
     e_r1 = np.empty(ne, np.int32)
     e_r2 = np.empty(ne, np.int32)
     e_left = np.empty((ne, C), np.int32)
     h_r = np.empty(nh, np.int32)
     h_c = np.empty((nh, C), np.int32)
-    W, S = make_work(maxn, nvals_max, p, C, P, KB, hist_ratio)
-    s_attr, s_all, s_cutp, s_cutv, s_len, s_r1, s_r2, s_left, s_hlen, s_hoff, s_hr, s_hc = S
     used = 0
     hused = 0
     for t in range(ntask):
-        good, a, r1, r2, _ns, _sc = greedy_one(
-            rows, off[t], off[t + 1], nk[t], cnt[t], want_cache[t], rank, y, vmix, voff, vals,
-            P, k, buf, msl, gini, tab, hist_ratio, W, S)
-        if not good:
+        if not (ok[t] and want_cache[t]):
             continue
-        ok[t] = True
-        o_attr[t] = a
-        o_r1[t] = r1
-        o_r2[t] = r2
-        if not want_cache[t]:
-            continue
-        for ss in range(P):
-            slot_attr[t, ss] = s_attr[ss]
-            allf[t, ss] = s_all[ss]
-            cutp[t, ss] = s_cutp[ss]
-            cutv[t, ss] = s_cutv[ss]
-            elen[t, ss] = s_len[ss]
-            for q in range(s_len[ss]):
-                e_r1[used] = s_r1[ss * KB + q]
-                e_r2[used] = s_r2[ss * KB + q]
-                for c in range(C):
-                    e_left[used, c] = s_left[ss * KB + q, c]
-                used += 1
-            hlen[t, ss] = s_hlen[ss]
-            for q in range(s_hlen[ss]):
-                h_r[hused] = s_hr[s_hoff[ss] + q]
-                for c in range(C):
-                    h_c[hused, c] = s_hc[s_hoff[ss] + q, c]
-                hused += 1
-    return (ok, o_attr, o_r1, o_r2, slot_attr, allf, cutp, cutv, elen, e_r1[:used], e_r2[:used],
-            e_left[:used], hlen, h_r[:hused], h_c[:hused])
+        m = elen[t].sum()
+        e_r1[used:used + m] = u_r1[e_at[t]:e_at[t] + m]
+        e_r2[used:used + m] = u_r2[e_at[t]:e_at[t] + m]
+        e_left[used:used + m] = u_left[e_at[t]:e_at[t] + m]
+        used += m
+        m = hlen[t].sum()
+        h_r[hused:hused + m] = u_hr[h_at[t]:h_at[t] + m]
+        h_c[hused:hused + m] = u_hc[h_at[t]:h_at[t] + m]
+        hused += m
+    return (ok, o_attr, o_r1, o_r2, slot_attr, allf, cutp, cutv, elen, e_r1, e_r2, e_left,
+            hlen, h_r, h_c)
 
 
 # ----------------------------------------------------------------------------- building
