@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 # a check of tables other packages own (the model registry's: jobs.consistency), which
 # the assembled command line (service.cli) hands to `ledger verify`
 VerifyCheck = Callable[["Ledger", "Settings"], "list[Problem]"]
-DATASETS = ("breast_cancer", "digits", "wine", "iris", "synthetic")  # ledger.datasets.NAMES
+# = ledger.datasets.NAMES (not imported: a CSV load needs no scikit-learn)
+DATASETS = ("breast_cancer", "digits", "wine", "iris", "synthetic", "census")
 log = logging.getLogger("obliviate")
 
 

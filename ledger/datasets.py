@@ -31,7 +31,7 @@ BUNDLED = {
     "wine": "load_wine",
     "iris": "load_iris",
 }
-NAMES = (*BUNDLED, "synthetic")
+NAMES = (*BUNDLED, "synthetic", "census")
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,18 @@ def _ids(n: int, records_per_subject: int) -> tuple[list[str], list[str]]:
 
 def load(name: str, records_per_subject: int = 3, n_samples: int = 2000,
          random_state: int = 0) -> Dataset:
-    """A bundled scikit-learn data set by name, or 'synthetic'."""
+    """A bundled scikit-learn data set by name, 'synthetic' (make_classification: every
+    value distinct) or 'census' (:mod:`ledger.census`: ties, categories, skew); the two
+    generated ones have `n_samples` rows."""
     if name not in NAMES:
         raise ValueError(f"unknown data set {name!r}: choose from {', '.join(NAMES)}, "
                          "or load your own table with --csv FILE")
+    if name == "census":
+        from ledger.census import FEATURES, census_like
+
+        X, y = census_like(n_samples, seed=random_state)
+        records, subjects = _ids(len(X), records_per_subject)
+        return from_raw(name, X, y, records, subjects, list(FEATURES))
     from sklearn import datasets as skd
 
     if name == "synthetic":

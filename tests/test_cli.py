@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from sqlalchemy import text
 
@@ -119,3 +120,18 @@ def test_forgotten_and_rollback_from_the_command_line(env: str, tmp_path, monkey
     assert code == 1 and "destroyed" in err
     code, out, _ = run(capsys, "model", "lineage")
     assert code == 0 and "destroyed" in out.splitlines()[-1]
+
+
+def test_init_from_the_census_like_table(env: str, capsys) -> None:
+    """The generated table with the character of real ones: ties, categories, skew."""
+    code, out, _ = run(capsys, "ledger", "init", "--dataset", "census")
+    assert code == 0 and "loaded 2000 records of 'census' (14 features, 2 classes)" in out
+    from ledger import datasets
+
+    ds = datasets.load("census", n_samples=5000)
+    assert ds.X.shape == (5000, 14) and ds.feature_names[0] == "age"
+    assert (ds.X >= 0).all() and (ds.X <= 1).all()
+    distinct = [len(np.unique(ds.raw[:, j])) for j in range(14)]
+    assert max(distinct[j] for j in (1, 3, 5, 6, 7, 8, 9)) <= 16  # coded categories
+    assert 0.7 < 1 - ds.y.mean() < 0.82  # skewed labels
+    np.testing.assert_array_equal(ds.X, datasets.load("census", n_samples=5000).X)

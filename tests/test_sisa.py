@@ -27,6 +27,7 @@ from jobs.learners.nets import (
     states_equal,
 )
 from jobs.learners.sisa import SISAEnsemble
+from ledger import datasets
 from tests.leaks import traces_found
 
 TINY = {"hidden": (8,), "epochs_per_slice": 2, "batch_size": 8, "lr": 0.05}
@@ -651,32 +652,13 @@ def test_min_steps_floor_follows_the_live_count_and_stays_exact():
     assert sliced.verify().exact
 
 
-def _census_like(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A small census-style table in [0, 1]^6: integer ages and hours, ordinal-coded
-    categoricals with non-monotone effects, a skewed amount, a noisy logistic label."""
-    rng = np.random.default_rng(seed)
-    age = np.clip(np.round(17 + rng.gamma(3.0, 7.0, n)), 17, 90)
-    job = rng.integers(0, 14, n)
-    married = rng.integers(0, 7, n)
-    edu = rng.integers(1, 17, n)
-    hours = np.clip(np.round(rng.normal(40, 12, n)), 1, 99)
-    gain = np.where(rng.random(n) < 0.08, np.round(np.exp(rng.normal(8.5, 1.2, n))), 0.0)
-    job_eff = np.array([1.0, -0.6, 0.9, -0.4, 0.1, -1.0, 0.3, -0.8, 1.2, -0.2, 0.0, -1.2, 0.5,
-                        -0.5])
-    z = (-2.4 + 2.3 * (married == 0) + 0.33 * (edu - 9) + job_eff[job]
-         + 2.0 * np.exp(-(((age - 50) / 14) ** 2)) + 0.035 * (hours - 40)
-         + np.where(gain > 7000, 4.5, 0.0))
-    y = (rng.random(n) < 1 / (1 + np.exp(-1.5 * z))).astype(int)
-    X = np.column_stack([age, job, married, edu, hours, gain])
-    return (X - X.min(0)) / (X.max(0) - X.min(0)), y
-
-
 def test_five_shards_learn_a_census_like_table():
     """The sidecar's shard network (one hidden layer of 32, 20 epochs, the default SGD
     rate) beats the majority class clearly with 5 shards of 480 records. With an
     Adam-sized rate (0.01) the SGD schedule voted the majority class here."""
-    X, y = _census_like(3000)
-    ids = np.array([f"c{i}" for i in range(3000)], dtype=object)
+    ds = datasets.load("census", n_samples=3000)
+    X, y = ds.X, ds.y
+    ids = np.array(ds.record_ids, dtype=object)
     tr, te = slice(0, 2400), slice(2400, None)
     m = SISAEnsemble(n_shards=5, hidden=(32,), epochs_per_slice=20, device="cpu",
                      random_state=0).fit(ids[tr], X[tr], y[tr])

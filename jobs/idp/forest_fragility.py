@@ -54,6 +54,7 @@ split it after a deletion, so its records are fragile there (with the default
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -88,11 +89,10 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
     frag = _fragile(
-        nodes, rows, off, slot_of, v.kind, v.attr, v.r1, v.r2, v.thr, v.draw,
-        v.cnt.astype(np.int64), v.node_keys, v.rank, v.X, v.y.astype(np.int64), v.vmix,
-        v.voff, cand.ok, cand.split_attr, cand.split_r1, cand.attr, cand.all_pairs,
-        cand.off, cand.length, cand.e_r1, cand.e_r2, cand.e_left, v.msl, v.k, v.gini,
-        v.xlogx, margin)  # fmt: skip
+        nodes, rows, off, slot_of,
+        _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
+        _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
+        _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
     cnt = np.add.reduceat(frag.astype(np.int64), off[:-1]) if len(rows) else np.zeros(
         len(nodes), np.int64)
     if len(rows):
@@ -182,39 +182,98 @@ def _order(vals, vbits):  # pragma: no cover - compiled
     return out
 
 
+class _Nodes(NamedTuple):
+    """The forest's nodes, as the kernels read them (by the forest's node id)."""
+
+    kind: np.ndarray
+    attr: np.ndarray
+    r1: np.ndarray
+    thr: np.ndarray
+    draw: np.ndarray
+    cnt: np.ndarray  # (nodes, classes)
+    key: np.ndarray  # the keyed hash naming the node (pair priorities derive from it)
+
+
+class _Records(NamedTuple):
+    """The records' values (by slot): value ranks, raw values, labels, the value mixes
+    that key pair priorities and each attribute's offset into them."""
+
+    rank: np.ndarray  # (features, slots)
+    X: np.ndarray  # (features, slots)
+    y: np.ndarray
+    vmix: np.ndarray
+    voff: np.ndarray
+
+
+class _Rule(NamedTuple):
+    """The forest's split rule: min_samples_leaf, pairs scored per attribute, Gini or
+    entropy (with its x log x table)."""
+
+    msl: int
+    k: int
+    gini: bool
+    tab: np.ndarray
+
+
+class _Groups(NamedTuple):
+    """A greedy node's value groups per sampled attribute slot s: group of each record
+    ``of[s, j]``, their number ``n[s]``, value rank ``rank[s, g]`` ascending, class
+    counts ``cnt[s, g]`` and counts of groups 0..g ``pre[s, g]``; per listed entry q the
+    group of its lower value ``entry[s, q]`` and its priority ``prio[s, q]``."""
+
+    of: np.ndarray
+    n: np.ndarray
+    rank: np.ndarray
+    cnt: np.ndarray
+    pre: np.ndarray
+    entry: np.ndarray
+    prio: np.ndarray
+
+
+class _Selection(NamedTuple):
+    """Work space: the first k pairs per slot after one deletion (left counts, lower
+    value rank, slot, whether it is a merged pair (prev, next))."""
+
+    left: np.ndarray
+    r1: np.ndarray
+    slot: np.ndarray
+    merged: np.ndarray
+
+
 @njit(cache=True)
-def _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all, c_off, c_len, e_r1, e_left,
-                  msl, k, gini, tab):  # pragma: no cover - compiled
+def _margin_holds(ci, v, nt, nd, cand, rule):  # pragma: no cover - compiled
     """Whether no single deletion that leaves the first k listed pairs as they are can
     change greedy node v's split: the split's pair, with ANY one record removed from either
     side, still scores strictly above every other listed pair with any one record removed
     (the per-record rule then says "stable" for each such record)."""
+    cnt = nd.cnt[v]
     C = cnt.shape[0]
-    P = c_attr.shape[1]
+    P = cand.attr.shape[1]
+    k = rule.k
     L = np.zeros((1, C), np.int64)
     R = np.zeros((1, C), np.int64)
     split_lo = np.inf
     others_hi = -np.inf
     found = False
     for s in range(P):
-        a = c_attr[ci, s]
+        a = cand.attr[ci, s]
         if a < 0:
             continue
-        m = c_len[ci, s]
-        if m < k and not c_all[ci, s]:
+        m = cand.length[ci, s]
+        if m < k and not cand.all_pairs[ci, s]:
             return False  # fewer than k known pairs: every record is "bad" anyway
         for q in range(min(k, m)):
-            E = c_off[ci, s] + q
-            is_split = a == n_attr[v] and e_r1[E] == n_r1[v]
+            E = cand.off[ci, s] + q
+            is_split = a == nd.attr[v] and cand.e_r1[E] == nd.r1[v]
             found = found or is_split
             nl0 = 0
             for cc in range(C):
-                nl0 += e_left[E, cc]
+                nl0 += cand.e_left[E, cc]
             for side in range(2):
                 for c in range(C):
                     for cc in range(C):
-                        L[0, cc] = e_left[E, cc]
-                        R[0, cc] = cnt[cc] - e_left[E, cc]
+                        L[0, cc] = cand.e_left[E, cc]
+                        R[0, cc] = cnt[cc] - cand.e_left[E, cc]
                     nl = nl0
                     nr = (nt - nl0)
                     if side == 0:
@@ -227,11 +286,11 @@ def _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all, c_off, c_len, e_r
                             continue
                         R[0, c] -= 1
                         nr -= 1
-                    if nl < msl or nr < msl:
+                    if nl < rule.msl or nr < rule.msl:
                         if is_split:
                             return False  # the split itself may turn invalid
                         continue
-                    sc = score1(L, 0, R, 0, nl, nr, gini, tab)
+                    sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
                     if is_split:
                         split_lo = min(split_lo, sc)
                     else:
@@ -240,16 +299,14 @@ def _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all, c_off, c_len, e_r
 
 
 @njit(cache=True, parallel=True)
-def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw, n_cnt,
-             node_keys, rank, X, y, vmix, voff, c_ok, c_split_attr, c_split_r1, c_attr,
-             c_all, c_off, c_len, e_r1, e_r2, e_left, msl, k, gini, tab,
-             use_margin):  # pragma: no cover - compiled
+def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
+             ):  # pragma: no cover - compiled
     """fragile[j] for every record rows[j] of every node (see the module docstring)."""
-    C = n_cnt.shape[1]
-    P = c_attr.shape[1]
+    C = nd.cnt.shape[1]
+    P = cand.attr.shape[1]
     frag = np.zeros(rows.shape[0], np.bool_)
-    memo_size = C * (k + 1) ** P
-    top = rank.max() if rank.size else 0
+    memo_size = C * (rule.k + 1) ** P
+    top = rec.rank.max() if rec.rank.size else 0
     rbits = 1
     while (np.int64(1) << rbits) <= top:
         rbits += 1
@@ -257,251 +314,288 @@ def _fragile(nodes, rows, off, slot_of, kind, n_attr, n_r1, n_r2, n_thr, n_draw,
         memo_size = 0
     for i in prange(nodes.shape[0]):  # nodes are independent: one thread each
         v = nodes[i]
-        s0 = off[i]
-        nt = off[i + 1] - s0
+        nt = off[i + 1] - off[i]
         if nt == 0:
             continue
-        cnt = n_cnt[v]
-        if kind[v] == 0 or nt - 1 < 2 * msl:  # a leaf that may split; or becomes a leaf
-            for j in range(s0, s0 + nt):
-                frag[j] = True
-            continue
-        if kind[v] == 1:  # RANDOM
-            a = n_attr[v]
-            t = n_thr[v]
-            nl = 0
-            for j in range(s0, s0 + nt):
-                if X[a, rows[j]] <= t:
-                    nl += 1
-            for j in range(s0, s0 + nt):
-                r = rows[j]
-                pure, _lab = _pure_without(cnt, y[r])
-                side = nl if X[a, r] <= t else nt - nl
-                frag[j] = pure or side == 1 or n_draw[v] < 0
-            continue
+        out = frag[off[i]:off[i + 1]]
+        mine = rows[off[i]:off[i + 1]]
         ci = slot_of[i]
-        if not c_ok[ci] or c_split_attr[ci] != n_attr[v] or c_split_r1[ci] != n_r1[v]:
-            for j in range(s0, s0 + nt):  # the lists do not explain the split: assume worst
-                frag[j] = True
-            continue
-        nk = node_keys[v]
-        memo = np.full(memo_size, -1, np.int8)
-        # per-record work space
-        sel_left = np.zeros((P * k, C), np.int64)
-        sel_r1 = np.zeros(P * k, np.int64)
-        sel_slot = np.zeros(P * k, np.int64)
-        sel_merged = np.zeros(P * k, np.bool_)
-        L = np.zeros((1, C), np.int64)
-        R = np.zeros((1, C), np.int64)
-        cnt_after = np.zeros(C, np.int64)
-        # value groups of the node's records, per sampled attribute
-        grp = np.empty((P, nt), np.int64)
-        ng = np.zeros(P, np.int64)
-        g_rank = np.empty((P, nt), np.int64)
-        g_cnt = np.zeros((P, nt, C), np.int64)
-        g_pre = np.zeros((P, nt, C), np.int64)  # counts of groups 0..g
-        e_g = np.empty((P, k + 16), np.int64)  # group index of each entry's lower value
-        e_p = np.empty((P, k + 16), np.int64)  # each entry's priority
-        for s in range(P):
-            a = c_attr[ci, s]
-            if a < 0:
-                continue
-            vals = np.empty(nt, np.int64)
-            for j in range(nt):
-                vals[j] = rank[a, rows[s0 + j]]
-            order = _order(vals, rbits)
-            g = -1
-            last = -1
-            for q in range(nt):
-                j = order[q]
-                if g < 0 or vals[j] != last:
-                    g += 1
-                    g_rank[s, g] = vals[j]
-                    last = vals[j]
-                grp[s, j] = g
-                g_cnt[s, g, y[rows[s0 + j]]] += 1
-            ng[s] = g + 1
-            for gg in range(ng[s]):
-                for cc in range(C):
-                    g_pre[s, gg, cc] = g_cnt[s, gg, cc] + (g_pre[s, gg - 1, cc] if gg else 0)
-            va = voff[a]
-            for q in range(c_len[ci, s]):
-                E = c_off[ci, s] + q
-                e_g[s, q] = np.searchsorted(g_rank[s, :ng[s]], e_r1[E])
-                e_p[s, q] = _prio(nk, a, vmix, va, e_r1[E])
-        # far from a tie, only records whose deletion changes the listed pairs (value groups
-        # at their ends; a vanishing group whose new pair may rank among the first k) or
-        # makes the node pure can be fragile: the rest are stable without a look
-        fast = use_margin and _margin_holds(ci, v, nt, cnt, n_attr, n_r1, c_attr, c_all,
-                                            c_off, c_len, e_r1, e_left, msl, k, gini, tab)
-        near = np.zeros((P, nt), np.bool_)
-        if fast:
-            for s in range(P):
-                a = c_attr[ci, s]
-                if a < 0:
-                    continue
-                m = c_len[ci, s]
-                kk = min(k, m)
-                for q in range(kk):
-                    near[s, e_g[s, q]] = True
-                    if e_g[s, q] + 1 < ng[s]:
-                        near[s, e_g[s, q] + 1] = True
-                for g in range(ng[s]):
-                    if g_cnt[s, g].sum() != 1:
-                        continue  # the group keeps records
-                    if ng[s] == 2:
-                        near[s, g] = True  # the attribute may turn constant
-                    elif 0 < g < ng[s] - 1 and (
-                            m < k or kk == 0
-                            or _prio(nk, a, vmix, voff[a], g_rank[s, g - 1]) <= e_p[s, kk - 1]):
-                        near[s, g] = True  # (prev, next) may enter the first k
-        for j in range(nt):
-            r = rows[s0 + j]
-            c = y[r]
-            pure, _lab = _pure_without(cnt, c)
-            if pure:
-                frag[s0 + j] = True
-                continue
-            if fast:
-                look = False
-                for s in range(P):
-                    if c_attr[ci, s] >= 0 and near[s, grp[s, j]]:
-                        look = True
-                        break
-                if not look:
-                    continue
-            for cc in range(C):
-                cnt_after[cc] = cnt[cc] - (1 if cc == c else 0)
-            bad = False
-            modified = False  # the selection is not the first k listed pairs as they are
-            nsel = 0
-            for s in range(P):
-                a = c_attr[ci, s]
-                if a < 0:
-                    continue
-                w = grp[s, j]
-                alive = g_cnt[s, w].sum() > 1  # w's group keeps records
-                if not alive and ng[s] == 2:
-                    bad = True  # the attribute turns constant: the slots shift
-                    break
-                has_prev = w > 0
-                has_next = w + 1 < ng[s]
-                pp, lp = _group_pure(g_cnt[s], w - 1) if has_prev else (False, -1)
-                pn, ln_ = _group_pure(g_cnt[s], w + 1) if has_next else (False, -1)
-                pw, lw = _pure_without(g_cnt[s, w], c) if alive else (True, c)
-                # the new pair (prev, next) where (prev, w) was not valid before
-                new_pair = False
-                new_prio = np.int64(0)
-                if not alive and has_prev and has_next:
-                    was_valid = not (pp and lp == c)  # w was {x}: pure with label c
-                    now_valid = not (pp and pn and lp == ln_)
-                    if now_valid and not was_valid:
-                        new_pair = True
-                        new_prio = _prio(nk, a, vmix, voff[a], g_rank[s, w - 1])
-                taken = 0
-                q = 0
-                m = c_len[ci, s]
-                while taken < k:
-                    # the next candidate: listed entry q, or the new pair if it comes first
-                    use_new = False
-                    if new_pair:
-                        if q < m:
-                            if new_prio == e_p[s, q]:
-                                bad = True  # a priority tie: the order falls to indices
-                                break
-                            use_new = new_prio < e_p[s, q]
-                        elif c_all[ci, s]:
-                            use_new = True
-                        else:
-                            bad = True  # beyond the known list: its place is unknown
-                            break
-                    if use_new:
-                        modified = True
-                        for cc in range(C):
-                            sel_left[nsel, cc] = g_pre[s, w - 1, cc]
-                        sel_r1[nsel] = g_rank[s, w - 1]
-                        sel_slot[nsel] = s
-                        sel_merged[nsel] = True
-                        nsel += 1
-                        taken += 1
-                        new_pair = False
-                        continue
-                    if q >= m:
-                        break
-                    E = c_off[ci, s] + q
-                    gq = e_g[s, q]
-                    q += 1
-                    merged = False
-                    if gq == w - 1:  # (prev, w)
-                        if alive:
-                            if pp and pw and lp == lw:
-                                modified = True
-                                continue  # turns invalid
-                        else:
-                            modified = True
-                            if not has_next:
-                                continue  # (prev, w) with no next: gone
-                            if pp and pn and lp == ln_:
-                                continue  # (prev, next) is not valid
-                            merged = True
-                    elif gq == w:  # (w, next)
-                        if not alive:
-                            modified = True
-                            continue  # disappears with w
-                        if pw and pn and lw == ln_:
-                            modified = True
-                            continue  # turns invalid
-                    xl = rank[a, r] <= e_r1[E]
-                    for cc in range(C):
-                        sel_left[nsel, cc] = e_left[E, cc] - (1 if xl and cc == c else 0)
-                    sel_r1[nsel] = e_r1[E]
-                    sel_slot[nsel] = s
-                    sel_merged[nsel] = merged
-                    nsel += 1
-                    taken += 1
-                if bad:
-                    break
-                if taken < k and not c_all[ci, s]:
-                    bad = True  # fewer than k known pairs left: the split search looks further
-                    break
-            if bad:
-                frag[s0 + j] = True
-                continue
-            # records with one label and the same side of every selected threshold score
-            # the same: remember the outcome per (label, sides) where nothing else moved
-            code = -1
-            if not modified and memo.shape[0] > 0:
-                code = c
-                mult = C
-                for s in range(P):
-                    if c_attr[ci, s] < 0:
-                        continue
-                    below = 0
-                    for q in range(min(k, c_len[ci, s])):
-                        if e_r1[c_off[ci, s] + q] < rank[c_attr[ci, s], r]:
-                            below += 1
-                    code += below * mult
-                    mult *= k + 1
-                if memo[code] >= 0:
-                    frag[s0 + j] = memo[code] == 1
-                    continue
-            best = -np.inf
-            bi = -1
-            for q in range(nsel):
-                nl = 0
-                for cc in range(C):
-                    nl += sel_left[q, cc]
-                nr = (nt - 1) - nl
-                if nl >= msl and nr >= msl:
-                    for cc in range(C):
-                        L[0, cc] = sel_left[q, cc]
-                        R[0, cc] = cnt_after[cc] - sel_left[q, cc]
-                    sc = score1(L, 0, R, 0, nl, nr, gini, tab)
-                    if sc > best:
-                        best = sc
-                        bi = q
-            frag[s0 + j] = (bi < 0 or c_attr[ci, sel_slot[bi]] != n_attr[v]
-                            or sel_r1[bi] != n_r1[v] or sel_merged[bi])
-            if code >= 0:
-                memo[code] = 1 if frag[s0 + j] else 0
+        if nd.kind[v] == 0 or nt - 1 < 2 * rule.msl:  # a leaf that may split; or turns one
+            out[:] = True
+        elif nd.kind[v] == 1:  # RANDOM
+            _random_fragile(out, mine, v, nd, rec)
+        elif (not cand.ok[ci] or cand.split_attr[ci] != nd.attr[v]
+              or cand.split_r1[ci] != nd.r1[v]):
+            out[:] = True  # the lists do not explain the split: assume the worst
+        else:
+            _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin, memo_size,
+                            rbits)
     return frag
+
+
+@njit(cache=True)
+def _random_fragile(out, rows, v, nd, rec):  # pragma: no cover - compiled
+    """A random node keeps its draw unless a side empties or the node turns pure."""
+    a = nd.attr[v]
+    t = nd.thr[v]
+    nt = rows.shape[0]
+    nl = 0
+    for j in range(nt):
+        if rec.X[a, rows[j]] <= t:
+            nl += 1
+    for j in range(nt):
+        r = rows[j]
+        pure, _lab = _pure_without(nd.cnt[v], rec.y[r])
+        side = nl if rec.X[a, r] <= t else nt - nl
+        out[j] = pure or side == 1 or nd.draw[v] < 0
+
+
+@njit(cache=True)
+def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - compiled
+    """The node's value groups per sampled attribute slot (:class:`_Groups`)."""
+    P = cand.attr.shape[1]
+    nt = rows.shape[0]
+    of = np.empty((P, nt), np.int64)
+    n = np.zeros(P, np.int64)
+    g_rank = np.empty((P, nt), np.int64)
+    g_cnt = np.zeros((P, nt, C), np.int64)
+    pre = np.zeros((P, nt, C), np.int64)
+    entry = np.empty((P, k + 16), np.int64)
+    prio = np.empty((P, k + 16), np.int64)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        vals = np.empty(nt, np.int64)
+        for j in range(nt):
+            vals[j] = rec.rank[a, rows[j]]
+        order = _order(vals, rbits)
+        g = -1
+        last = -1
+        for q in range(nt):
+            j = order[q]
+            if g < 0 or vals[j] != last:
+                g += 1
+                g_rank[s, g] = vals[j]
+                last = vals[j]
+            of[s, j] = g
+            g_cnt[s, g, rec.y[rows[j]]] += 1
+        n[s] = g + 1
+        for gg in range(n[s]):
+            for cc in range(C):
+                pre[s, gg, cc] = g_cnt[s, gg, cc] + (pre[s, gg - 1, cc] if gg else 0)
+        va = rec.voff[a]
+        for q in range(cand.length[ci, s]):
+            E = cand.off[ci, s] + q
+            entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
+            prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
+    return _Groups(of, n, g_rank, g_cnt, pre, entry, prio)
+
+
+@njit(cache=True)
+def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
+    """Per slot and value group: whether deleting one record of the group can change the
+    first k listed pairs (an end of one of them; a vanishing group whose pair (prev,
+    next) may rank among them, or that leaves the attribute constant)."""
+    P = cand.attr.shape[1]
+    near = np.zeros((P, grp.of.shape[1]), np.bool_)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        m = cand.length[ci, s]
+        kk = min(k, m)
+        ng = grp.n[s]
+        for q in range(kk):
+            near[s, grp.entry[s, q]] = True
+            if grp.entry[s, q] + 1 < ng:
+                near[s, grp.entry[s, q] + 1] = True
+        for g in range(ng):
+            if grp.cnt[s, g].sum() != 1:
+                continue  # the group keeps records
+            if ng == 2:
+                near[s, g] = True  # the attribute may turn constant
+            elif 0 < g < ng - 1 and (
+                    m < k or kk == 0
+                    or _prio(nk, a, rec.vmix, rec.voff[a], grp.rank[s, g - 1])
+                    <= grp.prio[s, kk - 1]):
+                near[s, g] = True  # (prev, next) may enter the first k
+    return near
+
+
+@njit(cache=True)
+def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size, rbits
+                    ):  # pragma: no cover - compiled
+    """out[j] for each record rows[j] of greedy node v (candidate lists ci)."""
+    C = nd.cnt.shape[1]
+    P = cand.attr.shape[1]
+    k = rule.k
+    nt = rows.shape[0]
+    cnt = nd.cnt[v]
+    nk = nd.key[v]
+    memo = np.full(memo_size, -1, np.int8)
+    sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_))
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    cnt_after = np.zeros(C, np.int64)
+    grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits)
+    # far from a tie, only records whose deletion changes the listed pairs (value groups
+    # at their ends; a vanishing group whose new pair may rank among the first k) or
+    # makes the node pure can be fragile: the rest are stable without a look
+    fast = use_margin and _margin_holds(ci, v, nt, nd, cand, rule)
+    near = _near(ci, nk, grp, rec, cand, k) if fast else np.zeros((P, 1), np.bool_)
+    for j in range(nt):
+        r = rows[j]
+        c = rec.y[r]
+        pure, _lab = _pure_without(cnt, c)
+        if pure:
+            out[j] = True
+            continue
+        if fast:
+            look = False
+            for s in range(P):
+                if cand.attr[ci, s] >= 0 and near[s, grp.of[s, j]]:
+                    look = True
+                    break
+            if not look:
+                continue
+        bad, modified, nsel = _select(j, r, c, ci, nk, grp, rec, cand, k, sel)
+        if bad:
+            out[j] = True
+            continue
+        # records with one label and the same side of every selected threshold score
+        # the same: remember the outcome per (label, sides) where nothing else moved
+        code = -1
+        if not modified and memo.shape[0] > 0:
+            code = c
+            mult = C
+            for s in range(P):
+                if cand.attr[ci, s] < 0:
+                    continue
+                below = 0
+                for q in range(min(k, cand.length[ci, s])):
+                    if cand.e_r1[cand.off[ci, s] + q] < rec.rank[cand.attr[ci, s], r]:
+                        below += 1
+                code += below * mult
+                mult *= k + 1
+            if memo[code] >= 0:
+                out[j] = memo[code] == 1
+                continue
+        for cc in range(C):
+            cnt_after[cc] = cnt[cc] - (1 if cc == c else 0)
+        best = -np.inf
+        bi = -1
+        for q in range(nsel):
+            nl = 0
+            for cc in range(C):
+                nl += sel.left[q, cc]
+            nr = (nt - 1) - nl
+            if nl >= rule.msl and nr >= rule.msl:
+                for cc in range(C):
+                    L[0, cc] = sel.left[q, cc]
+                    R[0, cc] = cnt_after[cc] - sel.left[q, cc]
+                sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
+                if sc > best:
+                    best = sc
+                    bi = q
+        out[j] = (bi < 0 or cand.attr[ci, sel.slot[bi]] != nd.attr[v]
+                  or sel.r1[bi] != nd.r1[v] or sel.merged[bi])
+        if code >= 0:
+            memo[code] = 1 if out[j] else 0
+
+
+@njit(cache=True)
+def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - compiled
+    """The first k pairs of every slot after deleting record r (the node's j-th, label c)
+    into `sel`: (bad: could not be told, modified: not the listed pairs as they are,
+    how many)."""
+    P = cand.attr.shape[1]
+    C = grp.cnt.shape[2]
+    modified = False
+    nsel = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        ng = grp.n[s]
+        w = grp.of[s, j]
+        alive = grp.cnt[s, w].sum() > 1  # w's group keeps records
+        if not alive and ng == 2:
+            return True, modified, nsel  # the attribute turns constant: the slots shift
+        has_prev = w > 0
+        has_next = w + 1 < ng
+        pp, lp = _group_pure(grp.cnt[s], w - 1) if has_prev else (False, -1)
+        pn, ln_ = _group_pure(grp.cnt[s], w + 1) if has_next else (False, -1)
+        pw, lw = _pure_without(grp.cnt[s, w], c) if alive else (True, c)
+        # the new pair (prev, next) where (prev, w) was not valid before
+        new_pair = False
+        new_prio = np.int64(0)
+        if not alive and has_prev and has_next:
+            was_valid = not (pp and lp == c)  # w was {x}: pure with label c
+            now_valid = not (pp and pn and lp == ln_)
+            if now_valid and not was_valid:
+                new_pair = True
+                new_prio = _prio(nk, a, rec.vmix, rec.voff[a], grp.rank[s, w - 1])
+        taken = 0
+        q = 0
+        m = cand.length[ci, s]
+        while taken < k:
+            # the next candidate: listed entry q, or the new pair if it comes first
+            use_new = False
+            if new_pair:
+                if q < m:
+                    if new_prio == grp.prio[s, q]:
+                        return True, modified, nsel  # a priority tie: order by indices
+                    use_new = new_prio < grp.prio[s, q]
+                elif cand.all_pairs[ci, s]:
+                    use_new = True
+                else:
+                    return True, modified, nsel  # beyond the known list: place unknown
+            if use_new:
+                modified = True
+                for cc in range(C):
+                    sel.left[nsel, cc] = grp.pre[s, w - 1, cc]
+                sel.r1[nsel] = grp.rank[s, w - 1]
+                sel.slot[nsel] = s
+                sel.merged[nsel] = True
+                nsel += 1
+                taken += 1
+                new_pair = False
+                continue
+            if q >= m:
+                break
+            E = cand.off[ci, s] + q
+            gq = grp.entry[s, q]
+            q += 1
+            merged = False
+            if gq == w - 1:  # (prev, w)
+                if alive:
+                    if pp and pw and lp == lw:
+                        modified = True
+                        continue  # turns invalid
+                else:
+                    modified = True
+                    if not has_next:
+                        continue  # (prev, w) with no next: gone
+                    if pp and pn and lp == ln_:
+                        continue  # (prev, next) is not valid
+                    merged = True
+            elif gq == w:  # (w, next)
+                if not alive:
+                    modified = True
+                    continue  # disappears with w
+                if pw and pn and lw == ln_:
+                    modified = True
+                    continue  # turns invalid
+            xl = rec.rank[a, r] <= cand.e_r1[E]
+            for cc in range(C):
+                sel.left[nsel, cc] = cand.e_left[E, cc] - (1 if xl and cc == c else 0)
+            sel.r1[nsel] = cand.e_r1[E]
+            sel.slot[nsel] = s
+            sel.merged[nsel] = merged
+            nsel += 1
+            taken += 1
+        if taken < k and not cand.all_pairs[ci, s]:
+            return True, modified, nsel  # fewer than k known pairs: the search looks further
+    return False, modified, nsel

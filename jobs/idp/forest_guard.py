@@ -92,7 +92,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit
@@ -225,6 +225,11 @@ class _Structure:
     def probabilities(self) -> np.ndarray:
         return self.cnt / np.maximum(self.n, 1)[:, None].astype(np.float64)
 
+    def kernel(self) -> tuple[np.ndarray, ...]:
+        """What the query kernels read: routing, counts, the leaves' records, labels."""
+        return (self.root, self.kind, self.left, self.right, self.attr, self.thr, self.cnt,
+                self.n, self.rec_off, self.rec, self.y)
+
     def node_keys(self) -> list[tuple[int, int]]:
         return list(zip(self.tree.tolist(), self.path.tolist(), strict=True))
 
@@ -272,6 +277,10 @@ class _Pairs:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
+
+    def pool(self) -> tuple[np.ndarray, ...]:
+        """The subtrees' nodes, as the query kernel reads them."""
+        return tuple(getattr(self, k) for k in self.ARRAYS[3:])
 
     @classmethod
     def empty(cls, C: int) -> _Pairs:
@@ -500,9 +509,21 @@ def _grow_with_domains(forest: DaREForest, st: _Structure, u: np.ndarray, rows: 
 # --------------------------------------------------------------------------- kernels
 
 
+class _PairIndex(NamedTuple):
+    """Per compact node (CSR): the exact pairs' records and subtree roots, and the
+    worst-case pairs' records."""
+
+    f_off: np.ndarray
+    f_rec: np.ndarray
+    f_root: np.ndarray
+    w_off: np.ndarray
+    w_rec: np.ndarray
+
+
 @njit(cache=True)
-def _route(Q, root, kind, left, right, attr, thr):  # pragma: no cover - compiled
-    """Leaf (compact id) of every (tree, query), shape (T, n)."""
+def _route(Q, tr):  # pragma: no cover - compiled
+    """Leaf (compact id) of every (tree, query), shape (T, n); `tr`: _Structure.kernel()."""
+    root, kind, left, right, attr, thr = tr[:6]
     n = Q.shape[0]
     T = root.shape[0]
     out = np.empty((T, n), dtype=np.int64)
@@ -516,15 +537,18 @@ def _route(Q, root, kind, left, right, attr, thr):  # pragma: no cover - compile
 
 
 @njit(cache=True)
-def _gains(Q, root, kind, left, right, attr, thr, cnt, nn, rec_off, rec, y, f_off, f_rec,
-           f_root, w_off, w_rec, g_leaf, g_attr, g_thr, g_left, g_right, g_cnt, g_n,
-           n_records, depth_max):  # pragma: no cover - compiled
+def _gains(Q, tr, ix, g_, n_records, depth_max):  # pragma: no cover - compiled
     """Per query i: H[i, a, b] = max over records x of sum_t (hi_{t,x,b} - lo_{t,x,a}) / T
     and delta[i] = max over x, c of the largest |sum_t| of its bounds / T, where a tree's
     (hi, lo) for x is its exact change (closed form for a stable record of q's leaf; for
     an exact fragile pair on q's path, the leaf of its grown subtree that q reaches
     against q's leaf), or the worst a tree can do for a worst-case pair on q's path:
-    hi_b = 1 - p_b, lo_a = -p_a. Records whose deletion changes nothing at q give 0."""
+    hi_b = 1 - p_b, lo_a = -p_a. Records whose deletion changes nothing at q give 0.
+    `tr`: the trees (:meth:`_Structure.kernel`), `ix`: the pairs by node
+    (:class:`_PairIndex`), `g_`: their grown subtrees (:meth:`_Pairs.pool`)."""
+    root, kind, left, right, attr, thr, cnt, nn, rec_off, rec, y = tr
+    f_off, f_rec, f_root, w_off, w_rec = ix
+    g_leaf, g_attr, g_thr, g_left, g_right, g_cnt, g_n = g_
     n = Q.shape[0]
     T = root.shape[0]
     C = cnt.shape[1]
@@ -765,10 +789,8 @@ class ForestGuard:
         self._classes = self.forest.classes_.copy()
         f_off, f_rec, f_root = pairs.by_node(len(st.kind), True)
         w_off, w_rec, _ = pairs.by_node(len(st.kind), False)
-        self._kernel_args = (st.root, st.kind, st.left, st.right, st.attr, st.thr, st.cnt,
-                             st.n, st.rec_off, st.rec, st.y, f_off, f_rec, f_root, w_off,
-                             w_rec, pairs.leaf, pairs.attr, pairs.thr, pairs.left, pairs.right,
-                             pairs.cnt, pairs.n, int(self.forest.n_records_),
+        self._kernel_args = (st.kernel(), _PairIndex(f_off, f_rec, f_root, w_off, w_rec),
+                             pairs.pool(), int(self.forest.n_records_),
                              int(st.depth.max(initial=0)))
         self.forest_hash = rep.forest_hash
         self.fit_report = rep
@@ -879,8 +901,7 @@ class ForestGuard:
     # ---------------------------------------------------------------- queries
 
     def _rows(self, Q: np.ndarray) -> np.ndarray:
-        st = self._st
-        return _route(Q, st.root, st.kind, st.left, st.right, st.attr, st.thr)
+        return _route(Q, self._kernel_args[0])
 
     def _scores(self, rows: np.ndarray) -> np.ndarray:
         """Forest scores from the leaves, with DaREForest.scores' own numpy arithmetic

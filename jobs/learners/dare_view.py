@@ -12,6 +12,7 @@ forest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,12 +61,12 @@ class ForestView:
     xlogx: np.ndarray  # the entropy table (a dummy for Gini)
 
 
-@dataclass(frozen=True)
-class Candidates:
+class Candidates(NamedTuple):
     """Per greedy node (parallel to the nodes asked for): whether it found a split, and per
     sampled attribute slot its candidate pairs in priority order (the first k are the
     ones scored): ``attr[i, s]`` (-1: no slot), ``all_pairs[i, s]`` (the list holds every
-    valid pair), entries ``e_r1/e_r2/e_left[off[i, s]:off[i, s] + length[i, s]]``."""
+    valid pair), entries ``e_r1/e_r2/e_left[off[i, s]:off[i, s] + length[i, s]]``. A
+    named tuple: compiled kernels take it as it is."""
 
     ok: np.ndarray
     split_attr: np.ndarray

@@ -56,10 +56,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sklearn.datasets import load_digits, make_classification  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.ensemble import RandomForestClassifier  # noqa: E402
 
 from jobs.learners.dare import DaREForest  # noqa: E402
+from tests.bench.tables import classification  # noqa: E402
 
 DATASETS = ("classification", "quantised", "digits")
 TARGET = {0: 250, 3: 500}
@@ -75,14 +76,7 @@ def load(name: str, quick: bool) -> tuple[np.ndarray, np.ndarray]:
         d = load_digits()
         order = np.random.default_rng(0).permutation(len(d.target))
         return d.data[order].astype(np.float64), d.target[order]
-    n = 4000 if quick else 20000
-    X, y = make_classification(n_samples=n, n_features=20, n_informative=10, random_state=0)
-    if name == "quantised":
-        for j in range(20):
-            levels = 4 if j < 10 else 16
-            cuts = np.quantile(X[:, j], np.linspace(0, 1, levels + 1)[1:-1])
-            X[:, j] = np.digitize(X[:, j], cuts).astype(np.float64)
-    return X, y
+    return classification(4000 if quick else 20000, quantise=name == "quantised")
 
 
 def run(name: str, d_rmax: int, quick: bool) -> dict:

@@ -31,21 +31,23 @@ compared bit for bit. The last line of each setting is
     RESULT data=... shards=... slices=... schedule=... acc=... train_s=...
     delete_mean_s=... retrain_speedup=... exact=true
 
-Census-like table (``census_like``: generated, no download; 32,560 rows, 26,048
-for training, 14 features of which 8 ordinal-coded categoricals and the rest
-integer counts or skewed amounts, logistic label with noise, majority class
-about 0.76; min-max scaled to [0, 1] on the training split as the sidecar's
-ledger does). The sidecar's network (one hidden layer of 32, 20 epochs, batch
-32, ``schedule="loo"``) at shards 1, 5, 20, against scikit-learn's
-``RandomForestClassifier`` (100 trees, ``n_jobs=1``) on the same split:
+The sidecar's network on tables (issue 16: "SISA that learns on tables"): one hidden
+layer of 32, 20 epochs, batch 32, ``schedule="loo"``, at 1 and 5 shards (and 20 on
+census), against scikit-learn's ``RandomForestClassifier`` (100 trees, ``n_jobs=1``)
+on the same split (``rf_acc``) and against such forests trained on the same shards,
+voting (``rf_shards_acc``: what the records of one shard allow a learner suited to
+tables). Tables, min-max scaled on the training split as the sidecar's ledger does:
+``census`` (:mod:`ledger.census`: 26,048 training rows, 14 features, 8 ordinal-coded
+categoricals, majority about 0.76), ``quantised`` (bench_dare's: 16,000 training rows,
+20 features of 4 or 16 levels) and ``table4`` (the 4-class table above, 7,500 rows):
 
-    RESULT data=census shards=... acc=... acc_forest=... train_s=...
-    unlearn_p50_s=... majority=... lr=... min_steps=... exact=true
+    RESULT data=census|quantised|table4 shards=... acc=... rf_acc=... rf_shards_acc=...
+    train_s=... unlearn_p50_s=... majority=... lr=... min_steps=... exact=true
 
 ``unlearn_p50_s``: median time of single-record deletions (each retrains one
-shard). ``--census-lr 0.01`` reproduces the sidecar's former setting (an Adam
-learning rate given to the SGD schedule); ``--census-min-steps N`` sets the
-learner's step floor; ``--data census`` runs only these rows.
+shard). ``--table-lr 0.01`` reproduces the sidecar's former setting (an Adam
+learning rate given to the SGD schedule); ``--table-min-steps N`` sets the
+learner's step floor; ``--data tables`` runs only these rows.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,7 +63,11 @@ from sklearn.datasets import load_digits, make_classification
 from sklearn.ensemble import RandomForestClassifier
 from sklearn.model_selection import train_test_split
 
-from jobs.learners.sisa import SISAEnsemble
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from jobs.learners.sisa import SISAEnsemble  # noqa: E402
+from ledger.census import census_like  # noqa: E402
+from tests.bench.tables import classification  # noqa: E402
 
 
 def digits(quick: bool):
@@ -94,50 +101,13 @@ def table(quick: bool):
     return Xtr, Xte, ytr, yte, cfg, (8 if quick else 30)
 
 
-def census_like(n: int = 32560, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A census-style table (Adult-like columns), generated: ties everywhere, skewed amounts.
-
-    Columns: age, workclass*, fnlwgt, education*, education-num, marital*, occupation*,
-    relationship*, race*, sex*, capital-gain, capital-loss, hours, country* (* =
-    ordinal-coded categorical, codes in arbitrary order). The label is a noisy logistic
-    function with non-monotone effects (age bump, category effects, a capital-gain
-    threshold), so a linear model stays several points below a forest.
-    """
-    rng = np.random.default_rng(seed)
-    age = np.clip(np.round(17 + rng.gamma(3.0, 7.0, n)), 17, 90)
-    workclass = rng.choice(8, n, p=[.70, .08, .06, .04, .04, .03, .03, .02])
-    fnlwgt = np.round(np.exp(rng.normal(12.0, 0.5, n)))
-    edu_p = np.array([2, 3, 4, 5, 6, 7, 32, 22, 4, 4, 16, 6, 2, 1, 3, 3]) / 120
-    education = rng.choice(16, n, p=edu_p)
-    edu_num = np.clip(education + 1 + rng.integers(-1, 2, n) * (rng.random(n) < 0.1), 1, 16)
-    marital = rng.choice(7, n, p=[.46, .33, .14, .03, .03, .007, .003])
-    occ_p = np.array([13, 12, 12, 11, 10, 9, 6, 5, 4, 4, 3, 5, 3, 3]) / 100
-    occupation = rng.choice(14, n, p=occ_p)
-    rel = np.where(marital == 0, rng.choice([0, 5], n, p=[.88, .12]),
-                   rng.choice([1, 2, 3, 4], n, p=[.45, .3, .15, .1]))
-    race = rng.choice(5, n, p=[.85, .1, .03, .01, .01])
-    sex = np.where(rel == 0, 1, np.where(rel == 5, 0, (rng.random(n) < 0.55).astype(int)))
-    gain = np.where(rng.random(n) < 0.08, np.round(np.exp(rng.normal(8.5, 1.2, n))), 0.0)
-    gain = np.minimum(gain, 99999)
-    loss = np.where(rng.random(n) < 0.05, np.round(rng.normal(1900, 300, n)).clip(0, 4356), 0.0)
-    hours = np.clip(np.round(rng.normal(40, 12, n)), 1, 99)
-    country = np.where(rng.random(n) < 0.9, 0, rng.integers(1, 41, n))
-    occ_eff = np.array([1.0, -0.6, 0.9, -0.4, 0.1, -1.0, 0.3, -0.8, 1.2, -0.2, 0.0, -1.2, 0.5,
-                        -0.5])
-    wc_eff = np.array([0.0, 0.5, -0.3, 0.4, 0.6, -0.6, 0.2, -1.0])
-    z = (-3.7 + 2.3 * (marital == 0) + 0.33 * (edu_num - 9) + occ_eff[occupation]
-         + wc_eff[workclass] + 2.0 * np.exp(-(((age - 50) / 14) ** 2)) - 1.5 * (age < 25)
-         + 0.035 * (hours - 40) + 0.3 * sex - 0.2 * (race > 0)
-         + np.where(gain > 7000, 4.5, np.where(gain > 0, -0.5, 0.0))
-         + np.where(loss > 1800, 1.2, 0.0))
-    y = (rng.random(n) < 1 / (1 + np.exp(-1.5 * (z + 0.2)))).astype(int)
-    X = np.column_stack([age, workclass, fnlwgt, education, edu_num, marital, occupation, rel,
-                         race, sex, gain, loss, hours, country]).astype(np.float64)
-    return X, y
-
-
-def census(quick: bool):
-    X, y = census_like(8000 if quick else 32560)
+def tied_table(name: str, quick: bool):
+    """The census-like table (:mod:`ledger.census`) or the quantised one (bench_dare's),
+    min-max scaled on the training split as the sidecar's ledger does."""
+    if name == "census":
+        X, y = census_like(4000 if quick else 32560)
+    else:
+        X, y = classification(4000 if quick else 20000, quantise=True)
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
     lo, hi = Xtr.min(axis=0), Xtr.max(axis=0)
     span = np.where(hi > lo, hi - lo, 1.0)
@@ -146,16 +116,27 @@ def census(quick: bool):
     return Xtr, Xte, ytr, yte
 
 
-def run_census(data, S: int, n_del: int, lr: float | None, min_steps: int, seed: int = 0):
-    """The sidecar's network on the census-like table: accuracy, train and unlearn time."""
+def run_sidecar_net(data, S: int, n_del: int, lr: float | None, min_steps: int,
+                    seed: int = 0):
+    """The sidecar's network on a table: accuracy, train and unlearn time, and the
+    accuracy of scikit-learn forests trained on the same shards, voting (what the data
+    in a shard allows a learner suited to tables)."""
     Xtr, Xte, ytr, yte = data
-    ids = np.array([f"census-{i}" for i in range(len(Xtr))], dtype=object)
+    ids = np.array([f"t-{i}" for i in range(len(Xtr))], dtype=object)
     m = SISAEnsemble(n_shards=S, n_slices=1, hidden=(32,), epochs_per_slice=20, batch_size=32,
                      lr=lr, min_steps=min_steps, random_state=seed)
     t0 = time.perf_counter()
     m.fit(ids, Xtr, ytr)
     train_s = time.perf_counter() - t0
     acc = float((m.predict(Xte) == yte).mean())
+    shard_of, _ = m.locate(ids)
+    votes = np.zeros((len(Xte), len(m.classes_)))
+    for s in range(S):
+        part = shard_of == s
+        forest = RandomForestClassifier(n_estimators=100, n_jobs=1, random_state=s)
+        pred = forest.fit(Xtr[part], ytr[part]).predict(Xte)
+        votes[np.arange(len(Xte)), np.searchsorted(m.classes_, pred)] += 1
+    rf_shards_acc = float((m.classes_[votes.argmax(axis=1)] == yte).mean())
     rng = np.random.default_rng(2000 + S)
     times = []
     for _ in range(n_del):
@@ -164,7 +145,7 @@ def run_census(data, S: int, n_del: int, lr: float | None, min_steps: int, seed:
         m.delete([victim])
         times.append(time.perf_counter() - t)
     return {"acc": acc, "train_s": train_s, "unlearn_p50_s": float(np.median(times)),
-            "lr": m.config_["lr"], "exact": m.verify().exact}
+            "lr": m.config_["lr"], "exact": m.verify().exact, "rf_shards_acc": rf_shards_acc}
 
 
 def run_setting(name, data, S, R, n_del, seed=0):
@@ -218,12 +199,13 @@ def run_setting(name, data, S, R, n_del, seed=0):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
-    ap.add_argument("--census-lr", type=float, default=None,
-                    help="SGD learning rate of the census rows (default: the learner's)")
-    ap.add_argument("--census-min-steps", type=int, default=0,
-                    help="the learner's min_steps for the census rows (default 0: off)")
-    ap.add_argument("--data", default="digits,table,census",
-                    help="comma-separated data sets to run (default: all three)")
+    ap.add_argument("--table-lr", type=float, default=None,
+                    help="SGD learning rate of the table rows (default: the learner's)")
+    ap.add_argument("--table-min-steps", type=int, default=0,
+                    help="the learner's min_steps for the table rows (default 0: off)")
+    ap.add_argument("--data", default="digits,table,tables",
+                    help="comma-separated: digits, table (the grids), tables (the sidecar's "
+                         "network on census, quantised, table4); default: all")
     args = ap.parse_args(argv)
     which = set(args.data.split(","))
     torch.set_num_threads(1)
@@ -289,33 +271,38 @@ def main(argv=None) -> int:
                     f"retrain_speedup={r['speedup']:.2f} exact={str(r['exact']).lower()}",
                     flush=True,
                 )
-    if "census" in which:
-        all_exact &= census_rows(args)
+    if "tables" in which:
+        all_exact &= table_rows(args)
     print(f"\ntotal {time.perf_counter() - t_all:.1f}s; all exact: {all_exact}")
     return 0 if all_exact else 1
 
 
-def census_rows(args: argparse.Namespace) -> bool:
-    """The census RESULT rows (shards 1, 5, 20); True when every model verified exact."""
+def table_rows(args: argparse.Namespace) -> bool:
+    """The sidecar's network on tables (issue 16, item 5): the census-like and the
+    quantised table (ties), and the 4-class table; True when every model verified exact."""
     all_exact = True
-    data = census(args.quick)
-    Xtr, Xte, ytr, yte = data
-    t = time.perf_counter()
-    forest = RandomForestClassifier(n_estimators=100, n_jobs=1, random_state=0).fit(Xtr, ytr)
-    forest_s = time.perf_counter() - t
-    acc_forest = float((forest.predict(Xte) == yte).mean())
-    majority = float(np.bincount(yte).max() / len(yte))
-    print(f"\n== census: train={len(Xtr)} test={len(Xte)} model=mlp hidden=(32,) epochs=20 "
-          f"majority={majority:.4f} forest acc={acc_forest:.4f} train {forest_s:.2f}s",
-          flush=True)
-    census_del = 3 if args.quick else 5
-    for S in (1, 5, 20):
-        r = run_census(data, S, census_del, args.census_lr, args.census_min_steps)
-        all_exact &= r["exact"]
-        print(f"RESULT data=census shards={S} acc={r['acc']:.4f} acc_forest={acc_forest:.4f} "
-              f"train_s={r['train_s']:.3f} unlearn_p50_s={r['unlearn_p50_s']:.4f} "
-              f"majority={majority:.4f} lr={r['lr']:g} min_steps={args.census_min_steps} "
-              f"exact={str(r['exact']).lower()}", flush=True)
+    for name in ("census", "quantised", "table4"):
+        if name == "table4":
+            Xtr, Xte, ytr, yte = table(args.quick)[:4]
+        else:
+            Xtr, Xte, ytr, yte = tied_table(name, args.quick)
+        t = time.perf_counter()
+        forest = RandomForestClassifier(n_estimators=100, n_jobs=1, random_state=0)
+        rf_acc = float((forest.fit(Xtr, ytr).predict(Xte) == yte).mean())
+        forest_s = time.perf_counter() - t
+        majority = float(np.bincount(yte).max() / len(yte))
+        print(f"\n== {name}: train={len(Xtr)} test={len(Xte)} model=mlp hidden=(32,) "
+              f"epochs=20 majority={majority:.4f} forest acc={rf_acc:.4f} train "
+              f"{forest_s:.2f}s", flush=True)
+        for S in (1, 5) if name != "census" or args.quick else (1, 5, 20):
+            r = run_sidecar_net((Xtr, Xte, ytr, yte), S, 3 if args.quick else 5,
+                                args.table_lr, args.table_min_steps)
+            all_exact &= r["exact"]
+            print(f"RESULT data={name} shards={S} acc={r['acc']:.4f} rf_acc={rf_acc:.4f} "
+                  f"rf_shards_acc={r['rf_shards_acc']:.4f} train_s={r['train_s']:.3f} "
+                  f"unlearn_p50_s={r['unlearn_p50_s']:.4f} majority={majority:.4f} "
+                  f"lr={r['lr']:g} min_steps={args.table_min_steps} "
+                  f"exact={str(r['exact']).lower()}", flush=True)
     return all_exact
 
 
