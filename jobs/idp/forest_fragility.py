@@ -42,7 +42,11 @@ after the deletion are the listed ones with one record of x's class taken from o
 side; when the split's lowest such score beats every other pair's highest, the per-record
 rule would call all those records stable, and they are skipped. Only the others are
 decided one by one (same answer, ``tests/idp/test_forest_guard.py``); at 16k records this
-skips most of the records of the big nodes an update touches.
+skips most of the records of the big nodes an update touches. Near a tie the same records
+(they change no listed pair) are decided from each listed pair's score with one record of
+class c taken from its left or right side, computed once per node. A node's value groups
+are counted in a table over the attribute's value ranks where the node holds at least one
+record per 8 distinct values, and by sorting elsewhere.
 
 Leaves stay leaves under one deletion (fewer records cannot unmake purity, size,
 depth or a constant attribute), except one whose scored candidates all left fewer
@@ -62,7 +66,6 @@ from numba import njit, prange
 from jobs.learners import dare_view as dv
 from jobs.learners.dare import DaREForest
 from jobs.learners.dare_kernels import _TAG_THR, _sort_keys, h2, mix, score1
-from jobs.learners.dare_shared import _ranges
 
 _S32 = np.uint64(32)
 
@@ -81,11 +84,8 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     # records on a side: a pair from beyond the first k may then split it
     nodes = nodes[(v.kind[nodes] != dv.LEAF) | (v.why[nodes] == dv.W_MSL)]
     rows, off = dv.node_records(forest, nodes)
-    greedy = v.kind[nodes] == dv.GREEDY
-    gi = np.flatnonzero(greedy)
-    goff = np.concatenate([[0], np.cumsum(np.diff(off)[gi])]).astype(np.int64)
-    grows = rows[_ranges(off[gi], np.diff(off)[gi])] if gi.size else np.zeros(0, np.int64)
-    cand = dv.candidates(forest, nodes[gi], grows, goff)
+    gi = np.flatnonzero(v.kind[nodes] == dv.GREEDY)
+    cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
     frag = _fragile(
@@ -217,15 +217,14 @@ class _Rule(NamedTuple):
 
 class _Groups(NamedTuple):
     """A greedy node's value groups per sampled attribute slot s: group of each record
-    ``of[s, j]``, their number ``n[s]``, value rank ``rank[s, g]`` ascending, class
-    counts ``cnt[s, g]`` and counts of groups 0..g ``pre[s, g]``; per listed entry q the
-    group of its lower value ``entry[s, q]`` and its priority ``prio[s, q]``."""
+    ``of[s, j]``, their number ``n[s]``, value rank ``rank[s, g]`` ascending and class
+    counts ``cnt[s, g]``; per listed entry q the group of its lower value ``entry[s, q]``
+    and its priority ``prio[s, q]``."""
 
     of: np.ndarray
     n: np.ndarray
     rank: np.ndarray
     cnt: np.ndarray
-    pre: np.ndarray
     entry: np.ndarray
     prio: np.ndarray
 
@@ -241,20 +240,19 @@ class _Selection(NamedTuple):
 
 
 @njit(cache=True)
-def _margin_holds(ci, v, nt, nd, cand, rule):  # pragma: no cover - compiled
+def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
     """Whether no single deletion that leaves the first k listed pairs as they are can
     change greedy node v's split: the split's pair, with ANY one record removed from either
     side, still scores strictly above every other listed pair with any one record removed
-    (the per-record rule then says "stable" for each such record)."""
+    (the per-record rule then says "stable" for each such record). `lscore`: the listed
+    pairs' scores with one record removed (:func:`_listed_scores`)."""
     cnt = nd.cnt[v]
     C = cnt.shape[0]
     P = cand.attr.shape[1]
-    k = rule.k
-    L = np.zeros((1, C), np.int64)
-    R = np.zeros((1, C), np.int64)
     split_lo = np.inf
     others_hi = -np.inf
     found = False
+    q_ = 0
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
@@ -266,35 +264,21 @@ def _margin_holds(ci, v, nt, nd, cand, rule):  # pragma: no cover - compiled
             E = cand.off[ci, s] + q
             is_split = a == nd.attr[v] and cand.e_r1[E] == nd.r1[v]
             found = found or is_split
-            nl0 = 0
-            for cc in range(C):
-                nl0 += cand.e_left[E, cc]
             for side in range(2):
                 for c in range(C):
-                    for cc in range(C):
-                        L[0, cc] = cand.e_left[E, cc]
-                        R[0, cc] = cnt[cc] - cand.e_left[E, cc]
-                    nl = nl0
-                    nr = (nt - nl0)
-                    if side == 0:
-                        if L[0, c] == 0:
-                            continue
-                        L[0, c] -= 1
-                        nl -= 1
-                    else:
-                        if R[0, c] == 0:
-                            continue
-                        R[0, c] -= 1
-                        nr -= 1
-                    if nl < rule.msl or nr < rule.msl:
+                    held = cand.e_left[E, c] if side == 0 else cnt[c] - cand.e_left[E, c]
+                    if held == 0:
+                        continue  # no record of class c on that side
+                    sc = lscore[q_, side, c]
+                    if sc == -np.inf:  # a side falls below min_samples_leaf
                         if is_split:
                             return False  # the split itself may turn invalid
                         continue
-                    sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
                     if is_split:
                         split_lo = min(split_lo, sc)
                     else:
                         others_hi = max(others_hi, sc)
+            q_ += 1
     return found and split_lo > others_hi
 
 
@@ -352,44 +336,60 @@ def _random_fragile(out, rows, v, nd, rec):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - compiled
-    """The node's value groups per sampled attribute slot (:class:`_Groups`)."""
+    """The node's value groups per sampled attribute slot (:class:`_Groups`): counted in a
+    table over the attribute's value ranks where the node holds at least one record per
+    8 distinct values (no sort), else by sorting its values."""
     P = cand.attr.shape[1]
     nt = rows.shape[0]
     of = np.empty((P, nt), np.int64)
     n = np.zeros(P, np.int64)
     g_rank = np.empty((P, nt), np.int64)
     g_cnt = np.zeros((P, nt, C), np.int64)
-    pre = np.zeros((P, nt, C), np.int64)
     entry = np.empty((P, k + 16), np.int64)
     prio = np.empty((P, k + 16), np.int64)
+    lab = np.empty(nt, np.int64)
+    for j in range(nt):
+        lab[j] = rec.y[rows[j]]
+    vals = np.empty(nt, np.int64)
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
             continue
-        vals = np.empty(nt, np.int64)
+        va = rec.voff[a]
+        nv = rec.voff[a + 1] - va
         for j in range(nt):
             vals[j] = rec.rank[a, rows[j]]
-        order = _order(vals, rbits)
         g = -1
-        last = -1
-        for q in range(nt):
-            j = order[q]
-            if g < 0 or vals[j] != last:
-                g += 1
-                g_rank[s, g] = vals[j]
-                last = vals[j]
-            of[s, j] = g
-            g_cnt[s, g, rec.y[rows[j]]] += 1
+        if nv <= 8 * nt:
+            table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group
+            for j in range(nt):
+                table[vals[j]] += 1
+            for q in range(nv):
+                if table[q] > 0:
+                    g += 1
+                    g_rank[s, g] = q
+                    table[q] = g
+            for j in range(nt):
+                gg = table[vals[j]]
+                of[s, j] = gg
+                g_cnt[s, gg, lab[j]] += 1
+        else:
+            order = _order(vals, rbits)
+            last = -1
+            for q in range(nt):
+                j = order[q]
+                if g < 0 or vals[j] != last:
+                    g += 1
+                    g_rank[s, g] = vals[j]
+                    last = vals[j]
+                of[s, j] = g
+                g_cnt[s, g, lab[j]] += 1
         n[s] = g + 1
-        for gg in range(n[s]):
-            for cc in range(C):
-                pre[s, gg, cc] = g_cnt[s, gg, cc] + (pre[s, gg - 1, cc] if gg else 0)
-        va = rec.voff[a]
         for q in range(cand.length[ci, s]):
             E = cand.off[ci, s] + q
             entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
             prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
-    return _Groups(of, n, g_rank, g_cnt, pre, entry, prio)
+    return _Groups(of, n, g_rank, g_cnt, entry, prio)
 
 
 @njit(cache=True)
@@ -424,6 +424,75 @@ def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _listed_scores(ci, cnt, nt, cand, rule):  # pragma: no cover - compiled
+    """Per listed pair among the first k of each slot (slot by slot, in list order), its
+    score with one record of class c taken from the left (side 0) or right (1); -inf
+    where a side would fall below min_samples_leaf."""
+    P = cand.attr.shape[1]
+    C = cnt.shape[0]
+    m = 0
+    for s in range(P):
+        if cand.attr[ci, s] >= 0:
+            m += min(rule.k, cand.length[ci, s])
+    out = np.full((m, 2, C), -np.inf)
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    q_ = 0
+    for s in range(P):
+        if cand.attr[ci, s] < 0:
+            continue
+        for q in range(min(rule.k, cand.length[ci, s])):
+            E = cand.off[ci, s] + q
+            for side in range(2):
+                for c in range(C):
+                    nl = 0
+                    for cc in range(C):
+                        L[0, cc] = cand.e_left[E, cc]
+                        R[0, cc] = cnt[cc] - cand.e_left[E, cc]
+                        nl += L[0, cc]
+                    if side == 0:
+                        if L[0, c] == 0:
+                            continue
+                        L[0, c] -= 1
+                        nl -= 1
+                    else:
+                        if R[0, c] == 0:
+                            continue
+                        R[0, c] -= 1
+                    nr = (nt - 1) - nl
+                    if nl >= rule.msl and nr >= rule.msl:
+                        out[q_, side, c] = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
+            q_ += 1
+    return out
+
+
+@njit(cache=True)
+def _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore):  # pragma: no cover - compiled
+    """Whether deleting record r (class c), which leaves the listed pairs as they are,
+    moves greedy node v's split: the best of the first k pairs with r taken from its
+    side (the earliest on equal scores, as the split search) is not the split's."""
+    P = cand.attr.shape[1]
+    best = -np.inf
+    b_slot = -1
+    b_r1 = -1
+    q_ = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        x = rec.rank[a, r]
+        for q in range(min(k, cand.length[ci, s])):
+            E = cand.off[ci, s] + q
+            sc = lscore[q_, 0 if x <= cand.e_r1[E] else 1, c]
+            if sc > best:
+                best = sc
+                b_slot = s
+                b_r1 = cand.e_r1[E]
+            q_ += 1
+    return b_slot < 0 or cand.attr[ci, b_slot] != nd.attr[v] or b_r1 != nd.r1[v]
+
+
+@njit(cache=True)
 def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size, rbits
                     ):  # pragma: no cover - compiled
     """out[j] for each record rows[j] of greedy node v (candidate lists ci)."""
@@ -440,11 +509,20 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size
     R = np.zeros((1, C), np.int64)
     cnt_after = np.zeros(C, np.int64)
     grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits)
-    # far from a tie, only records whose deletion changes the listed pairs (value groups
-    # at their ends; a vanishing group whose new pair may rank among the first k) or
-    # makes the node pure can be fragile: the rest are stable without a look
-    fast = use_margin and _margin_holds(ci, v, nt, nd, cand, rule)
-    near = _near(ci, nk, grp, rec, cand, k) if fast else np.zeros((P, 1), np.bool_)
+    # only records whose deletion changes the listed pairs (value groups at their ends; a
+    # vanishing group whose new pair may rank among the first k) or makes the node pure
+    # need the per-record rule: for the others the first k pairs stay as listed, with the
+    # record taken from one side. Far from a tie (the margin) those are stable without a
+    # look; near one they are scored, once per (label, sides)
+    # each listed pair's score with one record of class c taken from its left or right
+    # side (the same integers score1 gets, so the same bits)
+    lscore = _listed_scores(ci, cnt, nt, cand, rule)
+    fast = use_margin and _margin_holds(ci, v, nd, cand, k, lscore)
+    near = _near(ci, nk, grp, rec, cand, k)
+    short = False  # a slot lists fewer than k pairs, not all: the search would look further
+    for s in range(P):
+        if cand.attr[ci, s] >= 0 and cand.length[ci, s] < k and not cand.all_pairs[ci, s]:
+            short = True
     for j in range(nt):
         r = rows[j]
         c = rec.y[r]
@@ -452,14 +530,17 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size
         if pure:
             out[j] = True
             continue
-        if fast:
-            look = False
-            for s in range(P):
-                if cand.attr[ci, s] >= 0 and near[s, grp.of[s, j]]:
-                    look = True
-                    break
-            if not look:
-                continue
+        look = False
+        for s in range(P):
+            if cand.attr[ci, s] >= 0 and near[s, grp.of[s, j]]:
+                look = True
+                break
+        if not look:
+            if fast or short:
+                out[j] = short
+            else:
+                out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
+            continue
         bad, modified, nsel = _select(j, r, c, ci, nk, grp, rec, cand, k, sel)
         if bad:
             out[j] = True
@@ -554,8 +635,10 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
                     return True, modified, nsel  # beyond the known list: place unknown
             if use_new:
                 modified = True
-                for cc in range(C):
-                    sel.left[nsel, cc] = grp.pre[s, w - 1, cc]
+                for cc in range(C):  # the counts of groups 0..w-1
+                    sel.left[nsel, cc] = 0
+                    for g in range(w):
+                        sel.left[nsel, cc] += grp.cnt[s, g, cc]
                 sel.r1[nsel] = grp.rank[s, w - 1]
                 sel.slot[nsel] = s
                 sel.merged[nsel] = True

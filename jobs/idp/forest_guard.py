@@ -57,9 +57,10 @@ of the node's size. With ``state_budget=inf, grow_rows=inf`` every pair is exact
 
 Cost and updates
 ----------------
-Fitting runs the split search once per node (the candidate lists), one pass over every
-(node, record) of every tree, and grows one subtree per exact pair, mostly small ones
-near the leaves: near-linear in the number of records (``tests/bench/
+Fitting needs every greedy node's candidate lists (a node of 128 records or more keeps
+them up to date in the forest itself; the split search runs for the others), one pass
+over every (node, record) of every tree, and grows one subtree per exact pair, mostly
+small ones near the leaves: near-linear in the number of records (``tests/bench/
 bench_guard_scale.py``). After an update only nodes whose records changed can change
 their decisions or their subtrees: :meth:`update` (the deleted and added records)
 finds them (the records' paths, and every node whose split or counts moved, with its
@@ -230,8 +231,9 @@ class _Structure:
         return (self.root, self.kind, self.left, self.right, self.attr, self.thr, self.cnt,
                 self.n, self.rec_off, self.rec, self.y)
 
-    def node_keys(self) -> list[tuple[int, int]]:
-        return list(zip(self.tree.tolist(), self.path.tolist(), strict=True))
+    def keys(self) -> np.ndarray:
+        """(tree, heap path) rows: what names a node across updates."""
+        return np.stack([self.tree, self.path], axis=1)
 
 
 def _depth_first(v: dv.ForestView) -> np.ndarray:
@@ -404,18 +406,20 @@ def _below_dropped(forest: DaREForest, st: _Structure, touched: np.ndarray,
     changed node) whose record has no recomputed pair at or above that node's depth, the
     record's fragile nodes below it on its path that did not change."""
     d_node, d_prec = dropped
-    best = {}
-    for u, r in zip(node.tolist(), prec.tolist(), strict=True):
-        key = (int(st.tree[u]), r)
-        best[key] = min(best.get(key, 1 << 30), int(st.depth[u]))
+    # per dropped pair: the highest recomputed pair of its (tree, record), if any
+    order = np.lexsort((st.depth[node], prec, st.tree[node]))
+    key = np.stack([st.tree[node], prec], axis=1)[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (key[1:] != key[:-1]).any(axis=1)
+    at = _match(key[first], np.stack([st.tree[d_node], d_prec], axis=1))
+    top = np.where(at >= 0, st.depth[node[order[first]]][np.maximum(at, 0)], 1 << 30)
+    covered = top <= st.depth[d_node]
     changed = np.zeros(len(st.kind), dtype=bool)
     changed[touched] = True
     X = dv.view(forest).X  # (attribute, slot)
     slot = np.array([forest._slot[i] for i in forest.record_ids_.tolist()], dtype=np.int64)
     want: dict[int, set[int]] = {}  # compact node -> record positions to compute there
-    for u, r in zip(d_node.tolist(), d_prec.tolist(), strict=True):
-        if best.get((int(st.tree[u]), r), 1 << 30) <= st.depth[u]:
-            continue
+    for u, r in zip(d_node[~covered].tolist(), d_prec[~covered].tolist(), strict=True):
         k = u
         while st.kind[k] != dv.LEAF:
             k = st.left[k] if X[st.attr[k], slot[r]] <= st.thr[k] else st.right[k]
@@ -684,9 +688,11 @@ class ForestGuard:
         `nodes` (the forest's node ids): every node whose records changed since the last
         fit (the paths of the updated records and the retrained subtrees); the pairs at
         all other nodes are kept (see the module docstring). None recomputes everything."""
-        t0 = time.perf_counter()
+        return self._refit(nodes, _Structure.of(self.forest), time.perf_counter())
+
+    def _refit(self, nodes: np.ndarray | None, st: _Structure, t0: float) -> ForestFitReport:
+        """refit() with the forest's structure as it is now (`st`), timed from `t0`."""
         h = self.forest.content_hash()
-        st = _Structure.of(self.forest)
         C = st.cnt.shape[1]
         incremental = nodes is not None and self._pairs is not None
         if incremental:
@@ -728,41 +734,41 @@ class ForestGuard:
         last fit): recompute what they can have changed and keep the rest. The changed
         nodes: the deleted records' paths before, the added ones' after, and every node
         whose split or counts moved, with its subtree."""
+        t0 = time.perf_counter()
         if (self._st is None or self._pairs is None
                 or not np.array_equal(self._classes, self.forest.classes_)):
             return self.refit()  # a class that came or went renumbers every count
         old = self._st
         new = _Structure.of(self.forest)
-        keys: set[tuple[int, int]] = set()
-        old_pos = np.searchsorted(self._ids, np.asarray(list(deleted), dtype=object))
-        keys |= _path_keys(old, old_pos[(old_pos < len(self._ids))
-                                        & (self._ids[np.minimum(old_pos, len(self._ids) - 1)]
-                                           == np.asarray(list(deleted), dtype=object))])
+        gone = np.asarray(list(deleted), dtype=object)
+        old_pos = np.searchsorted(self._ids, gone)
+        found = (old_pos < len(self._ids)) & (
+            self._ids[np.minimum(old_pos, len(self._ids) - 1)] == gone)
         ids = self.forest.record_ids_
-        keys |= _path_keys(new, np.searchsorted(ids, np.asarray(list(added), dtype=object)))
+        on_paths = np.concatenate([
+            _path_keys(old, old_pos[found]),
+            _path_keys(new, np.searchsorted(ids, np.asarray(list(added), dtype=object)))])
+        new_keys = new.keys()
         # a node whose split moved (or that is new) sends other records to its children:
         # its whole subtree changed; one whose counts alone moved holds fewer or more
         # records, and only itself changed (its children are on the same paths)
-        before = {key: i for i, key in enumerate(old.node_keys())}
-        split = np.zeros(len(new.kind), dtype=bool)
-        counts = np.zeros(len(new.kind), dtype=bool)
-        for u, key in enumerate(new.node_keys()):
-            i = before.get(key)
-            split[u] = i is None or not (old.kind[i] == new.kind[u]
-                                         and old.attr[i] == new.attr[u]
-                                         and old.thr[i] == new.thr[u])
-            counts[u] = not split[u] and not (old.n[i] == new.n[u]
-                                              and (old.cnt[i] == new.cnt[u]).all())
-        for u in np.flatnonzero(split).tolist():
-            split[u:u + new.size[u]] = True
-        changed = [u for u, key in enumerate(new.node_keys())
-                   if split[u] or counts[u] or key in keys]
+        i = _match(old.keys(), new_keys)
+        j = np.maximum(i, 0)
+        split = ((i < 0) | (old.kind[j] != new.kind) | (old.attr[j] != new.attr)
+                 | (old.thr[j] != new.thr))
+        counts = ~split & ((old.n[j] != new.n) | (old.cnt[j] != new.cnt).any(axis=1))
+        cover = np.zeros(len(new.kind) + 1, dtype=np.int64)
+        top = np.flatnonzero(split)
+        np.add.at(cover, top, 1)
+        np.add.at(cover, top + new.size[top], -1)
+        split = np.cumsum(cover[:-1]) > 0
+        changed = split | counts | (_match(on_paths, new_keys) >= 0)
         # a big batch (or a forest refitted from scratch) changes most nodes: recomputing
         # them one by one, keeping the few others, then costs more than a fit
         if new.n[changed].sum() > REFIT_SHARE * new.n.sum():
-            return self.refit()
-        nodes = {new.forest_node[u] for u in changed}
-        return self.refit(nodes=np.array(sorted(nodes), dtype=np.int64))
+            return self._refit(None, new, t0)
+        nodes = np.unique(new.forest_node[changed])
+        return self._refit(nodes.astype(np.int64), new, t0)
 
     def _kept(self, st: _Structure, touched: np.ndarray
               ) -> tuple[_Pairs, tuple[np.ndarray, np.ndarray]]:
@@ -770,8 +776,7 @@ class ForestGuard:
         the new compact ids and record positions, pairs of deleted records dropped; and
         (node, record) of the live records' pairs at `touched` nodes (compact ids)."""
         old_st, old = self._st, self._pairs
-        new_id = {key: i for i, key in enumerate(st.node_keys())}
-        remap_node = np.array([new_id.get(k, -1) for k in old_st.node_keys()], dtype=np.int64)
+        remap_node = _match(st.keys(), old_st.keys())
         ids = self.forest.record_ids_
         held = self._ids[old.prec]
         at = np.searchsorted(ids, held)
@@ -951,32 +956,37 @@ def _merge_kept(st: _Structure, node: np.ndarray, prec: np.ndarray, dom: np.ndar
     """One pair per (tree, record), the highest: a recomputed pair above a kept one
     replaces it; a kept pair above a recomputed one (impossible when every changed node
     was recomputed, but checked) wins."""
-    new = {(int(st.tree[u]), int(r)): (int(st.depth[u]), i)
-           for i, (u, r) in enumerate(zip(node.tolist(), prec.tolist(), strict=True))}
+    at = _match(np.stack([st.tree[node], prec], axis=1),
+                np.stack([st.tree[kept.node], kept.prec], axis=1))
+    hit = np.flatnonzero(at >= 0)
+    above = st.depth[node[at[hit]]] <= st.depth[kept.node[hit]]
     keep_kept = np.ones(len(kept.node), dtype=bool)
     keep_new = np.ones(len(node), dtype=bool)
-    for j, (u, r) in enumerate(zip(kept.node.tolist(), kept.prec.tolist(), strict=True)):
-        hit = new.get((int(st.tree[u]), int(r)))
-        if hit is None:
-            continue
-        if hit[0] <= st.depth[u]:
-            keep_kept[j] = False
-        else:
-            keep_new[hit[1]] = False
+    keep_kept[hit[above]] = False
+    keep_new[at[hit[~above]]] = False
     return node[keep_new], prec[keep_new], dom[keep_new], kept.select(keep_kept)
 
 
-def _path_keys(st: _Structure, positions: np.ndarray) -> set[tuple[int, int]]:
-    """(tree, heap path) of every node on the paths of the records at `positions`."""
+def _path_keys(st: _Structure, positions: np.ndarray) -> np.ndarray:
+    """(tree, heap path) rows of every node on the paths of the records at `positions`."""
     want = np.zeros(len(st.y), dtype=bool)
     want[positions[(positions >= 0) & (positions < len(st.y))]] = True
-    out: set[tuple[int, int]] = set()
-    leaves = np.flatnonzero(st.kind == dv.LEAF)
-    for u in leaves.tolist():
-        recs = st.rec[st.rec_off[u]:st.rec_off[u + 1]]
-        if want[recs].any():
-            t, path = int(st.tree[u]), int(st.path[u])
-            while path >= 1:
-                out.add((t, path))
-                path >>= 1
-    return out
+    owner = np.repeat(np.arange(len(st.kind)), np.diff(st.rec_off))  # the leaf of each
+    hit = np.unique(owner[want[st.rec]])
+    tree, path = st.tree[hit], st.path[hit]
+    rows = []
+    while len(path):
+        rows.append(np.stack([tree, path], axis=1))
+        up = path > 1
+        tree, path = tree[up], path[up] >> 1
+    return np.unique(np.concatenate(rows), axis=0) if rows else np.zeros((0, 2), np.int64)
+
+
+def _match(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Per row of `query`: the index of the equal row of `keys` (rows unique), or -1."""
+    both = np.concatenate([keys, query]).astype(np.int64)
+    _, inv = np.unique(both, axis=0, return_inverse=True)
+    inv = inv.ravel()
+    at = np.full(int(inv.max(initial=-1)) + 1, -1, dtype=np.int64)
+    at[inv[:len(keys)]] = np.arange(len(keys))
+    return at[inv[len(keys):]]

@@ -721,6 +721,30 @@ def install_cache(cid, CC, E, H, S, ctr, KB):
 
 
 @njit(cache=True)
+def layout_rows(samp: np.ndarray, tree: np.ndarray, s: np.ndarray, e: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The live records of nodes with layout ranges [s[i], e[i]) of tree[i]: CSR (rows,
+    off). One pass to count, one to fill: a node high in a tree holds most records."""
+    m = tree.shape[0]
+    off = np.zeros(m + 1, np.int64)
+    for i in range(m):
+        c = 0
+        for q in range(s[i], e[i]):
+            if samp[tree[i], q] >= 0:
+                c += 1
+        off[i + 1] = off[i] + c
+    rows = np.empty(off[m], np.int64)
+    for i in range(m):
+        j = off[i]
+        for q in range(s[i], e[i]):
+            sl = samp[tree[i], q]
+            if sl >= 0:
+                rows[j] = sl
+                j += 1
+    return rows, off
+
+
+@njit(cache=True)
 def prepare_rebuild(roots: np.ndarray, N: tuple, CC: tuple, LAY: tuple, ctr: np.ndarray,
                     rows: np.ndarray, stack: np.ndarray) -> int:
     """Free everything below each root (and the roots' caches), gather each root's live

@@ -58,17 +58,11 @@ class ForestUpdates:
         tt, rr, dd = np.nonzero(P >= 0)
         return P[tt, rr, dd].astype(np.int64), tt, dd, rr
 
-    def _node_rows(self, nodes: np.ndarray):
+    def _node_rows(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Live records of each node (CSR rows, off), from the layout ranges."""
-        s = self._n_s[nodes].astype(np.int64)
-        ln = self._n_e[nodes].astype(np.int64) - s
-        el = _ranges(s, ln)
-        S = self._samp.shape[1]
-        sl = self._samp.ravel()[np.repeat(self._n_tree[nodes].astype(np.int64) * S, ln) + el]
-        sl = sl.astype(np.int64)
-        ok = sl >= 0
-        cnt = np.bincount(np.repeat(np.arange(len(nodes)), ln)[ok], minlength=len(nodes))
-        return sl[ok], np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
+        return _kern.layout_rows(self._samp, self._n_tree[nodes].astype(np.int64),
+                                 self._n_s[nodes].astype(np.int64),
+                                 self._n_e[nodes].astype(np.int64))
 
     def _decide_nodes(self, nodes: np.ndarray, want_cache: np.ndarray) -> _Decisions:
         rows, off = self._node_rows(nodes)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from jobs.learners.dare import DaREForest
 from jobs.learners.dare_shared import _W_MSL as W_MSL
@@ -103,33 +104,131 @@ def node_records(forest: DaREForest, nodes: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
-               off: np.ndarray) -> Candidates:
-    """The candidate lists of greedy `nodes` (records in CSR rows/off), as the split
-    search builds them: the first k + buffer valid pairs of every sampled attribute."""
+               start: np.ndarray, stop: np.ndarray) -> Candidates:
+    """The candidate lists of greedy `nodes` (node i's records: rows[start[i]:stop[i]]),
+    as the split search builds them: the first k + buffer valid pairs of every sampled
+    attribute.
+
+    A node that keeps its lists (a cached node: the forest updates them with every
+    deletion and addition, so that its splits stay those of a retrain) hands them out as
+    they are wherever each slot still lists k + buffer live pairs, or every valid pair:
+    then they ARE the first k + buffer valid pairs the search would list. The others
+    (small nodes, slots whose buffer ran short) run the split search on their records."""
     f = forest
     nodes = np.asarray(nodes, dtype=np.int64)
     m = len(nodes)
     P = f._P
-    want = np.ones(m, dtype=bool)
-    ok, attr, r1, _r2, cache = f._greedy(
-        f._n_tree[nodes].astype(np.int64), f._n_path[nodes].astype(np.int64),
-        f._n_n[nodes].astype(np.int64), f._n_cnt[nodes].astype(np.int64), rows, off, want)
+    C = len(f.classes_)
+    cid = f._n_cid[nodes].astype(np.int64)
+    kept = _kept_lists(cid, f._c_attr, f._c_off, f._c_len, f._c_all, f._er1,
+                       f._k + f._BUFFER)
+    search = np.flatnonzero(~kept)
     slot_attr = np.full((m, P), -1, dtype=np.int64)
     allp = np.zeros((m, P), dtype=bool)
     eoff = np.zeros((m, P), dtype=np.int64)
     ln = np.zeros((m, P), dtype=np.int64)
-    C = len(f.classes_)
-    if cache is None:
-        e_r1 = e_r2 = np.zeros(0, dtype=np.int64)
-        e_left = np.zeros((0, C), dtype=np.int64)
-    else:
-        ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache[:10]
-        slot_attr[ct], allp[ct], eoff[ct], ln[ct] = sa, al, eo, el
-        e_r1, e_r2 = e_r1.astype(np.int64), e_r2.astype(np.int64)
-        e_left = e_left.astype(np.int64)
-    return Candidates(ok=ok, split_attr=attr.astype(np.int64), split_r1=r1.astype(np.int64),
-                      attr=slot_attr, all_pairs=allp, off=eoff, length=ln, e_r1=e_r1,
-                      e_r2=e_r2, e_left=e_left)
+    ok = np.ones(m, dtype=bool)
+    attr = f._n_attr[nodes].astype(np.int64)
+    r1 = f._n_r1[nodes].astype(np.int64)
+    e_r1 = e_r2 = np.zeros(0, dtype=np.int64)
+    e_left = np.zeros((0, C), dtype=np.int64)
+    if search.size:
+        lens = (np.asarray(stop) - np.asarray(start))[search]
+        sub = _ranges(np.asarray(start)[search], lens)
+        soff = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        ok_s, attr_s, r1_s, _r2, cache = f._greedy(
+            f._n_tree[nodes[search]].astype(np.int64), f._n_path[nodes[search]].astype(np.int64),
+            f._n_n[nodes[search]].astype(np.int64), f._n_cnt[nodes[search]].astype(np.int64),
+            rows[sub], soff, np.ones(len(search), dtype=bool))
+        ok[search], attr[search], r1[search] = ok_s, attr_s, r1_s
+        if cache is not None:
+            ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache[:10]
+            slot_attr[search[ct]], allp[search[ct]] = sa, al
+            eoff[search[ct]], ln[search[ct]] = eo, el
+            e_r1, e_r2 = e_r1.astype(np.int64), e_r2.astype(np.int64)
+            e_left = e_left.astype(np.int64)
+    hit = np.flatnonzero(kept)
+    if hit.size:
+        base = len(e_r1)
+        sa, al, eo, el, c_r1, c_r2, c_left = _live_lists(
+            cid[hit], f._c_attr, f._c_off, f._c_len, f._c_all, f._er1, f._er2, f._eleft,
+            f._k + f._BUFFER)
+        slot_attr[hit], allp[hit], eoff[hit], ln[hit] = sa, al, eo + base, el
+        e_r1 = np.concatenate([e_r1, c_r1])
+        e_r2 = np.concatenate([e_r2, c_r2])
+        e_left = np.concatenate([e_left, c_left])
+    return Candidates(ok=ok, split_attr=attr, split_r1=r1, attr=slot_attr, all_pairs=allp,
+                      off=eoff, length=ln, e_r1=e_r1, e_r2=e_r2, e_left=e_left)
+
+
+@njit(cache=True)
+def _kept_lists(cid, c_attr, c_off, c_len, c_all, er1, KB):  # pragma: no cover - compiled
+    """Per node: whether it keeps lists that are the split search's (see candidates)."""
+    out = np.zeros(cid.shape[0], np.bool_)
+    for i in range(cid.shape[0]):
+        c = cid[i]
+        if c < 0:
+            continue
+        good = True
+        for s in range(c_attr.shape[1]):
+            if c_attr[c, s] < 0:
+                continue
+            live = 0
+            for e in range(c_off[c, s], c_off[c, s] + c_len[c, s]):
+                if er1[e] >= 0:
+                    live += 1
+            if live < KB and not c_all[c, s]:
+                good = False
+                break
+        out[i] = good
+    return out
+
+
+@njit(cache=True)
+def _live_lists(cid, c_attr, c_off, c_len, c_all, er1, er2, eleft, KB
+                ):  # pragma: no cover - compiled
+    """The first KB live pairs of each slot of cached nodes `cid`, packed as
+    :class:`Candidates` lays them out (slot attribute, all-flag, offset, length; entries
+    r1, r2, left counts). A slot listing more than KB live pairs lists the first KB, and
+    then not all of them."""
+    m = cid.shape[0]
+    P = c_attr.shape[1]
+    C = eleft.shape[0]
+    sa = np.full((m, P), -1, np.int64)
+    al = np.zeros((m, P), np.bool_)
+    eo = np.zeros((m, P), np.int64)
+    el = np.zeros((m, P), np.int64)
+    n = 0
+    for i in range(m):
+        for s in range(P):
+            if c_attr[cid[i], s] >= 0:
+                n += min(c_len[cid[i], s], KB)
+    r1 = np.empty(n, np.int64)
+    r2 = np.empty(n, np.int64)
+    left = np.empty((n, C), np.int64)
+    u = 0
+    for i in range(m):
+        c = cid[i]
+        for s in range(P):
+            a = c_attr[c, s]
+            if a < 0:
+                continue
+            sa[i, s] = a
+            eo[i, s] = u
+            live = 0
+            for e in range(c_off[c, s], c_off[c, s] + c_len[c, s]):
+                if er1[e] < 0:
+                    continue
+                live += 1
+                if live <= KB:
+                    r1[u] = er1[e]
+                    r2[u] = er2[e]
+                    for cc in range(C):
+                        left[u, cc] = eleft[cc, e]
+                    u += 1
+            el[i, s] = min(live, KB)
+            al[i, s] = c_all[c, s] and live <= KB
+    return sa, al, eo, el, r1[:u], r2[:u], left[:u]
 
 
 @dataclass(frozen=True)

@@ -459,6 +459,55 @@ def test_the_margin_shortcut_on_many_random_forests():
             assert np.array_equal(a, b), seed
 
 
+def test_lists_kept_by_cached_nodes_are_the_split_search_s():
+    """dare_view.candidates hands out a cached node's own lists (kept up to date by every
+    deletion and addition) instead of searching again: on random forests, tied or not,
+    after batches of deletions and additions, every greedy node's lists equal a fresh
+    split search over its records (the first k + buffer pairs; the all-pairs flag where
+    the list is shorter than that)."""
+    from jobs.learners import dare_view as dv
+
+    cached = 0
+    for seed in range(8):
+        rng = np.random.default_rng(300 + seed)
+        n = int(rng.integers(800, 2500))
+        X = rng.random((n + 200, 5))
+        if seed % 2:
+            X = np.round(X * int(rng.integers(3, 12))) / 10
+        y = ((X[:, 0] + 0.3 * rng.standard_normal(n + 200)) > 0.5).astype(int)
+        ids = np.array([f"r{i:05d}" for i in range(n + 200)], dtype=object)
+        forest = DaREForest(n_estimators=4, max_depth=7, k=int(rng.integers(2, 11)),
+                            d_rmax=seed % 2, random_state=seed).fit(ids[:n], X[:n], y[:n])
+        KB = forest._k + forest._BUFFER
+        for step in range(3):
+            forest.delete(rng.choice(forest.record_ids_, int(rng.integers(1, 60)),
+                                     replace=False).tolist())
+            new = slice(n + 50 * step, n + 50 * step + int(rng.integers(0, 50)))
+            if new.stop > new.start:
+                forest.add(ids[new], X[new], y[new])
+            v = dv.view(forest)
+            nodes = np.flatnonzero(v.used & (v.kind == dv.GREEDY))
+            cached += int((forest._n_cid[nodes] >= 0).sum())
+            rows, off = dv.node_records(forest, nodes)
+            got = dv.candidates(forest, nodes, rows, off[:-1], off[1:])
+            ok, attr, r1, _r2, cache = forest._greedy(
+                forest._n_tree[nodes].astype(np.int64), forest._n_path[nodes].astype(np.int64),
+                forest._n_n[nodes].astype(np.int64), forest._n_cnt[nodes].astype(np.int64),
+                rows, off, np.ones(len(nodes), dtype=bool))
+            ct, sa, al, _cutp, _cutv, eo, ln, e_r1, e_r2, e_left = cache[:10]
+            assert np.array_equal(got.ok, ok) and np.array_equal(got.split_attr, attr)
+            assert np.array_equal(got.split_r1, r1)
+            assert np.array_equal(got.attr[ct], sa) and np.array_equal(got.length[ct], ln)
+            short = ln < KB
+            assert np.array_equal(got.all_pairs[ct][short], al[short])
+            for i, s in zip(*np.nonzero(sa >= 0), strict=True):
+                a, b, m = got.off[ct[i], s], eo[i, s], ln[i, s]
+                assert np.array_equal(got.e_r1[a:a + m], e_r1[b:b + m])
+                assert np.array_equal(got.e_r2[a:a + m], e_r2[b:b + m])
+                assert np.array_equal(got.e_left[a:a + m], e_left[b:b + m])
+    assert cached > 1000  # the cached path was taken
+
+
 def test_a_batch_that_changes_almost_every_node_refits():
     """When the changed nodes hold nearly every (node, record) pair, update() refits
     from scratch (cheaper than recomputing them one by one) and says so."""
