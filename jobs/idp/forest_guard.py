@@ -983,10 +983,25 @@ def _path_keys(st: _Structure, positions: np.ndarray) -> np.ndarray:
 
 
 def _match(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """Per row of `query`: the index of the equal row of `keys` (rows unique), or -1."""
-    both = np.concatenate([keys, query]).astype(np.int64)
-    _, inv = np.unique(both, axis=0, return_inverse=True)
-    inv = inv.ravel()
-    at = np.full(int(inv.max(initial=-1)) + 1, -1, dtype=np.int64)
-    at[inv[:len(keys)]] = np.arange(len(keys))
-    return at[inv[len(keys):]]
+    """Per row of `query`: the index of the equal row of `keys` (rows of two integers,
+    unique), or -1."""
+    keys, query = keys.astype(np.int64), query.astype(np.int64)
+    out = np.full(len(query), -1, dtype=np.int64)
+    if not len(keys) or not len(query):
+        return out
+    both = np.concatenate([keys, query])
+    lo, hi = both.min(axis=0), both.max(axis=0)
+    span = hi - lo + 1
+    if span[0] > (1 << 62) // span[1]:  # no room for one int64 per row: compare rows
+        _, inv = np.unique(both, axis=0, return_inverse=True)
+        inv = inv.ravel()
+        at = np.full(int(inv.max()) + 1, -1, dtype=np.int64)
+        at[inv[:len(keys)]] = np.arange(len(keys))
+        return at[inv[len(keys):]]
+    code = (both[:, 0] - lo[0]) * span[1] + (both[:, 1] - lo[1])
+    k, q = code[:len(keys)], code[len(keys):]
+    order = np.argsort(k, kind="stable")
+    at = np.minimum(np.searchsorted(k[order], q), len(k) - 1)
+    hit = k[order][at] == q
+    out[hit] = order[at[hit]]
+    return out
