@@ -293,12 +293,7 @@ class ForestStore:
             sattr = np.full((cap, self._P), -1, dtype=np.int32)
             sattr[:old] = self._n_sattr
             self._n_sattr = sattr
-            fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
-            nfree = np.zeros(cap, dtype=np.int64)
-            nfree[: len(fresh)] = fresh
-            nfree[len(fresh) : len(fresh) + self._nfree_n] = self._nfree[: self._nfree_n]
-            self._nfree = nfree
-            self._nfree_n += len(fresh)
+            self._nfree, self._nfree_n = _with_fresh(self._nfree, self._nfree_n, old, cap)
             self._ncap = cap
 
     def _uncache(self, nodes: np.ndarray) -> None:
@@ -341,12 +336,7 @@ class ForestStore:
                 b = np.full((cap, P), fill, dtype=dt)
                 b[:old] = getattr(self, name)
                 setattr(self, name, b)
-            fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
-            cfree = np.zeros(cap, dtype=np.int64)
-            cfree[: len(fresh)] = fresh
-            cfree[len(fresh) : len(fresh) + self._cfree_n] = self._cfree[: self._cfree_n]
-            self._cfree = cfree
-            self._cfree_n += len(fresh)
+            self._cfree, self._cfree_n = _with_fresh(self._cfree, self._cfree_n, old, cap)
             self._ccap = cap
 
     def _alloc_entries(self, m: int) -> int:
@@ -560,3 +550,13 @@ class ForestStore:
             self._cfree = np.flatnonzero(~inuse[:cap])[::-1].copy()
             self._cfree_n = len(self._cfree)
             self._ccap = cap
+
+
+def _with_fresh(free: np.ndarray, n_free: int, old: int, cap: int) -> tuple[np.ndarray, int]:
+    """A free list of `cap` slots: the new ids old..cap-1 (taken from the end, so the
+    lowest first) below the `n_free` ids already free."""
+    fresh = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
+    out = np.zeros(cap, dtype=np.int64)
+    out[: len(fresh)] = fresh
+    out[len(fresh) : len(fresh) + n_free] = free[:n_free]
+    return out, n_free + len(fresh)
