@@ -28,6 +28,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--guard-max-wait", type=float, default=60.0, metavar="SECONDS",
                    help="once the current version has waited this long for its guard, "
                         "requests wait for the refit (default 60; inf: never)")
+    p.add_argument("--guard-grow", type=float, default=0.25, metavar="SECONDS",
+                   help="an update grows the forest guard's new subtrees for at most this "
+                        "long before the version is published (sound, fewer answers certain "
+                        "until the background refit; default 0.25; inf: grow them all)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the exactness check (retrain from scratch, compare hashes)")
     p.add_argument("--evaluate", action="store_true", default=None,
@@ -92,7 +96,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
-                     guard_max_wait_s=args.guard_max_wait,
+                     guard_max_wait_s=args.guard_max_wait, guard_grow_s=args.guard_grow,
                      destroy_grace_s=s.destroy_grace_s,
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     log.info("%s", worker.ledger.schema_upgrade.describe())

@@ -115,11 +115,18 @@ class ServedModel(abc.ABC):
         Here, a rule with nothing to fit."""
         return {**self.guard_record(), "seconds": 0.0}
 
-    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
-                     ) -> dict[str, Any]:
+    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = (),
+                     grow_seconds: float | None = None) -> dict[str, Any]:
         """Bring the guard up to date after the learner deleted and added these records, in
-        about the time of the update itself where the guard allows (else a refit)."""
+        about the time of the update itself where the guard allows (else a refit).
+        `grow_seconds`: a guard that can trade certainty for time (the forest guard) stops
+        refining after this long and stays sound; :meth:`refresh_guard` completes it."""
         return self.refresh_guard()
+
+    @property
+    def guard_complete(self) -> bool:
+        """False while an update left the guard sound but coarser than a refit."""
+        return True
 
     @abc.abstractmethod
     def guard_record(self) -> dict[str, Any]:
@@ -186,18 +193,24 @@ class ForestModel(ServedModel):
 
     def refresh_guard(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        if not self.guard_ready:  # a guard loaded with its version is valid already
+        # a guard loaded with its version is valid already; one an update left coarser
+        # (out of time) is refitted
+        if not self.guard_ready or not self.guard_complete:
             self.guard = ForestGuard.fit(self.learner)
         return {**self.guard_record(), "seconds": time.perf_counter() - t0}
 
-    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
-                     ) -> dict[str, Any]:
+    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = (),
+                     grow_seconds: float | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         if self.guard is None:
             self.guard = ForestGuard.fit(self.learner)
         else:
-            self.guard.update(deleted, added)
+            self.guard.update(deleted, added, grow_seconds=grow_seconds)
         return {**self.guard_record(), "seconds": time.perf_counter() - t0}
+
+    @property
+    def guard_complete(self) -> bool:
+        return self.guard is None or self.guard.complete
 
     def guard_record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"rule": "forest-loo", "ready": self.guard_ready}

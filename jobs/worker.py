@@ -1,14 +1,18 @@
 """The background worker: pending ledger requests in, published model versions out.
 
 One pass: claim what is pending (after a short batching window), apply it to
-the current version's learner, save the result as a new version, and, in ONE
-ledger transaction, purge the deleted records, append `applied` events naming
-the version and make it current. The service swaps to it at once; its guard
-is not fitted yet, so it answers in noise-all mode (sound). When the queue is
-empty the worker starts refitting the guard and checking exactness (retrain
-from scratch, compare hashes) in a separate process; if the version is still
-current when that ends, it publishes the guarded version and appends
-`verified`.
+the current version's learner, bring its guard up to date, save the result as
+a new version, and, in ONE ledger transaction, purge the deleted records,
+append `applied` events naming the version and make it current. The service
+swaps to it at once. The guard update is bounded in time (``guard_grow_s``):
+the forest guard leaves the subtrees it had no time to grow as worst-case
+pairs, which is sound and certifies fewer answers, so a deletion is served
+within about one update whatever the guard would cost in full. When the queue
+is empty the worker checks exactness (retrain from scratch, compare hashes)
+and completes such a guard in a separate process, and appends `verified`
+(publishing the completed guard as a version of its own if the version is
+still current). Should the guard update fail, the version goes out in
+noise-all mode (sound) and the background refit publishes its guard.
 
 A version that removed records makes every earlier version unservable in the
 same transaction; the idle passes destroy those versions once the grace period
@@ -84,6 +88,10 @@ class WorkerConfig:
     # a stream that never pauses would leave every answer noised: once the current version
     # has owed its guard this long, updates wait for the refit (inf: never wait)
     guard_max_wait_s: float = 60.0
+    # an update grows the forest guard's new subtrees for at most this long (the rest are
+    # worst-case pairs until the background refit): deletion -> served stays about one
+    # update (inf: grow them all before publishing)
+    guard_grow_s: float = 0.25
     # measure each deletion's privacy (jobs.eval) into its `applied` event: seconds per pass
     evaluate: bool = False
     # versions superseded by a deletion are destroyed this long after it (jobs.retention)
@@ -94,7 +102,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_window_s", "poll_s", "lease_s", "guard_after_idle_s",
-                     "guard_max_wait_s", "destroy_grace_s"):
+                     "guard_max_wait_s", "destroy_grace_s", "guard_grow_s"):
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"worker setting {name} must be >= 0 seconds, got {value}")
@@ -276,7 +284,7 @@ class Worker:
         seconds = time.perf_counter() - t0
         metrics.UPDATE_SECONDS.labels(learner=model.kind).observe(seconds)
         added = [i for op, ids in updates if op == "add" for i in ids.tolist()]
-        guard = self._update_guard(model, deleted, added)
+        guard = self._update_guard(model, deleted, added, self.config.guard_grow_s)
         change = {"op": "update", "requests": len(ok), "seconds": seconds,
                   "updates": [r.as_dict() for r in reports], "guard": guard}
         request_ids = [r.request_id for r in ok]
@@ -306,15 +314,16 @@ class Worker:
                 metrics.DELETION_LATENCY.observe((now - as_utc(r.received_at)).total_seconds())
 
     @staticmethod
-    def _update_guard(model: ServedModel, deleted: list[str], added: list[str]
-                      ) -> dict[str, Any]:
+    def _update_guard(model: ServedModel, deleted: list[str], added: list[str],
+                      grow_seconds: float) -> dict[str, Any]:
         """Bring the guard up to date before the version is published, so that no answer
         waits in noise-all. Should that fail, the version goes out with a stale guard
         (noise-all, sound) and owes a refit, as it would without this step: a deletion is
         never held back by its guard."""
         t0 = time.perf_counter()
         try:
-            guard = model.update_guard(deleted, added)
+            guard = model.update_guard(deleted, added,
+                                       None if math.isinf(grow_seconds) else grow_seconds)
         except Exception:
             log.exception("updating the guard failed; the version is published in noise-all "
                           "mode and its guard refitted in the background")
@@ -432,7 +441,7 @@ class Worker:
         applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
         if self.registry.current().version != cur.version:
             return True  # published meanwhile: the requests read may not be in `cur`
-        if not applied and not _guard_owed(cur.manifest):
+        if not applied and not _guard_owed(cur.manifest) and not _guard_coarse(cur.manifest):
             self._unverified_since = None
             return False
         self._check_requests = None if _guard_owed(cur.manifest) else applied
@@ -460,7 +469,13 @@ class Worker:
             log.error("exactness check failed for %s: %s != %s", job.version,
                       check["served_hash"], check["retrained_hash"])
         in_place, self._check_requests = self._check_requests, None
-        if in_place is not None:  # published with its guard: only the check was owed
+        cur = self.registry.current()
+        refined = (cur is not None and cur.version == job.version
+                   and _guard_coarse(cur.manifest) and result.guard.get("ready")
+                   and (result.guard.get("bound") or {}).get("complete") is not False)
+        # published with its guard: only the check was owed (or the version it completed
+        # a coarse guard for is no longer current)
+        if in_place is not None and not refined:
             job.discard()
             if in_place and not failed:
                 self.ledger.mark_verified(in_place, job.version, {
@@ -564,6 +579,13 @@ def _guard_owed(man: dict[str, Any]) -> bool:
     noises every answer by design owes nothing)."""
     guard = man["guard"]
     return not guard["ready"] and guard["rule"] != "noise-all"
+
+
+def _guard_coarse(man: dict[str, Any]) -> bool:
+    """The version's guard is sound but an update ran out of time refining it: a refit
+    certifies more answers."""
+    guard = man["guard"]
+    return bool(guard["ready"]) and (guard.get("bound") or {}).get("complete") is False
 
 
 @dataclass

@@ -50,6 +50,33 @@ def seeded60(ledger: Ledger) -> Ledger:
     return ledger
 
 
+def test_a_guard_update_out_of_time_is_published_sound_then_completed(
+        seeded60: Ledger) -> None:
+    """With no time to grow subtrees (guard_grow_s=0) the deletion is still published at
+    once with a sound guard, marked not complete; the idle pass refits it and publishes
+    the completed guard as a version of its own, verifying the request there."""
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, guard_grow_s=0.0))
+    w.bootstrap("dare", {"n_estimators": 8, "max_depth": 6, "k": 5})
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001", "r002"]})
+    assert w.step()
+    cur = w.registry.current()
+    assert cur.manifest["change"]["op"] == "update"
+    assert cur.manifest["guard"]["ready"] is True
+    assert cur.manifest["guard"]["bound"]["complete"] is False
+    model = w.registry.load(cur.version)
+    assert model.guard_ready and not model.guard_complete
+    _drain(w)
+    last = w.registry.current()
+    assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
+        "guard", "update", "train"]
+    assert last.manifest["guard"]["bound"]["complete"] is True
+    assert last.manifest["content_hash"] == cur.manifest["content_hash"]
+    assert [e["kind"] for e in _events(ledger, "d1")][-1] == "verified"
+
+
 @pytest.mark.parametrize("kind", ["dare", "sisa"])
 def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> None:
     ledger = seeded60
@@ -234,7 +261,7 @@ def test_a_guard_update_that_fails_holds_no_deletion_back(seeded60: Ledger,
     w = _worker(ledger)
     w.bootstrap("dare", SMALL["dare"])
 
-    def broken(self, deleted=(), added=()):
+    def broken(self, deleted=(), added=(), grow_seconds=None):
         raise RuntimeError("a bug in the guard")
 
     monkeypatch.setattr(ForestModel, "update_guard", broken)

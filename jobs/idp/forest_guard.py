@@ -73,7 +73,12 @@ the highest fragile node only): those below it on its path that did not change a
 computed for it. The result equals a fit from scratch (``tests/idp/test_forest_guard.py``;
 with a finite state budget the same pairs, though the budget may make other ones
 exact). The worker calls it before it publishes each version, so a published forest is
-always guarded.
+always guarded; it bounds the time spent growing subtrees (``update(grow_seconds=)``,
+the smallest first), and the pairs left ungrown are worst-case pairs, sound like those
+the state budget leaves (:attr:`ForestGuard.complete` is then False until a fit). A
+pair's subtree is grown level by level with the other pairs' subtrees, and a node that
+several of them share (same tree, path and records: the child away from the deleted
+record, where their deletions move a split the same way) is decided once.
 
 Binding and persistence
 -----------------------
@@ -304,11 +309,13 @@ class _Pairs:
         node = self.node if node is None else node
         prec = self.prec if prec is None else prec
         root = self.root[keep]
-        size = np.where(root >= 0, self._block_sizes()[np.maximum(root, 0)], 0)
+        size = np.zeros(len(root), dtype=np.int64)  # worst-case pairs own no block
+        size[root >= 0] = self._block_sizes()[root[root >= 0]]
         idx = _ranges(np.maximum(root, 0), size)
         new_of = np.full(len(self.leaf), -1, dtype=np.int64)
         new_of[idx] = np.arange(len(idx))
-        root = np.where(root >= 0, new_of[np.maximum(root, 0)], -1)
+        root = np.where(root >= 0, new_of[np.maximum(root, 0)], -1) if len(idx) else \
+            np.full(len(root), -1, dtype=np.int64)
         kid = lambda a: np.where(a[idx] >= 0, new_of[np.maximum(a[idx], 0)], -1)  # noqa: E731
         return _Pairs(node=node[keep], prec=prec[keep], root=root, leaf=self.leaf[idx],
                       attr=self.attr[idx], thr=self.thr[idx], left=kid(self.left),
@@ -455,36 +462,50 @@ def _within_budget(st: _Structure, node: np.ndarray, budget_nodes: int,
 
 
 def _grow_pairs(forest: DaREForest, st: _Structure, node: np.ndarray, prec: np.ndarray,
-                dom: np.ndarray, budget_nodes: int, grow_rows: float) -> _Pairs:
+                dom: np.ndarray, budget_nodes: int, grow_rows: float,
+                deadline: float = math.inf) -> tuple[_Pairs, int]:
     """The pairs with the subtrees a deletion of their record grows at their node (for
-    the pairs the budget admits; the others are worst-case pairs)."""
+    the pairs the budget admits; the others are worst-case pairs), and how many pairs
+    the budget admits that are left worst-case because `deadline` (perf_counter) came
+    first: then the smallest subtrees are grown first."""
     C = st.cnt.shape[1]
     exact = _within_budget(st, node, budget_nodes, grow_rows)
+    order = np.arange(len(node))
+    chunk_rows = _CHUNK_ROWS
+    if math.isfinite(deadline):
+        order = np.argsort(st.size[node], kind="stable")
+        chunk_rows = _CHUNK_ROWS // 8  # finer steps between looks at the clock
+    order = order[exact[order]]
+    node_x, prec_x, dom_x = node[order], prec[order], dom[order]
+    ids = forest.record_ids_
+    slot = np.array([forest._slot[i] for i in ids.tolist()], dtype=np.int64)
+    n_rows = st.n[node_x]
+    parts = []
+    start = 0
+    while start < len(node_x):
+        if time.perf_counter() > deadline:
+            exact[order[start:]] = False
+            break
+        stop = start + 1
+        while stop < len(node_x) and n_rows[start:stop + 1].sum() <= chunk_rows:
+            stop += 1
+        sel = np.arange(start, stop)
+        u = node_x[sel]
+        rows, off = dv.node_records(forest, st.forest_node[u])
+        owner = np.repeat(np.arange(len(sel)), np.diff(off))
+        keep = rows != slot[prec_x[sel]][owner]  # the record itself leaves its node
+        rows = rows[keep]
+        off = np.concatenate([[0], np.cumsum(np.bincount(owner[keep], minlength=len(sel)))])
+        for idx, g in _grow_with_domains(forest, st, u, rows, off.astype(np.int64),
+                                         dom_x[sel]):
+            parts.append(_Pairs(u[idx], prec_x[sel][idx], g.off[:-1], g.leaf, g.attr, g.thr,
+                                g.left, g.right, g.cnt, g.n))
+        start = stop
+    late = int(len(node_x) - start) if start < len(node_x) else 0
     worst = _Pairs.empty(C)
     worst = _Pairs(node[~exact], prec[~exact], np.full(int((~exact).sum()), -1, np.int64),
                    *list(worst.arrays().values())[3:])
-    parts = [worst]
-    node, prec, dom = node[exact], prec[exact], dom[exact]
-    ids = forest.record_ids_
-    slot = np.array([forest._slot[i] for i in ids.tolist()], dtype=np.int64)
-    n_rows = st.n[node]
-    start = 0
-    while start < len(node):
-        stop = start + 1
-        while stop < len(node) and n_rows[start:stop + 1].sum() <= _CHUNK_ROWS:
-            stop += 1
-        sel = np.arange(start, stop)
-        u = node[sel]
-        rows, off = dv.node_records(forest, st.forest_node[u])
-        owner = np.repeat(np.arange(len(sel)), np.diff(off))
-        keep = rows != slot[prec[sel]][owner]  # the record itself leaves its node
-        rows = rows[keep]
-        off = np.concatenate([[0], np.cumsum(np.bincount(owner[keep], minlength=len(sel)))])
-        for idx, g in _grow_with_domains(forest, st, u, rows, off.astype(np.int64), dom[sel]):
-            parts.append(_Pairs(u[idx], prec[sel][idx], g.off[:-1], g.leaf, g.attr, g.thr,
-                                g.left, g.right, g.cnt, g.n))
-        start = stop
-    return _Pairs.concat(parts, C)
+    return _Pairs.concat([worst, *parts], C), late
 
 
 def _grow_with_domains(forest: DaREForest, st: _Structure, u: np.ndarray, rows: np.ndarray,
@@ -690,8 +711,10 @@ class ForestGuard:
         all other nodes are kept (see the module docstring). None recomputes everything."""
         return self._refit(nodes, _Structure.of(self.forest), time.perf_counter())
 
-    def _refit(self, nodes: np.ndarray | None, st: _Structure, t0: float) -> ForestFitReport:
-        """refit() with the forest's structure as it is now (`st`), timed from `t0`."""
+    def _refit(self, nodes: np.ndarray | None, st: _Structure, t0: float,
+               grow_seconds: float = math.inf) -> ForestFitReport:
+        """refit() with the forest's structure as it is now (`st`), timed from `t0`; pairs
+        not grown within `grow_seconds` stay worst-case (:attr:`complete` False)."""
         h = self.forest.content_hash()
         C = st.cnt.shape[1]
         incremental = nodes is not None and self._pairs is not None
@@ -715,29 +738,44 @@ class ForestGuard:
         budget = self.state_budget * dv.saved_nbytes(self.forest) - _PAIR_BYTES * len(node)
         if incremental:
             budget -= _PAIR_BYTES * len(kept.node) + node_bytes * len(kept.leaf)
-        fresh = _grow_pairs(self.forest, st, node, prec, dom,
-                            int(min(max(budget / node_bytes, 0), 2**62)), self.grow_rows)
+        fresh, late = _grow_pairs(self.forest, st, node, prec, dom,
+                                  int(min(max(budget / node_bytes, 0), 2**62)), self.grow_rows,
+                                  time.perf_counter() + grow_seconds)
         pairs = _Pairs.concat([kept, fresh], C) if incremental else fresh
+        # kept pairs an earlier update left worst-case for time stay worst-case
+        complete = late == 0 and (not incremental or self.complete)
         rep = ForestFitReport(
             seconds=time.perf_counter() - t0, n_records=int(self.forest.n_records_),
             n_trees=int(self.forest.n_estimators), n_leaves=int((st.kind == dv.LEAF).sum()),
             fragile_pairs=int(len(pairs.node)), forest_hash=h,
             detail={"incremental": bool(incremental), "pairs_grown": int(len(node)),
                     "exact_pairs": int((pairs.root >= 0).sum()),
-                    "subtree_nodes": int(len(pairs.leaf))})
+                    "subtree_nodes": int(len(pairs.leaf)), "deferred_pairs": late,
+                    "complete": complete})
         self._install(st, pairs, rep)
         return rep
 
-    def update(self, deleted: Sequence[str] = (), added: Sequence[str] = ()
-               ) -> ForestFitReport:
+    def update(self, deleted: Sequence[str] = (), added: Sequence[str] = (),
+               grow_seconds: float | None = None) -> ForestFitReport:
         """After the forest deleted and added these records (one batch or several since the
         last fit): recompute what they can have changed and keep the rest. The changed
         nodes: the deleted records' paths before, the added ones' after, and every node
-        whose split or counts moved, with its subtree."""
+        whose split or counts moved, with its subtree.
+
+        `grow_seconds`: grow the new pairs' subtrees for at most this long (once the
+        fragile pairs are known; the smallest first); the pairs not grown by then are
+        worst-case pairs, which is sound and certifies fewer queries: :attr:`complete`
+        turns False until a fit. The worker publishes with such a guard at once and
+        refits it when the stream pauses."""
         t0 = time.perf_counter()
+        if grow_seconds is None:
+            grow_seconds = math.inf
+        elif not grow_seconds >= 0:
+            raise ValueError(f"grow_seconds must be >= 0, got {grow_seconds!r}")
         if (self._st is None or self._pairs is None
                 or not np.array_equal(self._classes, self.forest.classes_)):
-            return self.refit()  # a class that came or went renumbers every count
+            # a class that came or went renumbers every count
+            return self._refit(None, _Structure.of(self.forest), t0, grow_seconds)
         old = self._st
         new = _Structure.of(self.forest)
         gone = np.asarray(list(deleted), dtype=object)
@@ -766,9 +804,16 @@ class ForestGuard:
         # a big batch (or a forest refitted from scratch) changes most nodes: recomputing
         # them one by one, keeping the few others, then costs more than a fit
         if new.n[changed].sum() > REFIT_SHARE * new.n.sum():
-            return self._refit(None, new, t0)
+            return self._refit(None, new, t0, grow_seconds)
         nodes = np.unique(new.forest_node[changed])
-        return self._refit(nodes.astype(np.int64), new, t0)
+        return self._refit(nodes.astype(np.int64), new, t0, grow_seconds)
+
+    @property
+    def complete(self) -> bool:
+        """Every pair the state budget admits has its subtree (no update ran out of time
+        since the last fit)."""
+        return self.fit_report is not None and bool(self.fit_report.detail.get("complete",
+                                                                               True))
 
     def _kept(self, st: _Structure, touched: np.ndarray
               ) -> tuple[_Pairs, tuple[np.ndarray, np.ndarray]]:
@@ -877,6 +922,7 @@ class ForestGuard:
             "fragile_share": round(rep.fragile_pairs / max(1, rep.n_records * T), 6),
             "entries": int(rep.detail.get("entries", 0)),
             "fit_seconds": round(float(rep.seconds), 3),
+            "complete": self.complete,
             # a record is met once per tree: it moves a class probability by at most 1/T
             # there, so by at most 1 over the forest
             "delta_max_bound": 1.0,

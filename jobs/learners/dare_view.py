@@ -276,7 +276,7 @@ def grow(forest: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarr
     tree, path, depth = (np.asarray(a, dtype=np.int64) for a in (tree, path, depth))
     rows, off = np.asarray(rows, dtype=np.int64), np.asarray(off, dtype=np.int64)
     while len(cur_task):
-        d = f._decide(tree, path, depth, rows, off, np.zeros(len(cur_task), dtype=bool))
+        d = _decide_once(f, tree, path, depth, rows, off)
         ids = made + np.arange(len(cur_task))
         made += len(cur_task)
         leaf = d.kind == LEAF
@@ -315,6 +315,62 @@ def grow(forest: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarr
     return Grown(off=toff, leaf=lf[order], attr=np.maximum(at[order], 0).astype(np.int64),
                  thr=th[order].astype(np.float64), left=left, right=right,
                  cnt=cn[order].astype(np.int64).reshape(-1, C), n=nn[order].astype(np.int64))
+
+
+class _Decided(NamedTuple):
+    kind: np.ndarray
+    attr: np.ndarray
+    thr: np.ndarray
+    cnt: np.ndarray
+    n: np.ndarray
+    go_left: np.ndarray
+
+
+def _decide_once(f: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarray,
+                 rows: np.ndarray, off: np.ndarray) -> _Decided:
+    """The forest's decisions for the tasks' nodes, each distinct task decided once.
+
+    Pairs at one node whose deletions move its split the same way grow children that
+    are the same node with the same records (the child away from the deleted record):
+    a node is a function of (tree, path, depth, records), so such tasks get the first
+    one's decision. Duplicates are found by an order-free hash of the records and then
+    compared row by row (a hash collision only costs the sharing)."""
+    n = np.diff(off)
+    ntask = len(n)
+    h = np.zeros(ntask, dtype=np.uint64)
+    if len(rows):
+        starts = np.minimum(off[:-1], len(rows) - 1)
+        h = np.add.reduceat(_h2(rows.astype(np.uint64), np.uint64(0x5BD1E995)), starts)
+        h[n == 0] = 0
+    key = _h2(h ^ _h2(tree.astype(np.uint64), path.astype(np.uint64)),
+              (depth * (1 << 32) + n).astype(np.uint64))
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    rep = first[inv]
+    dup = np.flatnonzero(rep != np.arange(ntask))
+    if dup.size:  # the same records in the same order (children keep their parent's order)
+        same = np.ones(ntask, dtype=bool)
+        el_d = _ranges(off[dup], n[dup])
+        el_r = _ranges(off[rep[dup]], n[dup])
+        differs = rows[el_d] != rows[el_r]
+        if differs.any():
+            owner = np.repeat(np.arange(len(dup)), n[dup])
+            same[dup[np.unique(owner[differs])]] = False
+        same &= (tree == tree[rep]) & (path == path[rep]) & (depth == depth[rep]) & (n == n[rep])
+        rep = np.where(same, rep, np.arange(ntask))
+    uniq = np.flatnonzero(rep == np.arange(ntask))
+    if len(uniq) == ntask:
+        d = f._decide(tree, path, depth, rows, off, np.zeros(ntask, dtype=bool))
+        return _Decided(d.kind, d.attr, d.thr, d.cnt, d.n, d.go_left)
+    el_u = _ranges(off[uniq], n[uniq])
+    off_u = np.concatenate([[0], np.cumsum(n[uniq])]).astype(np.int64)
+    d = f._decide(tree[uniq], path[uniq], depth[uniq], rows[el_u], off_u,
+                  np.zeros(len(uniq), dtype=bool))
+    at = np.full(ntask, -1, dtype=np.int64)
+    at[uniq] = np.arange(len(uniq))
+    j = at[rep]
+    # element e of task i is element e of its representative
+    go_left = d.go_left[_ranges(off_u[j], n)]
+    return _Decided(d.kind[j], d.attr[j], d.thr[j], d.cnt[j], d.n[j], go_left)
 
 
 def saved_nbytes(forest: DaREForest) -> int:

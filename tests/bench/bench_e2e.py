@@ -174,7 +174,12 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
                 watcher.join()
         applied: dict[str, list[int]] = {}
         at: dict[tuple[str, str], float] = {}
+        passes: dict[str, tuple[int, float, float]] = {}  # version -> (requests, update, guard)
         for e in ledger.export():
+            if e["kind"] == "applied" and e["model_version"]:
+                n, u, g = passes.get(e["model_version"], (0, 0.0, 0.0))
+                passes[e["model_version"]] = (n + 1, e["payload"].get("update_seconds", u),
+                                              e["payload"].get("guard_seconds", g))
             if e["kind"] in ("received", "applied") and e["request_id"]:
                 at.setdefault((e["kind"], e["request_id"]),
                               datetime.fromisoformat(e["created_at"]).timestamp())
@@ -195,6 +200,10 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
         med = np.median(np.array(stages), axis=0)
         print(f"[{learner}] p50 by stage: produced->recorded {med[0]:.3f} s, "
               f"recorded->applied {med[1]:.3f} s, applied->served {med[2]:.3f} s", flush=True)
+    if passes:
+        med = np.median(np.array(list(passes.values())), axis=0)
+        print(f"[{learner}] {len(passes)} passes; p50 per pass: {med[0]:.0f} requests, "
+              f"update {med[1]:.3f} s, guard {med[2]:.3f} s", flush=True)
     lost = sum(1 for rid in produced if rid not in applied)
     duplicated = sum(1 for v in applied.values() if len(v) > 1)
     q = np.percentile(latencies, [50, 95]) if latencies else [float("nan")] * 2

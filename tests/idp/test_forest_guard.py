@@ -376,6 +376,41 @@ def test_an_incremental_update_equals_a_full_refit(budget):
             assert (e_H - 1e-12 <= H).all() and (e_delta - 1e-12 <= delta).all()
 
 
+def test_an_update_out_of_time_stays_sound_and_a_refit_completes_it():
+    """update(grow_seconds=0) grows no subtree: its fresh pairs are worst-case pairs. The
+    guard must still bound every LOO forest's gain (checked exactly), certify no query a
+    complete guard would not, say it is not complete, survive further such updates (the
+    pool of subtrees may empty) and be completed by a refit."""
+    rng = np.random.default_rng(12)
+    X, y = _tied(rng, n=260, d=5, levels=8)
+    ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
+    forest = DaREForest(n_estimators=8, max_depth=6, k=5, d_rmax=1,
+                        random_state=3).fit(ids, X, y)
+    guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    assert guard.complete and guard.bound_summary["complete"] is True
+    live = list(ids)
+    for _ in range(3):
+        deleted = [live.pop(int(i)) for i in sorted(rng.choice(len(live), 15, replace=False),
+                                                    reverse=True)]
+        forest.delete(deleted)
+        rep = guard.update(deleted, grow_seconds=0.0)
+        assert guard.mode == SOUND and not guard.complete
+        assert rep.detail["deferred_pairs"] > 0 and guard.bound_summary["complete"] is False
+    Q = _queries(rng, forest, X[np.isin(ids, live)], n_random=1000)
+    scores, _, H = guard.bounds(Q)
+    d = _loo_scores(forest, Q) - scores[None]
+    gain = (d[:, :, None, :] - d[:, :, :, None]).max(axis=0)
+    assert (gain <= H + 1e-12).all()
+    full = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
+    assert (full.bounds(Q)[2] - 1e-12 <= H).all()
+    coarse = guard.certain(Q)[1]
+    assert not (coarse & ~full.certain(Q)[1]).any()
+    guard.refit()
+    assert guard.complete and guard.certain(Q)[1].sum() == full.certain(Q)[1].sum()
+    with pytest.raises(ValueError, match="grow_seconds"):
+        guard.update([], grow_seconds=-1.0)
+
+
 def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
     """The last record of a class deleted (the forest drops the class and renumbers its
     counts), then a record of a new class added: the guard follows both."""
@@ -525,3 +560,39 @@ def test_a_batch_that_changes_almost_every_node_refits():
     Q = rng.random((500, X.shape[1]))
     for a, b in zip(guard.bounds(Q), full.bounds(Q), strict=True):
         assert np.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_grown_subtrees_are_the_same_when_tasks_share_nodes():
+    """dare_view.grow decides each distinct (node, records) once and hands the decision to
+    the tasks that repeat it (pairs whose deletions move a split the same way grow the
+    same child away from the record). Every task's subtree must be the one it grows
+    alone: many pairs of one node (duplicate children) and exact duplicate tasks."""
+    from jobs.learners import dare_view as dv
+
+    rng = np.random.default_rng(21)
+    X, y = _tied(rng, n=400, d=5, levels=6)
+    ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
+    forest = DaREForest(n_estimators=3, max_depth=6, k=4, d_rmax=0,
+                        random_state=2).fit(ids, X, y)
+    v = dv.view(forest)
+    roots = np.flatnonzero(v.used & (v.depth == 1))[:2]
+    rows, off = dv.node_records(forest, roots)
+    tasks = []  # (node, rows): each node's records minus one, and one task twice
+    for i, u in enumerate(roots):
+        mine = rows[off[i]:off[i + 1]]
+        tasks += [(u, np.delete(mine, j)) for j in range(0, len(mine), 7)]
+    tasks.append(tasks[0])
+    u = np.array([t[0] for t in tasks])
+    all_rows = np.concatenate([t[1] for t in tasks])
+    all_off = np.concatenate([[0], np.cumsum([len(t[1]) for t in tasks])]).astype(np.int64)
+    together = dv.grow(forest, v.tree[u], v.path[u], v.depth[u], all_rows, all_off)
+    for i, (node, r) in enumerate(tasks):
+        alone = dv.grow(forest, v.tree[[node]], v.path[[node]], v.depth[[node]], r,
+                        np.array([0, len(r)], dtype=np.int64))
+        a, b = slice(together.off[i], together.off[i + 1]), slice(0, alone.off[1])
+        base = together.off[i]
+        for name in ("leaf", "attr", "thr", "cnt", "n"):
+            assert np.array_equal(getattr(together, name)[a], getattr(alone, name)[b]), name
+        for name in ("left", "right"):
+            t, s = getattr(together, name)[a], getattr(alone, name)[b]
+            assert np.array_equal(np.where(t >= 0, t - base, -1), s), name
