@@ -173,7 +173,7 @@ def test_update_sequences_on_tied_data_equal_a_retrain(sc, tmp_path_factory):
     pool = list(range(n, n + 60))
     for op, size, s in ops:
         r = np.random.default_rng(s)
-        if op == "save_load":  # the value group tables are not saved: load recomputes them
+        if op == "save_load":  # the value group tables are not saved: the next update rebuilds them
             path = tmp_path_factory.mktemp("dare") / "m"
             w.m.save(path)
             w.m = type(w.m).load(path)

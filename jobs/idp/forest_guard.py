@@ -802,8 +802,9 @@ class ForestGuard:
         split = np.cumsum(cover[:-1]) > 0
         changed = split | counts | (_match(on_paths, new_keys) >= 0)
         # a big batch (or a forest refitted from scratch) changes most nodes: recomputing
-        # them one by one, keeping the few others, then costs more than a fit
-        if new.n[changed].sum() > REFIT_SHARE * new.n.sum():
+        # them one by one, keeping the few others, then costs more than a fit; not so when
+        # growth is bounded in time: what is kept keeps its subtrees, a fit would not
+        if math.isinf(grow_seconds) and new.n[changed].sum() > REFIT_SHARE * new.n.sum():
             return self._refit(None, new, t0, grow_seconds)
         nodes = np.unique(new.forest_node[changed])
         return self._refit(nodes.astype(np.int64), new, t0, grow_seconds)

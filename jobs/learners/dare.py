@@ -629,7 +629,9 @@ class DaREForest(ForestUpdates, SplitSearch, ForestStore, Learner, BaseEstimator
         self._c_hoff = np.zeros(self._c_attr.shape, dtype=np.int64)
         self._c_hlen = np.zeros(self._c_attr.shape, dtype=np.int32)
         self._init_bounds(self._ncap)
-        self._rebuild_tables()
+        # the value group tables only serve updates: built on the first one (_pools), so
+        # that a version loaded to be served or guarded does not pay for them
+        self._tables_stale = True
         work = int(self._n_n[self._n_used].sum())  # = what the builder went through
         self._costs = {"work": work, "n": self._nlive, "rho": None}
         got = self.content_hash()

@@ -401,6 +401,7 @@ class ForestStore:
     def _rebuild_tables(self) -> None:
         """Recompute every cached slot's value group table from the node's records (a
         saved forest does not store them: they are a function of the records)."""
+        self._tables_stale = False
         self._init_tables(max(1024, self._hcap if hasattr(self, "_hcap") else 0))
         self._c_hlen[:] = 0
         nodes = np.flatnonzero(self._n_used & (self._n_cid >= 0)).astype(np.int64)
@@ -423,6 +424,7 @@ class ForestStore:
         """The arrays the compiled kernels read and write, grouped as they expect (see
         :mod:`jobs.learners.dare_kernels`): nodes, cache table, entries, group tables,
         records, layout. The free lists are made long enough to take every slot back."""
+        self._ensure_tables()
         if len(self._nfree) < self._ncap:
             f = np.zeros(self._ncap, dtype=np.int64)
             f[: self._nfree_n] = self._nfree[: self._nfree_n]
@@ -452,7 +454,14 @@ class ForestStore:
         return (self._maxd, self._drmax, self._msl, self._P, self._k, self._BUFFER,
                 self.criterion == "gini", self._CACHE_MIN, self._MAX_DRAWS, self._HIST_RATIO)
 
+    def _ensure_tables(self) -> None:
+        """A loaded forest's value group tables, built before the first update reads or
+        counts them (every kernel call starts from _ctr or _pools)."""
+        if getattr(self, "_tables_stale", False):
+            self._rebuild_tables()
+
     def _ctr(self) -> np.ndarray:
+        self._ensure_tables()
         ctr = np.zeros(_kern.CTR_LEN, dtype=np.int64)
         ctr[_kern.CTR_NFREE] = self._nfree_n
         ctr[_kern.CTR_CFREE] = self._cfree_n
