@@ -50,6 +50,13 @@ GUARD_REFIT_PENDING = Gauge(
     "learner, private prediction mode).",
     multiprocess_mode="max",
 )
+GUARD_COMPLETE = Gauge(
+    "obliviate_guard_complete",
+    "0 while the served version's guard is coarser than a refit (an update ran out of its "
+    "--guard-grow time: sound, fewer answers certain) until the worker completes it; 1 "
+    "otherwise.",
+    multiprocess_mode="min",
+)
 MEMO_EVICTIONS = Counter(
     "obliviate_guard_memo_evictions",
     "Noised answers evicted from the memo (a repeat then costs fresh epsilon).",

@@ -137,6 +137,7 @@ class ModelHolder:
         metrics.GUARD_MODE.set(1 if guard.sound else 0)
         by_design = self.budgets is not None or cur.manifest["guard"]["rule"] == "noise-all"
         metrics.GUARD_REFIT_PENDING.set(0 if guard.sound or by_design else 1)
+        metrics.GUARD_COMPLETE.set(1 if model.guard_complete else 0)
         bounds = model.class_bounds() or [0.0] * len(model.classes)
         for c, b in enumerate(bounds):
             metrics.GUARD_BOUND.labels(**{"class": str(c)}).set(b if guard.sound else 0.0)

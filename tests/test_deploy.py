@@ -67,7 +67,7 @@ DASHBOARD_FAMILIES = {
     "obliviate_guard_bound", "obliviate_deletion_latency_seconds", "obliviate_requests_pending",
     "obliviate_model_version", "obliviate_served_model_version", "obliviate_model_swaps",
     "obliviate_requests", "obliviate_dead_letters", "obliviate_model_update_seconds",
-    "obliviate_guard_bound_seconds",
+    "obliviate_guard_bound_seconds", "obliviate_guard_complete",
 }
 # labels Prometheus itself attaches or histograms carry
 BUILTIN_LABELS = {"le", "job", "instance", "__name__"}

@@ -512,6 +512,7 @@ def test_metrics_aggregate_both_serving_processes(svc: Service) -> None:
     assert sum(per_process.values()) == ROWS_ANSWERED[0]
 
     assert value(m, "obliviate_guard_mode") in (0.0, 1.0)
+    assert value(m, "obliviate_guard_complete") == 1.0  # its first version: a full fit
     assert value(m, "obliviate_guard_epsilon_per_query") == 1.0
     assert value(m, "obliviate_guard_epsilon_spent_total") >= 0.0
     assert not math.isnan(value(m, "obliviate_guard_epsilon_budget"))

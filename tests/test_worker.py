@@ -16,6 +16,8 @@ from jobs.worker import Worker, WorkerConfig, _plan
 from ledger.chain import utc_now
 from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
+from service import metrics
+from service.model_holder import ModelHolder
 from tests.conftest import seed
 
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
@@ -68,7 +70,11 @@ def test_a_guard_update_out_of_time_is_published_sound_then_completed(
     assert cur.manifest["guard"]["bound"]["complete"] is False
     model = w.registry.load(cur.version)
     assert model.guard_ready and not model.guard_complete
+    holder = ModelHolder(reg)  # the service says so on its dashboard gauge
+    assert holder.refresh() and metrics.GUARD_COMPLETE._value.get() == 0.0
+    assert metrics.GUARD_MODE._value.get() == 1.0
     _drain(w)
+    assert holder.refresh() and metrics.GUARD_COMPLETE._value.get() == 1.0
     last = w.registry.current()
     assert [v.manifest["change"]["op"] for v in w.registry.lineage()] == [
         "guard", "update", "train"]
