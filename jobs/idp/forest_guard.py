@@ -74,11 +74,12 @@ computed for it. The result equals a fit from scratch (``tests/idp/test_forest_g
 with a finite state budget the same pairs, though the budget may make other ones
 exact). The worker calls it before it publishes each version, so a published forest is
 always guarded; it bounds the time spent growing subtrees (``update(grow_seconds=)``,
-the smallest first), and the pairs left ungrown are worst-case pairs, sound like those
-the state budget leaves (:attr:`ForestGuard.complete` is then False until a fit). A
-pair's subtree is grown level by level with the other pairs' subtrees, and a node that
-several of them share (same tree, path and records: the child away from the deleted
-record, where their deletions move a split the same way) is decided once.
+those of the records with the most pairs first), and the pairs left ungrown are
+worst-case pairs, sound like those the state budget leaves (:attr:`ForestGuard.complete` is
+then False until a fit). A pair's subtree is grown level by level with the other pairs'
+subtrees, and a node that several of them share (same tree, path and records: the child
+away from the deleted record, where their deletions move a split the same way) is
+decided once.
 
 Binding and persistence
 -----------------------
@@ -467,13 +468,18 @@ def _grow_pairs(forest: DaREForest, st: _Structure, node: np.ndarray, prec: np.n
     """The pairs with the subtrees a deletion of their record grows at their node (for
     the pairs the budget admits; the others are worst-case pairs), and how many pairs
     the budget admits that are left worst-case because `deadline` (perf_counter) came
-    first: then the smallest subtrees are grown first."""
+    first."""
     C = st.cnt.shape[1]
     exact = _within_budget(st, node, budget_nodes, grow_rows)
     order = np.arange(len(node))
     chunk_rows = _CHUNK_ROWS
     if math.isfinite(deadline):
-        order = np.argsort(st.size[node], kind="stable")
+        # a record's worst-case pairs add up in its bound: the records with the most
+        # pairs first, the smaller subtrees first within a record's count (measured at
+        # 16k records, 166 deletions per update: 0.4-0.7 points more certified than
+        # smallest first, 1-1.5 more than the records with the fewest pairs first)
+        per = np.bincount(prec, minlength=int(prec.max(initial=0)) + 1)[prec]
+        order = np.lexsort((st.size[node], -per))
         chunk_rows = _CHUNK_ROWS // 8  # finer steps between looks at the clock
     order = order[exact[order]]
     node_x, prec_x, dom_x = node[order], prec[order], dom[order]
@@ -763,9 +769,9 @@ class ForestGuard:
         whose split or counts moved, with its subtree.
 
         `grow_seconds`: grow the new pairs' subtrees for at most this long (once the
-        fragile pairs are known; the smallest first); the pairs not grown by then are
-        worst-case pairs, which is sound and certifies fewer queries: :attr:`complete`
-        turns False until a fit. The worker publishes with such a guard at once and
+        fragile pairs are known; the records with the most pairs first); the pairs not
+        grown by then are worst-case pairs, which is sound and certifies fewer queries:
+        :attr:`complete` turns False until a fit. The worker publishes with such a guard at once and
         refits it when the stream pauses."""
         t0 = time.perf_counter()
         if grow_seconds is None:
