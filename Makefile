@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 # numba compiles a kernel on first use (minutes for all of them on two cores) and caches
 # it beside its source: compile them here, not in the first deletion a worker applies.
 $(KERNELS): $(STAMP) jobs/learners/dare_kernels.py jobs/learners/dare_delete.py \
-            jobs/learners/dare_view.py jobs/idp/forest_guard.py jobs/idp/forest_fragility.py
+            jobs/learners/dare_view.py jobs/idp/forest_guard.py jobs/idp/forest_fragility.py \
+            jobs/learners/mlp_kernels.py
 	$(PY) -m jobs.warm_kernels
 	touch $(KERNELS)
 

@@ -136,6 +136,36 @@ def test_sklearn_conventions():
         _model(n_shards=0).fit(["a"], [[0.0]], [0])
 
 
+@pytest.mark.parametrize("hidden", [[8], [16, 8]])
+def test_compiled_mlp_training_is_torchs_adam_loop(hidden):
+    """An MLP on the CPU trains in one compiled loop (jobs.learners.mlp_kernels) instead of
+    torch's per-step calls: the same batches, forward, cross-entropy, back-propagation and
+    Adam, so the weights after a few epochs are torch's up to float32 summation order, and
+    the same bits on every run (exact unlearning needs that, not torch's bits)."""
+    from jobs.learners import nets
+
+    rng = np.random.default_rng(3)
+    n, d, C = 300, 6, 3
+    X = torch.from_numpy(rng.random((n, d)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, C, n).astype(np.int64))
+    keys = np.array([prf_u64(0, "batch", i) for i in range(n)], dtype=np.uint64)
+
+    def trained(torch_loop=False):
+        net = init_net(build_net("mlp", d, C, hidden), 5)
+        # its layers as a plain Sequential are not an MLP: train_stage runs torch's loop
+        body = net.net if torch_loop else net
+        nets.train_stage(body, X, y, keys, seed=1, stage_key=(0, 0), epochs=4, batch_size=16,
+                         lr=0.01)
+        return list(state_to_cpu(net).values())
+
+    compiled, again, reference = trained(), trained(), trained(torch_loop=True)
+    start = list(init_net(build_net("mlp", d, C, hidden), 5).state_dict().values())
+    for a, b, r, s0 in zip(compiled, again, reference, start, strict=True):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, r, rtol=0, atol=1e-4)
+        assert not torch.equal(a, s0)  # it trained
+
+
 def test_keyed_batches_are_a_function_of_the_set():
     keys = np.array([prf_u64(0, "batch", f"r{i}") for i in range(50)], dtype=np.uint64)
     full = epoch_batches(keys, 123, 4)

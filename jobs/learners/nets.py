@@ -264,6 +264,9 @@ def train_stage(
         return
     B = n_batches(n, batch_size)
     device = X.device
+    if device.type == "cpu" and isinstance(net, MLP):
+        _train_mlp_compiled(net, X, y, record_keys, seed, stage_key, epochs, B, lr)
+        return
     net.train()
     opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
     with deterministic():
@@ -277,6 +280,36 @@ def train_stage(
                 loss = F.cross_entropy(net(xb), yb)
                 loss.backward()
                 opt.step()
+    net.eval()
+
+
+@torch.no_grad()
+def _train_mlp_compiled(net: MLP, X: torch.Tensor, y: torch.Tensor, record_keys: np.ndarray,
+                        seed: int, stage_key: tuple[object, ...], epochs: int, B: int,
+                        lr: float) -> None:
+    """train_stage for an MLP on the CPU: the same batches, one compiled Adam loop
+    (:mod:`jobs.learners.mlp_kernels`, which says why)."""
+    from jobs.learners.mlp_kernels import train_mlp
+
+    linears = [m for m in net.net if isinstance(m, nn.Linear)]
+    flat = np.concatenate([np.concatenate([m.weight.numpy().ravel(), m.bias.numpy()])
+                           for m in linears]).astype(np.float32)
+    sizes = np.array([linears[0].in_features] + [m.out_features for m in linears],
+                     dtype=np.int64)
+    parts = [b for epoch in range(epochs)
+             for b in epoch_batches(record_keys, prf_u64(seed, "epoch", *stage_key, epoch), B)]
+    rows = np.concatenate(parts).astype(np.int64)
+    off = np.zeros(len(parts) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(b) for b in parts])
+    train_mlp(flat, sizes, np.ascontiguousarray(X.numpy(), dtype=np.float32),
+              y.numpy().astype(np.int64), rows, off, float(lr), 0.9, 0.999, 1e-8)
+    at = 0
+    for m in linears:
+        w, b = m.weight, m.bias
+        m.weight.copy_(torch.from_numpy(flat[at:at + w.numel()].reshape(w.shape)))
+        at += w.numel()
+        m.bias.copy_(torch.from_numpy(flat[at:at + b.numel()]))
+        at += b.numel()
     net.eval()
 
 
