@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
+from jobs.learners.nets import build_net, init_net, train_stage
 from jobs.served_model import ServedModel
 
 
@@ -31,8 +33,12 @@ def warm() -> float:
     model.learner.add(ids[-2:], X[-2:], y[-2:])
     model.update_guard(added=list(ids[-2:]))
     model.certain(X[:10])
-    ServedModel.train("sisa", ids[:60], X[:60], y[:60],  # the compiled MLP training
+    ServedModel.train("sisa", ids[:60], X[:60], y[:60],  # the compiled LOO schedule
                       {"n_shards": 1, "hidden": [4], "epochs_per_slice": 1})
+    net = init_net(build_net("mlp", X.shape[1], 2, [4]), 0)  # and compiled Adam
+    train_stage(net, torch.from_numpy(X[:60].astype(np.float32)), torch.from_numpy(y[:60]),
+                np.arange(60, dtype=np.uint64), seed=0, stage_key=(0,), epochs=1,
+                batch_size=16, lr=0.01)
     return time.perf_counter() - t0
 
 

@@ -359,11 +359,11 @@ class GuardedNetwork:
             batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
             n_batches=cfg.n_batches, tombstones=tombstones,
             device=device or meta.get("device", "cpu"), chunk_size=chunk_size,
-            cpu_threads=meta.get("cpu_threads", 1), classes=base.classes,
+            classes=base.classes,
         )
         if not new.full().equal(served):
             raise RuntimeError("the retrained full network is not bit-identical to the served "
-                               "one (different data, device or thread count?)")
+                               "one (different data or device?)")
         if pending is None and new.content_hash() != base.content_hash():
             raise RuntimeError("the retrained LOO set differs from the served one")
         return new

@@ -24,8 +24,8 @@ with plain SGD (no momentum; ``p <- p - lr * (grad + weight_decay * p)``), float
 N = T(D) and N_{-x} = T(D \\ {x}) with the same B: "retrain without x" is "the
 same schedule with x skipped". The LOO networks ARE the exactly-unlearned models.
 
-Mask normalisation (how "x skipped" is computed)
-------------------------------------------------
+Mask normalisation (how "x skipped" is computed on CUDA)
+--------------------------------------------------------
 Every network sees the same padded batch matrix; network ``m`` multiplies the
 per-row loss gradient by ``w_{m,i} = mask_{m,i} / max(1, sum_i mask_{m,i})``
 (``mask`` = 0 for the removed record, for tombstones and for padding rows). The
@@ -34,40 +34,28 @@ division, so the weights of the present rows are exactly ``1 / n_present`` --
 the mean above. A masked row's gradient is exactly zero, so its features never
 enter the weights (a single run may hold zeros in that slot: same bits).
 
-Why a batched network equals its single run, bit for bit
---------------------------------------------------------
-Networks are stacked along a leading "slot" axis and trained with batched
-matrix products (``torch.bmm``) and element-wise ops; no op mixes slots. Two
-things can still make a slot's float32 result depend on how many slots there
-are and where it sits (measured on this machine, MKL, AVX-512): the gemm
-kernels pick code paths by the 64-byte alignment of each matrix, and vectorised
-element-wise loops run their tail elements through scalar code (``exp`` differs
-in the last ulp). Both are removed by construction. Batch rows are padded to a
-multiple of ``GRANULE`` = 32 floats (masked rows), so every per-slot block an
-element-wise op sees (activations, logits, masks) is a multiple of 32 floats:
-each slot starts 64-byte aligned and at a vector-loop boundary (AVX-512 loops
-step 2 x 16 floats). Hidden widths are padded to a multiple of
-``WIDTH_GRANULE`` = 16 floats (64 bytes), so every weight and gradient matrix
-of a slot is 64-byte aligned for the gemm kernels (padded units have zero
-weights and stay exactly zero). Inputs and classes are not padded (their
-products with the padded sizes are multiples already). The parameters of one
-slot live in one flat row of ``P`` floats (each block starting at a multiple
-of 32; ``P`` a multiple of 32), so the SGD step is a few element-wise ops on a
-(slots, P) matrix, each one IEEE operation (no fused multiply-add whose use
-could depend on the position). Without the padding, about half of the slots
-(the misaligned ones) differ from their single runs in the last bits here.
-Reductions over the batch are bmm's; sums over classes are explicit column adds.
-CPU work runs with a fixed thread count (default 1): multi-threaded element-wise
-loops split ranges at positions that depend on the total size.
-
-Under these rules a slot's arithmetic depends only on its own data and the
-shared batch, so :func:`train_single` runs the one network with ``slots = 1``
-through the same code and gets the same bits as slot ``i`` of :func:`train_loo`
-(tests/idp/test_loo.py checks every record of small sets, several chunk
-sizes). Bits are reproducible per device type, torch build, CPU capability and
-thread count; on CUDA the same code runs but slot independence of cuBLAS
-batched kernels is not verified here (compare with ``train_single(...,
-device=...)`` before relying on it).
+Why a network of the set equals its single run, bit for bit
+-----------------------------------------------------------
+On the CPU every network is trained by its own compiled loops
+(:func:`jobs.learners.mlp_kernels.sgd_slots`: the same arithmetic in the same order
+whatever the number of networks; a skipped row is left out of the mean, which is what
+multiplying its gradient by an exact zero gives), so :func:`train_single` gets the
+same bits as slot ``i`` of :func:`train_loo` by construction; it is also several times
+faster than torch for these small networks. On CUDA the networks are stacked along a
+leading "slot" axis and trained with batched matrix products (``torch.bmm``) and
+element-wise ops; no op mixes slots. What can still make a slot's float32 result
+depend on how many slots there are and where it sits (the gemm kernels pick code
+paths by each matrix's 64-byte alignment; vectorised loops run tail elements through
+scalar code) is removed by construction: batch rows are padded to a multiple of
+``GRANULE`` = 32 floats (masked rows) and hidden widths to a multiple of
+``WIDTH_GRANULE`` = 16 floats (padded units have zero weights and stay exactly zero);
+one slot's parameters live in one flat row of ``P`` floats, each block starting at a
+multiple of 32, so the SGD step is a few element-wise IEEE operations on a (slots, P)
+matrix. The compiled CPU kernel uses the same padded layout and never touches the
+padding. ``tests/idp/test_loo.py`` checks every record of small sets, several chunk
+sizes. Bits are reproducible per device type (and torch build and GPU on CUDA, where
+slot independence of cuBLAS batched kernels is not verified here: compare with
+``train_single(..., device=...)`` before relying on it).
 
 Tombstones: records deleted earlier can stay in the schedule as always-masked
 zero rows (``tombstones=``), so that after deleting x the new training set's
@@ -97,7 +85,6 @@ from jobs.learners.nets import (
     init_net,
     n_batches,
     resolve_device,
-    torch_threads,
 )
 
 GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
@@ -391,7 +378,6 @@ def _run(
     *,
     device: str | torch.device,
     chunk_size: int,
-    cpu_threads: int | None,
     progress: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P)."""
@@ -403,8 +389,25 @@ def _run(
     Xp = np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)])
     Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
     Y1[np.arange(len(y)), y] = 1.0
-    threads = cpu_threads if dev.type == "cpu" else None
-    with torch_threads(threads), deterministic(), torch.no_grad():
+    if dev.type == "cpu":  # one compiled loop per network (jobs.learners.mlp_kernels)
+        from jobs.learners.mlp_kernels import sgd_slots
+
+        parts = [rows for batches in schedule for rows in batches]
+        rows = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        off = np.zeros(len(parts) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([len(b) for b in parts])
+        geometry = np.array(layout.layers, dtype=np.int64)
+        for start in range(0, M, chunk_size):
+            stop = min(M, start + chunk_size)
+            flat = np.tile(flat0, (stop - start, 1))
+            sgd_slots(flat, np.ascontiguousarray(excl_rows[start:stop]), X,
+                      np.asarray(y, dtype=np.int64), rows, off, geometry, cfg.lr,
+                      cfg.weight_decay)
+            out[start:stop] = flat
+            if progress is not None:
+                progress(stop, M)
+        return out
+    with deterministic(), torch.no_grad():
         Xt = torch.from_numpy(Xp).to(dev)
         Yt = torch.from_numpy(Y1).to(dev)
         for start in range(0, M, chunk_size):
@@ -454,7 +457,6 @@ def train_loo(
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     chunk_size: int = 512,
-    cpu_threads: int | None = 1,
     classes: Sequence[object] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> LOOSet:
@@ -485,7 +487,7 @@ def train_loo(
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
     t0 = time.perf_counter()
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
-                cpu_threads=cpu_threads, progress=progress)
+                progress=progress)
     elapsed = time.perf_counter() - t0
     layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
     Ws, bs = layout.unpack(flat)
@@ -495,7 +497,8 @@ def train_loo(
         "device": dev.type,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_threads": cpu_threads if dev.type == "cpu" else None,
+        # on the CPU the compiled kernel: one thread, whatever torch's setting
+        "kernel": "compiled" if dev.type == "cpu" else "torch",
         "granule": [GRANULE, WIDTH_GRANULE],
         "tombstones": keys[tomb].tolist(),
     }
@@ -519,7 +522,6 @@ def train_single(
     n_batches: int | None = None,
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
-    cpu_threads: int | None = 1,
 ) -> MLPParams:
     """Train ONE network of the same schedule, without the record(s) ``exclude``.
 
@@ -555,8 +557,7 @@ def train_single(
     excl = np.full((1, max(1, len(skip))), -1, dtype=np.int64)
     excl[0, :len(skip)] = skip
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
-    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1,
-                cpu_threads=cpu_threads)
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1)
     layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
     Ws, bs = layout.unpack(flat)
     return MLPParams([W[0] for W in Ws], [b[0] for b in bs])

@@ -1,5 +1,7 @@
-"""Adam training of a small ReLU MLP on the CPU, compiled: what :func:`jobs.learners.nets.
-train_stage` runs for an :class:`~jobs.learners.nets.MLP` on the CPU.
+"""Training of small ReLU MLPs on the CPU, compiled: :func:`train_mlp` (Adam) is what
+:func:`jobs.learners.nets.train_stage` runs for an :class:`~jobs.learners.nets.MLP` on
+the CPU, :func:`sgd_slots` what the leave-one-out schedule of :mod:`jobs.learners.loo`
+(the sidecar's SISA shards) runs there.
 
 Why not torch there: the sidecar's networks are tiny (tens of inputs, one hidden layer of
 32) and their mini-batches small (32 rows), so a torch step is almost all per-call
@@ -132,3 +134,117 @@ def train_mlp(flat, sizes, X, y, rows, batch_off, lr, beta1, beta2, eps
             m1[q] = b1 * m1[q] + (one - b1) * g
             m2[q] = b2 * m2[q] + (one - b2) * g * g
             flat[q] -= size * m1[q] / (np.float32(math.sqrt(m2[q])) / bc2 + np.float32(eps))
+
+
+@njit(cache=True)
+def sgd_slots(flat, excl, X, y, rows, batch_off, layers, lr, wd):  # pragma: no cover - compiled
+    """The leave-one-out schedule's SGD (:mod:`jobs.learners.loo`) for M networks at once,
+    in place: flat (M, P) float32 in that module's padded layout (`layers` rows: true out,
+    true in, padded out, padded in, weight offset, bias offset); network m skips the rows
+    excl[m] (-1: none). Per batch: the mean cross-entropy over the rows it keeps and ``p
+    <- p - lr (g + wd p)``; a batch that keeps no row is no step (no decay either).
+
+    Each network is trained on its own, by the same loops whatever M is, so a network of
+    a LOO set is the same bits as the one network trained alone (``train_single``). The
+    padding is never read or written: it stays zero, as the layout requires.
+    """
+    M = flat.shape[0]
+    L = layers.shape[0]
+    C = layers[L - 1, 0]
+    width = X.shape[1]
+    for li in range(L):
+        width = max(width, layers[li, 0])
+    bmax = 0
+    for i in range(batch_off.shape[0] - 1):
+        bmax = max(bmax, batch_off[i + 1] - batch_off[i])
+    act = np.zeros((L + 1, bmax, width), np.float32)
+    pre = np.zeros((L, bmax, width), np.float32)
+    delta = np.zeros((bmax, width), np.float32)
+    back = np.zeros((bmax, width), np.float32)
+    grad = np.zeros(flat.shape[1], np.float32)
+    keep = np.empty(bmax, np.int64)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    f_lr = np.float32(lr)
+    f_wd = np.float32(wd)
+    for m in range(M):
+        p = flat[m]
+        for step in range(batch_off.shape[0] - 1):
+            bs = 0
+            for q in range(batch_off[step], batch_off[step + 1]):
+                r = rows[q]
+                skip = False
+                for e in range(excl.shape[1]):
+                    if excl[m, e] == r:
+                        skip = True
+                        break
+                if not skip:
+                    keep[bs] = r
+                    bs += 1
+            if bs == 0:
+                continue
+            for i in range(bs):
+                for j in range(X.shape[1]):
+                    act[0, i, j] = X[keep[i], j]
+            for li in range(L):
+                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
+                                                  layers[li, 3], layers[li, 4], layers[li, 5])
+                for i in range(bs):
+                    for o in range(n_out):
+                        acc = p[b0 + o]
+                        base = w0 + o * i_p
+                        for j in range(n_in):
+                            acc += act[li, i, j] * p[base + j]
+                        pre[li, i, o] = acc
+                        if li < L - 1:
+                            act[li + 1, i, o] = acc if acc > zero else zero
+            w = one / np.float32(bs)
+            for i in range(bs):
+                mx = pre[L - 1, i, 0]
+                for c in range(1, C):
+                    if pre[L - 1, i, c] > mx:
+                        mx = pre[L - 1, i, c]
+                tot = zero
+                for c in range(C):
+                    ex = np.float32(math.exp(pre[L - 1, i, c] - mx))
+                    delta[i, c] = ex
+                    tot += ex
+                for c in range(C):
+                    delta[i, c] = delta[i, c] / tot
+                delta[i, y[keep[i]]] -= one
+                for c in range(C):
+                    delta[i, c] *= w
+            for li in range(L - 1, -1, -1):
+                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
+                                                  layers[li, 3], layers[li, 4], layers[li, 5])
+                for o in range(n_out):
+                    grad[b0 + o] = zero
+                    base = w0 + o * i_p
+                    for j in range(n_in):
+                        grad[base + j] = zero
+                for i in range(bs):
+                    for o in range(n_out):
+                        d = delta[i, o]
+                        grad[b0 + o] += d
+                        base = w0 + o * i_p
+                        for j in range(n_in):
+                            grad[base + j] += d * act[li, i, j]
+                if li > 0:
+                    for i in range(bs):
+                        for j in range(n_in):
+                            back[i, j] = zero
+                        for o in range(n_out):
+                            d = delta[i, o]
+                            base = w0 + o * i_p
+                            for j in range(n_in):
+                                back[i, j] += d * p[base + j]
+                        for j in range(n_in):
+                            delta[i, j] = back[i, j] if pre[li - 1, i, j] > zero else zero
+            for li in range(L):
+                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
+                                                  layers[li, 3], layers[li, 4], layers[li, 5])
+                for o in range(n_out):
+                    p[b0 + o] -= (grad[b0 + o] + p[b0 + o] * f_wd) * f_lr
+                    base = w0 + o * i_p
+                    for j in range(n_in):
+                        p[base + j] -= (grad[base + j] + p[base + j] * f_wd) * f_lr

@@ -494,7 +494,6 @@ class SISAEnsemble(Learner, BaseEstimator):
             "n_batches": n_batches(n_records, cfg["batch_size"]),
             "tombstones": tombstones.get(s, _NO_KEYS).tolist(),
             "device": self.device_,
-            "cpu_threads": cfg["cpu_threads"],
         }
 
     def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
