@@ -707,6 +707,34 @@ def test_loo_schedule_empty_shard_keeps_its_initialisation():
     assert m.verify().exact
 
 
+@pytest.mark.parametrize("schedule", ["loo", "adam"])
+def test_bundle_from_before_the_compiled_kernel_retrains_with_torch(tmp_path, monkeypatch,
+                                                                   schedule):
+    """A bundle without a recorded training kernel was trained by torch's loops: loaded, it
+    keeps training with them, so its deletions stay exact (a retrain with the compiled
+    loop would give other bits), and a new fit records the compiled one."""
+    ids, X, y = _pool(60)
+    validated = SISAEnsemble._validated_config
+    monkeypatch.setattr(SISAEnsemble, "_validated_config",
+                        lambda self: {**validated(self), "kernel": "torch"})
+    m = _model(n_shards=2, schedule=schedule).fit(ids, X, y)
+    monkeypatch.undo()
+    m.save(tmp_path / "m")
+    meta_path = tmp_path / "m" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"].pop("kernel")
+    meta_path.write_text(json.dumps(meta))
+    old = SISAEnsemble.load(tmp_path / "m")
+    assert old.config_["kernel"] == "torch"
+    old.delete(ids[:3])
+    assert old.verify().exact
+    new = _model(n_shards=2, schedule=schedule).fit(ids, X, y)
+    assert new.config_["kernel"] == "compiled"
+    assert new.content_hash() != m.content_hash()  # the kernel changes the bits
+    new.delete(ids[:3])
+    assert new.verify().exact
+
+
 def test_bundle_without_schedule_loads_as_adam(tmp_path):
     """Bundles written before schedules existed were trained with Adam."""
     ids, X, y = _pool(40)

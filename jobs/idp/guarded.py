@@ -359,7 +359,7 @@ class GuardedNetwork:
             batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
             n_batches=cfg.n_batches, tombstones=tombstones,
             device=device or meta.get("device", "cpu"), chunk_size=chunk_size,
-            classes=base.classes,
+            kernel=meta.get("kernel", "torch"), classes=base.classes,
         )
         if not new.full().equal(served):
             raise RuntimeError("the retrained full network is not bit-identical to the served "

@@ -79,12 +79,14 @@ import torch
 
 from jobs.learners.keyed import prf_u64, prf_u64_many
 from jobs.learners.nets import (
+    KERNELS,
     MLP,
     deterministic,
     epoch_batches,
     init_net,
     n_batches,
     resolve_device,
+    torch_threads,
 )
 
 GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
@@ -378,6 +380,7 @@ def _run(
     *,
     device: str | torch.device,
     chunk_size: int,
+    kernel: str = "compiled",
     progress: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P)."""
@@ -389,7 +392,9 @@ def _run(
     Xp = np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)])
     Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
     Y1[np.arange(len(y)), y] = 1.0
-    if dev.type == "cpu":  # one compiled loop per network (jobs.learners.mlp_kernels)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if dev.type == "cpu" and kernel == "compiled":  # one loop per network (mlp_kernels)
         from jobs.learners.mlp_kernels import sgd_slots
 
         parts = [rows for batches in schedule for rows in batches]
@@ -407,7 +412,8 @@ def _run(
             if progress is not None:
                 progress(stop, M)
         return out
-    with deterministic(), torch.no_grad():
+    threads = 1 if dev.type == "cpu" else None  # thread count changes torch's CPU bits
+    with torch_threads(threads), deterministic(), torch.no_grad():
         Xt = torch.from_numpy(Xp).to(dev)
         Yt = torch.from_numpy(Y1).to(dev)
         for start in range(0, M, chunk_size):
@@ -457,6 +463,7 @@ def train_loo(
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     chunk_size: int = 512,
+    kernel: str = "compiled",
     classes: Sequence[object] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> LOOSet:
@@ -465,7 +472,10 @@ def train_loo(
     ``y`` holds class indices in ``[0, n_classes)``; ``classes`` optionally names
     them (stored, not used). ``n_batches`` defaults to ``ceil(|D| / batch_size)``
     with ``|D|`` counting tombstones, which are schedule keys of deleted records
-    (:func:`schedule_keys`). ``chunk_size`` networks train at a time (memory
+    (:func:`schedule_keys`). ``kernel``: ``"compiled"`` trains on the CPU with
+    :func:`jobs.learners.mlp_kernels.sgd_slots`, ``"torch"`` with torch's batched ops
+    (what sets trained before the compiled kernel need; CUDA always uses torch's).
+    ``chunk_size`` networks train at a time (memory
     bound); the result does not depend on it. ``progress(done, total)`` is
     called after each chunk.
     """
@@ -487,7 +497,7 @@ def train_loo(
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
     t0 = time.perf_counter()
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
-                progress=progress)
+                kernel=kernel, progress=progress)
     elapsed = time.perf_counter() - t0
     layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
     Ws, bs = layout.unpack(flat)
@@ -497,8 +507,7 @@ def train_loo(
         "device": dev.type,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        # on the CPU the compiled kernel: one thread, whatever torch's setting
-        "kernel": "compiled" if dev.type == "cpu" else "torch",
+        "kernel": kernel,  # on the CPU: mlp_kernels.sgd_slots or torch (one thread)
         "granule": [GRANULE, WIDTH_GRANULE],
         "tombstones": keys[tomb].tolist(),
     }
@@ -522,6 +531,7 @@ def train_single(
     n_batches: int | None = None,
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
+    kernel: str = "compiled",
 ) -> MLPParams:
     """Train ONE network of the same schedule, without the record(s) ``exclude``.
 
@@ -557,7 +567,7 @@ def train_single(
     excl = np.full((1, max(1, len(skip))), -1, dtype=np.int64)
     excl[0, :len(skip)] = skip
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
-    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1)
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1, kernel=kernel)
     layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
     Ws, bs = layout.unpack(flat)
     return MLPParams([W[0] for W in Ws], [b[0] for b in bs])

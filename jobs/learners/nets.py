@@ -41,6 +41,9 @@ from jobs.learners.keyed import prf_u64
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 _M63 = (1 << 63) - 1
+# how an MLP trains on the CPU: one compiled loop (jobs.learners.mlp_kernels) or torch's
+# calls; a model records which, as its bits depend on it
+KERNELS = ("compiled", "torch")
 
 
 # --------------------------------------------------------------------------- models
@@ -251,8 +254,13 @@ def train_stage(
     epochs: int,
     batch_size: int,
     lr: float,
+    kernel: str = "compiled",
 ) -> None:
     """Train ``net`` in place for ``epochs`` epochs on rows (X, y) with keyed batches.
+
+    ``kernel="compiled"``: an MLP on the CPU runs :func:`jobs.learners.mlp_kernels.
+    train_mlp` (the same update, other bits); ``"torch"``: torch's own loop everywhere
+    (what models trained before the compiled kernel need to be reproduced).
 
     A fresh Adam optimiser per call (so a stage's result depends only on the
     starting weights and the rows, never on optimiser state from earlier
@@ -264,7 +272,9 @@ def train_stage(
         return
     B = n_batches(n, batch_size)
     device = X.device
-    if device.type == "cpu" and isinstance(net, MLP):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "compiled" and device.type == "cpu" and isinstance(net, MLP):
         _train_mlp_compiled(net, X, y, record_keys, seed, stage_key, epochs, B, lr)
         return
     net.train()

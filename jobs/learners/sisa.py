@@ -349,6 +349,9 @@ class SISAEnsemble(Learner, BaseEstimator):
             "sampling": self.sampling,
             "shard_prob": prob,
             "cpu_threads": threads,
+            # how an MLP trains on the CPU (jobs.learners.nets.KERNELS): part of what the
+            # bits depend on, so recorded (bundles from before the compiled one: "torch")
+            "kernel": "compiled",
         }
 
     @property
@@ -471,6 +474,7 @@ class SISAEnsemble(Learner, BaseEstimator):
                         epochs=self._epochs(len(sel)),
                         batch_size=cfg["batch_size"],
                         lr=cfg["lr"],
+                        kernel=cfg["kernel"],
                     )
                 out.append(state_to_cpu(net))
         return out
@@ -494,6 +498,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             "n_batches": n_batches(n_records, cfg["batch_size"]),
             "tombstones": tombstones.get(s, _NO_KEYS).tolist(),
             "device": self.device_,
+            "kernel": cfg["kernel"],
         }
 
     def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
@@ -969,6 +974,7 @@ class SISAEnsemble(Learner, BaseEstimator):
             config.update(schedule="adam", weight_decay=0.0)
             params.update(schedule="adam", weight_decay=0.0)
         config.setdefault("min_steps", 0)  # bundles written before the step floor
+        config.setdefault("kernel", "torch")  # ... and before the compiled training loops
         params.setdefault("min_steps", 0)
         if params["classes"] is not None:
             params["classes"] = tuple(params["classes"])
