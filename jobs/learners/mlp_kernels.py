@@ -11,12 +11,14 @@ takes a fraction of that.
 
 The computation is torch's, in float32: per mini-batch the logits ``a W^T + b`` layer by
 layer with ReLU between, the mean softmax cross-entropy, its gradient by back-propagation
-(ReLU passes the gradient where its input is > 0), and Adam as torch implements it
+(ReLU passes the gradient where its input is > 0; one helper for both), then plain SGD
+with weight decay (the LOO schedule) or Adam as torch implements it
 (``foreach=False``, no weight decay, no amsgrad): ``m = b1 m + (1 - b1) g``, ``v = b2 v
 + (1 - b2) g^2``, ``p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)``. The
 bits differ from torch's (other summation orders); what matters for exact unlearning is
 that training is a function of the records and that every path (fit, delete, add,
-verify) runs this same kernel, which it does: deterministic loops, no threads.
+verify) runs the same kernel, which it does (a model records which one trained it:
+:data:`jobs.learners.nets.KERNELS`): deterministic loops, no threads.
 """
 
 from __future__ import annotations
@@ -28,104 +30,109 @@ from numba import njit
 
 
 @njit(cache=True)
-def train_mlp(flat, sizes, X, y, rows, batch_off, lr, beta1, beta2, eps
+def _gradient(p, geom, X, y, keep, bs, act, pre, delta, back, grad
               ):  # pragma: no cover - compiled
-    """Train the MLP whose parameters are `flat` (float32, per layer W (out x in) row-major
-    then b) in place, one Adam step per mini-batch rows[batch_off[i]:batch_off[i + 1]].
+    """grad = the gradient of the mean cross-entropy over rows keep[:bs] at parameters p
+    (layout `geom`: per layer true out, true in, padded out, padded in, weight offset,
+    bias offset; row stride = padded in). Every inner loop runs along memory."""
+    L = geom.shape[0]
+    C = geom[L - 1, 0]
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for i in range(bs):
+        for j in range(X.shape[1]):
+            act[0, i, j] = X[keep[i], j]
+    for li in range(L):
+        n_out, n_in, i_p, w0, b0 = geom[li, 0], geom[li, 1], geom[li, 3], geom[li, 4], geom[li, 5]
+        for i in range(bs):
+            for o in range(n_out):
+                acc = p[b0 + o]
+                base = w0 + o * i_p
+                for j in range(n_in):
+                    acc += act[li, i, j] * p[base + j]
+                pre[li, i, o] = acc
+                if li < L - 1:
+                    act[li + 1, i, o] = acc if acc > zero else zero
+    w = one / np.float32(bs)  # d(mean CE)/d logits = (softmax - onehot) / bs
+    for i in range(bs):
+        mx = pre[L - 1, i, 0]
+        for c in range(1, C):
+            if pre[L - 1, i, c] > mx:
+                mx = pre[L - 1, i, c]
+        tot = zero
+        for c in range(C):
+            e = np.float32(math.exp(pre[L - 1, i, c] - mx))
+            delta[i, c] = e
+            tot += e
+        for c in range(C):
+            delta[i, c] = delta[i, c] / tot
+        delta[i, y[keep[i]]] -= one
+        for c in range(C):
+            delta[i, c] *= w
+    for li in range(L - 1, -1, -1):
+        n_out, n_in, i_p, w0, b0 = geom[li, 0], geom[li, 1], geom[li, 3], geom[li, 4], geom[li, 5]
+        for o in range(n_out):
+            grad[b0 + o] = zero
+            base = w0 + o * i_p
+            for j in range(n_in):
+                grad[base + j] = zero
+        for i in range(bs):
+            for o in range(n_out):
+                d = delta[i, o]
+                grad[b0 + o] += d
+                base = w0 + o * i_p
+                for j in range(n_in):
+                    grad[base + j] += d * act[li, i, j]
+        if li > 0:  # ReLU passes the gradient where its input was > 0
+            for i in range(bs):
+                for j in range(n_in):
+                    back[i, j] = zero
+                for o in range(n_out):
+                    d = delta[i, o]
+                    base = w0 + o * i_p
+                    for j in range(n_in):
+                        back[i, j] += d * p[base + j]
+                for j in range(n_in):
+                    delta[i, j] = back[i, j] if pre[li - 1, i, j] > zero else zero
 
-    sizes: layer widths (inputs, hidden..., classes); X (n, inputs) float32; y (n,) int64.
-    """
-    L = sizes.shape[0] - 1
-    width = 0
-    for i in range(sizes.shape[0]):
-        width = max(width, sizes[i])
-    bmax = 0
+
+@njit(cache=True)
+def _buffers(geom, X, batch_off):  # pragma: no cover - compiled
+    """Scratch for _gradient: (act, pre, delta, back, keep) sized for the widest layer and
+    the largest batch."""
+    L = geom.shape[0]
+    width = X.shape[1]
+    for li in range(L):
+        width = max(width, geom[li, 0])
+    bmax = 1
     for i in range(batch_off.shape[0] - 1):
         bmax = max(bmax, batch_off[i + 1] - batch_off[i])
-    woff = np.zeros(L + 1, np.int64)
-    for i in range(L):
-        woff[i + 1] = woff[i] + sizes[i + 1] * sizes[i] + sizes[i + 1]
-    act = np.zeros((L + 1, bmax, width), np.float32)  # act[l]: input of layer l (post-ReLU)
-    pre = np.zeros((L, bmax, width), np.float32)  # pre-activations
-    delta = np.zeros((bmax, width), np.float32)
-    back = np.zeros((bmax, width), np.float32)
+    return (np.zeros((L + 1, bmax, width), np.float32), np.zeros((L, bmax, width), np.float32),
+            np.zeros((bmax, width), np.float32), np.zeros((bmax, width), np.float32),
+            np.empty(bmax, np.int64))
+
+
+@njit(cache=True)
+def train_mlp(flat, geom, X, y, rows, batch_off, lr, beta1, beta2, eps
+              ):  # pragma: no cover - compiled
+    """Adam on the MLP whose parameters are `flat` (layout `geom`, as for _gradient), in
+    place: one step per mini-batch rows[batch_off[i]:batch_off[i + 1]] (non-empty)."""
+    act, pre, delta, back, keep = _buffers(geom, X, batch_off)
     grad = np.zeros(flat.shape[0], np.float32)
     m1 = np.zeros(flat.shape[0], np.float32)
     m2 = np.zeros(flat.shape[0], np.float32)
-    C = sizes[L]
+    one = np.float32(1.0)
     b1 = np.float32(beta1)
     b2 = np.float32(beta2)
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
     t = 0  # Adam's step count: one per non-empty batch
     for step in range(batch_off.shape[0] - 1):
-        lo = batch_off[step]
-        bs = batch_off[step + 1] - lo
+        bs = batch_off[step + 1] - batch_off[step]
         if bs == 0:
             continue
         t += 1
         for i in range(bs):
-            r = rows[lo + i]
-            for j in range(sizes[0]):
-                act[0, i, j] = X[r, j]
-        # forward
-        for layer in range(L):
-            n_in = sizes[layer]
-            n_out = sizes[layer + 1]
-            w0 = woff[layer]
-            b0 = w0 + n_out * n_in
-            for i in range(bs):
-                for o in range(n_out):
-                    acc = flat[b0 + o]
-                    for j in range(n_in):
-                        acc += act[layer, i, j] * flat[w0 + o * n_in + j]
-                    pre[layer, i, o] = acc
-                    if layer < L - 1:
-                        act[layer + 1, i, o] = acc if acc > zero else zero
-        # mean cross-entropy: d logits = (softmax - onehot) / bs
-        inv = one / np.float32(bs)
-        for i in range(bs):
-            mx = pre[L - 1, i, 0]
-            for c in range(1, C):
-                if pre[L - 1, i, c] > mx:
-                    mx = pre[L - 1, i, c]
-            tot = zero
-            for c in range(C):
-                e = np.float32(math.exp(pre[L - 1, i, c] - mx))
-                delta[i, c] = e
-                tot += e
-            for c in range(C):
-                delta[i, c] = delta[i, c] / tot
-            delta[i, y[rows[lo + i]]] -= one
-            for c in range(C):
-                delta[i, c] *= inv
-        # backward
-        for layer in range(L - 1, -1, -1):
-            n_in = sizes[layer]
-            n_out = sizes[layer + 1]
-            w0 = woff[layer]
-            b0 = w0 + n_out * n_in
-            for q in range(w0, b0 + n_out):
-                grad[q] = zero
-            for i in range(bs):  # rows outermost: every inner loop runs along memory
-                for o in range(n_out):
-                    d = delta[i, o]
-                    grad[b0 + o] += d
-                    base = w0 + o * n_in
-                    for j in range(n_in):
-                        grad[base + j] += d * act[layer, i, j]
-            if layer > 0:
-                for i in range(bs):
-                    for j in range(n_in):
-                        back[i, j] = zero
-                    for o in range(n_out):
-                        d = delta[i, o]
-                        base = w0 + o * n_in
-                        for j in range(n_in):
-                            back[i, j] += d * flat[base + j]
-                    for j in range(n_in):
-                        delta[i, j] = back[i, j] if pre[layer - 1, i, j] > zero else zero
-        # Adam
+            keep[i] = rows[batch_off[step] + i]
+        _gradient(flat, geom, X, y, keep, bs, act, pre, delta, back, grad)
         bc1 = one - np.float32(beta1 ** t)
         bc2 = np.float32(math.sqrt(1.0 - beta2 ** t))
         size = np.float32(lr) / bc1
@@ -137,37 +144,22 @@ def train_mlp(flat, sizes, X, y, rows, batch_off, lr, beta1, beta2, eps
 
 
 @njit(cache=True)
-def sgd_slots(flat, excl, X, y, rows, batch_off, layers, lr, wd):  # pragma: no cover - compiled
-    """The leave-one-out schedule's SGD (:mod:`jobs.learners.loo`) for M networks at once,
-    in place: flat (M, P) float32 in that module's padded layout (`layers` rows: true out,
-    true in, padded out, padded in, weight offset, bias offset); network m skips the rows
-    excl[m] (-1: none). Per batch: the mean cross-entropy over the rows it keeps and ``p
-    <- p - lr (g + wd p)``; a batch that keeps no row is no step (no decay either).
+def sgd_slots(flat, excl, X, y, rows, batch_off, geom, lr, wd):  # pragma: no cover - compiled
+    """The leave-one-out schedule's SGD (:mod:`jobs.learners.loo`) for M networks, in
+    place: flat (M, P) float32 in that module's padded layout (`geom`, as for _gradient);
+    network m skips the rows excl[m] (-1: none). Per batch: the mean cross-entropy over
+    the rows it keeps and ``p <- p - lr (g + wd p)``; a batch that keeps no row is no step
+    (no decay either).
 
     Each network is trained on its own, by the same loops whatever M is, so a network of
     a LOO set is the same bits as the one network trained alone (``train_single``). The
     padding is never read or written: it stays zero, as the layout requires.
     """
-    M = flat.shape[0]
-    L = layers.shape[0]
-    C = layers[L - 1, 0]
-    width = X.shape[1]
-    for li in range(L):
-        width = max(width, layers[li, 0])
-    bmax = 0
-    for i in range(batch_off.shape[0] - 1):
-        bmax = max(bmax, batch_off[i + 1] - batch_off[i])
-    act = np.zeros((L + 1, bmax, width), np.float32)
-    pre = np.zeros((L, bmax, width), np.float32)
-    delta = np.zeros((bmax, width), np.float32)
-    back = np.zeros((bmax, width), np.float32)
+    act, pre, delta, back, keep = _buffers(geom, X, batch_off)
     grad = np.zeros(flat.shape[1], np.float32)
-    keep = np.empty(bmax, np.int64)
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
     f_lr = np.float32(lr)
     f_wd = np.float32(wd)
-    for m in range(M):
+    for m in range(flat.shape[0]):
         p = flat[m]
         for step in range(batch_off.shape[0] - 1):
             bs = 0
@@ -183,66 +175,10 @@ def sgd_slots(flat, excl, X, y, rows, batch_off, layers, lr, wd):  # pragma: no 
                     bs += 1
             if bs == 0:
                 continue
-            for i in range(bs):
-                for j in range(X.shape[1]):
-                    act[0, i, j] = X[keep[i], j]
-            for li in range(L):
-                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
-                                                  layers[li, 3], layers[li, 4], layers[li, 5])
-                for i in range(bs):
-                    for o in range(n_out):
-                        acc = p[b0 + o]
-                        base = w0 + o * i_p
-                        for j in range(n_in):
-                            acc += act[li, i, j] * p[base + j]
-                        pre[li, i, o] = acc
-                        if li < L - 1:
-                            act[li + 1, i, o] = acc if acc > zero else zero
-            w = one / np.float32(bs)
-            for i in range(bs):
-                mx = pre[L - 1, i, 0]
-                for c in range(1, C):
-                    if pre[L - 1, i, c] > mx:
-                        mx = pre[L - 1, i, c]
-                tot = zero
-                for c in range(C):
-                    ex = np.float32(math.exp(pre[L - 1, i, c] - mx))
-                    delta[i, c] = ex
-                    tot += ex
-                for c in range(C):
-                    delta[i, c] = delta[i, c] / tot
-                delta[i, y[keep[i]]] -= one
-                for c in range(C):
-                    delta[i, c] *= w
-            for li in range(L - 1, -1, -1):
-                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
-                                                  layers[li, 3], layers[li, 4], layers[li, 5])
-                for o in range(n_out):
-                    grad[b0 + o] = zero
-                    base = w0 + o * i_p
-                    for j in range(n_in):
-                        grad[base + j] = zero
-                for i in range(bs):
-                    for o in range(n_out):
-                        d = delta[i, o]
-                        grad[b0 + o] += d
-                        base = w0 + o * i_p
-                        for j in range(n_in):
-                            grad[base + j] += d * act[li, i, j]
-                if li > 0:
-                    for i in range(bs):
-                        for j in range(n_in):
-                            back[i, j] = zero
-                        for o in range(n_out):
-                            d = delta[i, o]
-                            base = w0 + o * i_p
-                            for j in range(n_in):
-                                back[i, j] += d * p[base + j]
-                        for j in range(n_in):
-                            delta[i, j] = back[i, j] if pre[li - 1, i, j] > zero else zero
-            for li in range(L):
-                n_out, n_in, _o_p, i_p, w0, b0 = (layers[li, 0], layers[li, 1], layers[li, 2],
-                                                  layers[li, 3], layers[li, 4], layers[li, 5])
+            _gradient(p, geom, X, y, keep, bs, act, pre, delta, back, grad)
+            for li in range(geom.shape[0]):
+                n_out, n_in, i_p, w0, b0 = (geom[li, 0], geom[li, 1], geom[li, 3], geom[li, 4],
+                                            geom[li, 5])
                 for o in range(n_out):
                     p[b0 + o] -= (grad[b0 + o] + p[b0 + o] * f_wd) * f_lr
                     base = w0 + o * i_p

@@ -304,14 +304,18 @@ def _train_mlp_compiled(net: MLP, X: torch.Tensor, y: torch.Tensor, record_keys:
     linears = [m for m in net.net if isinstance(m, nn.Linear)]
     flat = np.concatenate([np.concatenate([m.weight.numpy().ravel(), m.bias.numpy()])
                            for m in linears]).astype(np.float32)
-    sizes = np.array([linears[0].in_features] + [m.out_features for m in linears],
-                     dtype=np.int64)
+    geom, at = [], 0  # per layer: out, in, out, in (no padding), weight and bias offsets
+    for m in linears:
+        o, i = m.out_features, m.in_features
+        geom.append((o, i, o, i, at, at + o * i))
+        at += o * i + o
     parts = [b for epoch in range(epochs)
              for b in epoch_batches(record_keys, prf_u64(seed, "epoch", *stage_key, epoch), B)]
     rows = np.concatenate(parts).astype(np.int64)
     off = np.zeros(len(parts) + 1, dtype=np.int64)
     off[1:] = np.cumsum([len(b) for b in parts])
-    train_mlp(flat, sizes, np.ascontiguousarray(X.numpy(), dtype=np.float32),
+    train_mlp(flat, np.array(geom, dtype=np.int64),
+              np.ascontiguousarray(X.numpy(), dtype=np.float32),
               y.numpy().astype(np.int64), rows, off, float(lr), 0.9, 0.999, 1e-8)
     at = 0
     for m in linears:
