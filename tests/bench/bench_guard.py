@@ -192,17 +192,22 @@ class NaiveIDP:
         self.guard = LabelGuard(loo.n_classes, epsilon, random_state=random_state)
         self.guard.bind("naive", sound=True)
 
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        Xc = clip_unit(X)
+    def _labels(self, Xc: np.ndarray) -> np.ndarray:
+        """(M, n) labels of every network (N first) at the clipped points."""
         a = np.broadcast_to(Xc.astype(np.float64), (self.Ws[0].shape[0], *Xc.shape))
         last = len(self.Ws) - 1
         for i, (W, b) in enumerate(zip(self.Ws, self.bs, strict=True)):
             a = np.matmul(a, W) + b
             if i < last:
                 a = np.maximum(a, 0.0)
-        labels = a.argmax(2)  # (M, n)
+        return a.argmax(2)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        Xc = clip_unit(X)
+        labels = self._labels(Xc)
         agree = (labels == labels[0][None, :]).all(0)
-        return self.guard.answer(Xc, labels[0], agree)
+        # a noised answer is drawn around N's label at its cell's centre
+        return self.guard.answer(Xc, labels[0], agree, lambda C: self._labels(C)[0])
 
 
 def median_ms(fn, Q: np.ndarray) -> float:
@@ -413,7 +418,8 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
             for r in range(args.reps):
                 g = LabelGuard(C, eps, random_state=2000 + r)
                 g.bind("sisa", sound=True)
-                accs.append(float((g.answer(Xc, winner, cert) == d.yte).mean()))
+                at = lambda C: sisa_certain(ens.shard_logits(C), betas, active)[0]  # noqa: E731
+                accs.append(float((g.answer(Xc, winner, cert, at) == d.yte).mean()))
             res[rule, eps] = float(np.mean(accs))
             print(f"[{d.name}] SISA rule {rule}: certain {cert.mean():.3f}, eps {eps}: "
                   f"accuracy {res[rule, eps]:.4f} (expected "
@@ -463,7 +469,7 @@ class NaiveForestIDP:
     def predict(self, X: np.ndarray) -> np.ndarray:
         labels = self.scores(X).argmax(2)
         agree = (labels == labels[0][None, :]).all(0)
-        return self.guard.answer(X, labels[0], agree)
+        return self.guard.answer(X, labels[0], agree, lambda C: self.forest.scores(C).argmax(1))
 
 
 def bench_dare(d: Data, args: argparse.Namespace) -> str:
@@ -479,10 +485,10 @@ def bench_dare(d: Data, args: argparse.Namespace) -> str:
     fg = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
     rep = fg.fit_report
     bound_s = rep.seconds
-    print(f"[{d.name}] ForestGuard fit {bound_s:.2f}s: {rep.n_records} deletions, "
-          f"{rep.n_leaves} leaves, {rep.changed_trees} (record, tree) pairs with changed "
-          f"cells, {rep.detail['entries']} entries ({rep.detail['pieces']} on leaf pieces)",
-          flush=True)
+    print(f"[{d.name}] ForestGuard fit {bound_s:.2f}s: {rep.n_records} records, "
+          f"{rep.n_leaves} leaves, {rep.fragile_pairs} fragile (node, record) pairs "
+          f"({rep.detail['exact_pairs']} with grown subtrees of "
+          f"{rep.detail['subtree_nodes']} nodes)", flush=True)
 
     t0 = time.perf_counter()
     loo = []
