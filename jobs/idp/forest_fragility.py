@@ -44,7 +44,10 @@ rule would call all those records stable, and they are skipped. Only the others 
 decided one by one (same answer, ``tests/idp/test_forest_guard.py``); at 16k records this
 skips most of the records of the big nodes an update touches. Near a tie the same records
 (they change no listed pair) are decided from each listed pair's score with one record of
-class c taken from its left or right side, computed once per node. A node's value groups
+class c taken from its left or right side, computed once per node; a record that does
+change listed pairs takes those scores for the pairs it leaves as they are, and only the
+pairs it changes are scored anew (a quarter of the fragility time at 16k records went to
+re-scoring unchanged pairs). A node's value groups
 are counted in a table over the attribute's value ranks where the node holds at least one
 record per 8 distinct values, and by sorting elsewhere.
 
@@ -231,12 +234,15 @@ class _Groups(NamedTuple):
 
 class _Selection(NamedTuple):
     """Work space: the first k pairs per slot after one deletion (left counts, lower
-    value rank, slot, whether it is a merged pair (prev, next))."""
+    value rank, slot, whether it is a merged pair (prev, next); for a listed pair left as
+    it is, its row in the listed scores and the record's side, else -1)."""
 
     left: np.ndarray
     r1: np.ndarray
     slot: np.ndarray
     merged: np.ndarray
+    listed: np.ndarray
+    side: np.ndarray
 
 
 @njit(cache=True)
@@ -504,7 +510,8 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size
     nk = nd.key[v]
     memo = np.full(memo_size, -1, np.int8)
     sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
-                     np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_))
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.int64))
     L = np.zeros((1, C), np.int64)
     R = np.zeros((1, C), np.int64)
     cnt_after = np.zeros(C, np.int64)
@@ -568,18 +575,22 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size
         best = -np.inf
         bi = -1
         for q in range(nsel):
-            nl = 0
-            for cc in range(C):
-                nl += sel.left[q, cc]
-            nr = (nt - 1) - nl
-            if nl >= rule.msl and nr >= rule.msl:
+            if sel.listed[q] >= 0:  # the same integers, so the same score (-inf: a side
+                sc = lscore[sel.listed[q], sel.side[q], c]  # under min_samples_leaf)
+            else:
+                nl = 0
+                for cc in range(C):
+                    nl += sel.left[q, cc]
+                nr = (nt - 1) - nl
+                if nl < rule.msl or nr < rule.msl:
+                    continue
                 for cc in range(C):
                     L[0, cc] = sel.left[q, cc]
                     R[0, cc] = cnt_after[cc] - sel.left[q, cc]
                 sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
-                if sc > best:
-                    best = sc
-                    bi = q
+            if sc > best:
+                best = sc
+                bi = q
         out[j] = (bi < 0 or cand.attr[ci, sel.slot[bi]] != nd.attr[v]
                   or sel.r1[bi] != nd.r1[v] or sel.merged[bi])
         if code >= 0:
@@ -595,6 +606,7 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
     C = grp.cnt.shape[2]
     modified = False
     nsel = 0
+    base = 0  # the slot's first row in the listed scores (_listed_scores' order)
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
@@ -642,6 +654,7 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
                 sel.r1[nsel] = grp.rank[s, w - 1]
                 sel.slot[nsel] = s
                 sel.merged[nsel] = True
+                sel.listed[nsel] = -1
                 nsel += 1
                 taken += 1
                 new_pair = False
@@ -672,13 +685,19 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
                     modified = True
                     continue  # turns invalid
             xl = rec.rank[a, r] <= cand.e_r1[E]
-            for cc in range(C):
-                sel.left[nsel, cc] = cand.e_left[E, cc] - (1 if xl and cc == c else 0)
             sel.r1[nsel] = cand.e_r1[E]
             sel.slot[nsel] = s
             sel.merged[nsel] = merged
+            sel.listed[nsel] = -1
+            if not merged and q - 1 < k:  # listed as it is, among the scored first k
+                sel.listed[nsel] = base + q - 1
+                sel.side[nsel] = 0 if xl else 1
+            else:
+                for cc in range(C):
+                    sel.left[nsel, cc] = cand.e_left[E, cc] - (1 if xl and cc == c else 0)
             nsel += 1
             taken += 1
         if taken < k and not cand.all_pairs[ci, s]:
             return True, modified, nsel  # fewer than k known pairs: the search looks further
+        base += min(k, cand.length[ci, s])
     return False, modified, nsel
