@@ -322,8 +322,7 @@ class Worker:
         never held back by its guard."""
         t0 = time.perf_counter()
         try:
-            guard = model.update_guard(deleted, added,
-                                       None if math.isinf(grow_seconds) else grow_seconds)
+            guard = model.update_guard(deleted, added, grow_seconds)
         except Exception:
             log.exception("updating the guard failed; the version is published in noise-all "
                           "mode and its guard refitted in the background")
@@ -441,7 +440,8 @@ class Worker:
         applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
         if self.registry.current().version != cur.version:
             return True  # published meanwhile: the requests read may not be in `cur`
-        if not applied and not _guard_owed(cur.manifest) and not _guard_coarse(cur.manifest):
+        if (not applied and not _guard_owed(cur.manifest)
+                and not _guard_coarse(cur.manifest["guard"])):
             self._unverified_since = None
             return False
         self._check_requests = None if _guard_owed(cur.manifest) else applied
@@ -471,8 +471,8 @@ class Worker:
         in_place, self._check_requests = self._check_requests, None
         cur = self.registry.current()
         refined = (cur is not None and cur.version == job.version
-                   and _guard_coarse(cur.manifest) and result.guard.get("ready")
-                   and (result.guard.get("bound") or {}).get("complete") is not False)
+                   and _guard_coarse(cur.manifest["guard"]) and result.guard["ready"]
+                   and not _guard_coarse(result.guard))
         # published with its guard: only the check was owed (or the version it completed
         # a coarse guard for is no longer current)
         if in_place is not None and not refined:
@@ -581,10 +581,9 @@ def _guard_owed(man: dict[str, Any]) -> bool:
     return not guard["ready"] and guard["rule"] != "noise-all"
 
 
-def _guard_coarse(man: dict[str, Any]) -> bool:
-    """The version's guard is sound but an update ran out of time refining it: a refit
-    certifies more answers."""
-    guard = man["guard"]
+def _guard_coarse(guard: dict[str, Any]) -> bool:
+    """A guard record (as in a manifest) that is sound but that an update ran out of time
+    refining: a refit certifies more answers."""
     return bool(guard["ready"]) and (guard.get("bound") or {}).get("complete") is False
 
 

@@ -309,14 +309,15 @@ class _Pairs:
         """The pairs where `keep`, their subtrees packed anew (optionally renamed)."""
         node = self.node if node is None else node
         prec = self.prec if prec is None else prec
-        root = self.root[keep]
-        size = np.zeros(len(root), dtype=np.int64)  # worst-case pairs own no block
-        size[root >= 0] = self._block_sizes()[root[root >= 0]]
-        idx = _ranges(np.maximum(root, 0), size)
+        old_root = self.root[keep]
+        has = old_root >= 0  # worst-case pairs own no block
+        size = np.zeros(len(old_root), dtype=np.int64)
+        size[has] = self._block_sizes()[old_root[has]]
+        idx = _ranges(np.maximum(old_root, 0), size)
         new_of = np.full(len(self.leaf), -1, dtype=np.int64)
         new_of[idx] = np.arange(len(idx))
-        root = np.where(root >= 0, new_of[np.maximum(root, 0)], -1) if len(idx) else \
-            np.full(len(root), -1, dtype=np.int64)
+        root = np.full(len(old_root), -1, dtype=np.int64)
+        root[has] = new_of[old_root[has]]
         kid = lambda a: np.where(a[idx] >= 0, new_of[np.maximum(a[idx], 0)], -1)  # noqa: E731
         return _Pairs(node=node[keep], prec=prec[keep], root=root, leaf=self.leaf[idx],
                       attr=self.attr[idx], thr=self.thr[idx], left=kid(self.left),
@@ -507,7 +508,7 @@ def _grow_pairs(forest: DaREForest, st: _Structure, node: np.ndarray, prec: np.n
             parts.append(_Pairs(u[idx], prec_x[sel][idx], g.off[:-1], g.leaf, g.attr, g.thr,
                                 g.left, g.right, g.cnt, g.n))
         start = stop
-    late = int(len(node_x) - start) if start < len(node_x) else 0
+    late = len(node_x) - start
     worst = _Pairs.empty(C)
     worst = _Pairs(node[~exact], prec[~exact], np.full(int((~exact).sum()), -1, np.int64),
                    *list(worst.arrays().values())[3:])
@@ -771,8 +772,8 @@ class ForestGuard:
         `grow_seconds`: grow the new pairs' subtrees for at most this long (once the
         fragile pairs are known; the records with the most pairs first); the pairs not
         grown by then are worst-case pairs, which is sound and certifies fewer queries:
-        :attr:`complete` turns False until a fit. The worker publishes with such a guard at once and
-        refits it when the stream pauses."""
+        :attr:`complete` turns False until a fit. The worker publishes with such a guard at
+        once and refits it when the stream pauses."""
         t0 = time.perf_counter()
         if grow_seconds is None:
             grow_seconds = math.inf

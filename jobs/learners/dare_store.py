@@ -367,6 +367,7 @@ class ForestStore:
     def _init_tables(self, hcap: int) -> None:
         """Pool of value group tables (rank, class counts per value of a node), one segment
         per cached slot that keeps one (``_c_hoff``, ``_c_hlen``; length 0: none)."""
+        self._tables_stale = False
         self._hcap = hcap
         self._hr = np.zeros(hcap, dtype=np.int32)
         self._hc = np.zeros((hcap, len(self.classes_)), dtype=np.int32)
@@ -401,7 +402,6 @@ class ForestStore:
     def _rebuild_tables(self) -> None:
         """Recompute every cached slot's value group table from the node's records (a
         saved forest does not store them: they are a function of the records)."""
-        self._tables_stale = False
         self._init_tables(max(1024, self._hcap if hasattr(self, "_hcap") else 0))
         self._c_hlen[:] = 0
         nodes = np.flatnonzero(self._n_used & (self._n_cid >= 0)).astype(np.int64)
@@ -424,7 +424,6 @@ class ForestStore:
         """The arrays the compiled kernels read and write, grouped as they expect (see
         :mod:`jobs.learners.dare_kernels`): nodes, cache table, entries, group tables,
         records, layout. The free lists are made long enough to take every slot back."""
-        self._ensure_tables()
         if len(self._nfree) < self._ncap:
             f = np.zeros(self._ncap, dtype=np.int64)
             f[: self._nfree_n] = self._nfree[: self._nfree_n]
@@ -455,13 +454,12 @@ class ForestStore:
                 self.criterion == "gini", self._CACHE_MIN, self._MAX_DRAWS, self._HIST_RATIO)
 
     def _ensure_tables(self) -> None:
-        """A loaded forest's value group tables, built before the first update reads or
-        counts them (every kernel call starts from _ctr or _pools)."""
-        if getattr(self, "_tables_stale", False):
+        """A loaded forest's value group tables, built by its first update (delete and
+        add call this first; fit builds its own)."""
+        if self._tables_stale:
             self._rebuild_tables()
 
     def _ctr(self) -> np.ndarray:
-        self._ensure_tables()
         ctr = np.zeros(_kern.CTR_LEN, dtype=np.int64)
         ctr[_kern.CTR_NFREE] = self._nfree_n
         ctr[_kern.CTR_CFREE] = self._cfree_n

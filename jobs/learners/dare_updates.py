@@ -298,8 +298,8 @@ class ForestUpdates:
         Raises :class:`UnknownRecordError` (model unchanged) when an id is not live
         (never seen, or already deleted), :class:`DuplicateRecordError` when an id is
         named twice, ``ValueError`` when every live record would be deleted."""
-        self._ensure_tables()
         self._check_fitted()
+        self._ensure_tables()
         t0 = time.perf_counter()
         rids = ids_to_delete(ids, self._slot)
         if len(rids) and len(rids) >= self._nlive:
@@ -367,8 +367,8 @@ class ForestUpdates:
         Labels never seen before are allowed (``classes_`` grows). Raises
         :class:`DuplicateRecordError` for an id already live (or named twice) and
         ``ValueError`` for a wrong shape or NaN/inf; the model is unchanged on any error."""
-        self._ensure_tables()
         self._check_fitted()
+        self._ensure_tables()
         t0 = time.perf_counter()
         rids = ids_to_add(ids, self._slot)
         Xa = check_features(X, len(rids), self.n_features_)

@@ -345,19 +345,19 @@ def _decide_once(f: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.nd
     key = _h2(h ^ _h2(tree.astype(np.uint64), path.astype(np.uint64)),
               (depth * (1 << 32) + n).astype(np.uint64))
     _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    own = np.arange(ntask)
     rep = first[inv]
-    dup = np.flatnonzero(rep != np.arange(ntask))
-    if dup.size:  # the same records in the same order (children keep their parent's order)
-        same = np.ones(ntask, dtype=bool)
-        el_d = _ranges(off[dup], n[dup])
-        el_r = _ranges(off[rep[dup]], n[dup])
-        differs = rows[el_d] != rows[el_r]
-        if differs.any():
-            owner = np.repeat(np.arange(len(dup)), n[dup])
-            same[dup[np.unique(owner[differs])]] = False
-        same &= (tree == tree[rep]) & (path == path[rep]) & (depth == depth[rep]) & (n == n[rep])
-        rep = np.where(same, rep, np.arange(ntask))
-    uniq = np.flatnonzero(rep == np.arange(ntask))
+    # a duplicate is the same node with the same records in the same order (children keep
+    # their parent's order); anything else the hash put together decides on its own
+    rep = np.where((tree == tree[rep]) & (path == path[rep]) & (depth == depth[rep])
+                   & (n == n[rep]), rep, own)
+    dup = np.flatnonzero(rep != own)
+    if dup.size:
+        owner = np.repeat(np.arange(len(dup)), n[dup])
+        differs = rows[_ranges(off[dup], n[dup])] != rows[_ranges(off[rep[dup]], n[dup])]
+        apart = dup[np.unique(owner[differs])]
+        rep[apart] = apart
+    uniq = np.flatnonzero(rep == own)
     if len(uniq) == ntask:
         d = f._decide(tree, path, depth, rows, off, np.zeros(ntask, dtype=bool))
         return _Decided(d.kind, d.attr, d.thr, d.cnt, d.n, d.go_left)

@@ -67,6 +67,7 @@ or data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -78,6 +79,7 @@ import numpy as np
 import torch
 
 from jobs.learners.keyed import prf_u64, prf_u64_many
+from jobs.learners.mlp_kernels import ParamLayout, flat_batches, round_up, sgd_slots
 from jobs.learners.nets import (
     KERNELS,
     MLP,
@@ -92,10 +94,6 @@ from jobs.learners.nets import (
 GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
 WIDTH_GRANULE = 16  # floats (64 bytes); hidden widths are padded to a multiple of this
 FORMAT_VERSION = 1
-
-
-def _round_up(n: int, g: int = GRANULE) -> int:
-    return max(g, -(-int(n) // g) * g)
 
 
 # --------------------------------------------------------------------------- config
@@ -127,53 +125,16 @@ class LOOConfig:
         return cls(**d)
 
 
-class _Layout:
-    """Padded flat layout of one network's parameters (one row of ``P`` floats)."""
+def _layout(cfg: LOOConfig) -> ParamLayout:
+    """T's flat layout: hidden widths padded to WIDTH_GRANULE, blocks to GRANULE floats."""
+    return ParamLayout([cfg.n_features, *cfg.hidden, cfg.n_classes], WIDTH_GRANULE, GRANULE)
 
-    def __init__(self, n_features: int, hidden: Sequence[int], n_classes: int) -> None:
-        true = [int(n_features), *(int(h) for h in hidden), int(n_classes)]
-        pad = [int(n_features), *(_round_up(h, WIDTH_GRANULE) for h in hidden), int(n_classes)]
-        self.true_widths = true
-        self.pad_widths = pad
-        self.layers: list[tuple[int, int, int, int, int, int]] = []
-        off = 0
-        for i in range(len(true) - 1):
-            o_t, i_t, o_p, i_p = true[i + 1], true[i], pad[i + 1], pad[i]
-            w_off = off
-            off += _round_up(o_p * i_p)
-            b_off = off
-            off += _round_up(o_p)
-            self.layers.append((o_t, i_t, o_p, i_p, w_off, b_off))
-        self.P = off
 
-    def pack(self, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray]) -> np.ndarray:
-        flat = np.zeros(self.P, dtype=np.float32)
-        for (o_t, i_t, o_p, i_p, w_off, b_off), W, b in zip(self.layers, weights, biases,
-                                                            strict=True):
-            Wp = np.zeros((o_p, i_p), dtype=np.float32)
-            Wp[:o_t, :i_t] = W
-            flat[w_off:w_off + o_p * i_p] = Wp.ravel()
-            flat[b_off:b_off + o_t] = b
-        return flat
-
-    def unpack(self, flat: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(M, P) -> unpadded weights [(M, out, in)] and biases [(M, out)] (copies)."""
-        M = flat.shape[0]
-        Ws, bs = [], []
-        for o_t, i_t, o_p, i_p, w_off, b_off in self.layers:
-            W = flat[:, w_off:w_off + o_p * i_p].reshape(M, o_p, i_p)[:, :o_t, :i_t]
-            Ws.append(np.ascontiguousarray(W))
-            bs.append(np.ascontiguousarray(flat[:, b_off:b_off + o_t]))
-        return Ws, bs
-
-    def views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        M = flat.shape[0]
-        out = []
-        for _o_t, _i_t, o_p, i_p, w_off, b_off in self.layers:
-            W = flat[:, w_off:w_off + o_p * i_p].view(M, o_p, i_p)
-            b = flat[:, b_off:b_off + o_p]
-            out.append((W, b))
-        return out
+def _views(layout: ParamLayout, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (M, out, in) weight and (M, out) bias views of (M, P) slots."""
+    M = flat.shape[0]
+    return [(flat[:, w_off:w_off + o_p * i_p].view(M, o_p, i_p), flat[:, b_off:b_off + o_p])
+            for _o_t, _i_t, o_p, i_p, w_off, b_off in layout.layers]
 
 
 # --------------------------------------------------------------------------- networks
@@ -278,7 +239,7 @@ def _schedule(keys: np.ndarray, seed: int, epochs: int, B: int) -> list[list[np.
     return [epoch_batches(keys, prf_u64(seed, "loo-epoch", e), B) for e in range(epochs)]
 
 
-def _init_flat(cfg: LOOConfig, layout: _Layout) -> np.ndarray:
+def _init_flat(cfg: LOOConfig, layout: ParamLayout) -> np.ndarray:
     net = init_net(MLP(cfg.n_features, cfg.n_classes, cfg.hidden), cfg.seed)
     linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
     Ws = [m.weight.detach().numpy().copy() for m in linears]
@@ -295,7 +256,7 @@ def _train_slots(
     Xp: torch.Tensor,
     Yp: torch.Tensor,
     schedule: list[list[np.ndarray]],
-    layout: _Layout,
+    layout: ParamLayout,
     lr: float,
     wd: float,
 ) -> torch.Tensor:
@@ -309,13 +270,13 @@ def _train_slots(
     C = Yp.shape[1]
     L = len(layout.layers)
     flat = flat.clone()
-    views = layout.views(flat)
+    views = _views(layout, flat)
     grad = torch.zeros_like(flat)  # gaps between blocks stay exactly zero
     ones_cache: dict[int, torch.Tensor] = {}
     for batches in schedule:
         for rows in batches:
             b = len(rows)
-            bp = _round_up(b)
+            bp = round_up(b, GRANULE)
             ridx = np.full(bp, -1, dtype=np.int64)
             ridx[:b] = rows
             take = torch.from_numpy(np.where(ridx >= 0, ridx, n_pad_row)).to(device)
@@ -384,44 +345,41 @@ def _run(
     progress: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     dev = resolve_device(device)
-    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    layout = _layout(cfg)
     flat0 = _init_flat(cfg, layout)
     M = excl_rows.shape[0]
     out = np.empty((M, layout.P), dtype=np.float32)
-    Xp = np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)])
-    Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
-    Y1[np.arange(len(y)), y] = 1.0
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if dev.type == "cpu" and kernel == "compiled":  # one loop per network (mlp_kernels)
-        from jobs.learners.mlp_kernels import sgd_slots
+    with contextlib.ExitStack() as stack:
+        if dev.type == "cpu" and kernel == "compiled":  # one loop per network (mlp_kernels)
+            rows, off = flat_batches([rows for batches in schedule for rows in batches])
+            y64 = np.asarray(y, dtype=np.int64)
 
-        parts = [rows for batches in schedule for rows in batches]
-        rows = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        off = np.zeros(len(parts) + 1, dtype=np.int64)
-        off[1:] = np.cumsum([len(b) for b in parts])
-        geometry = np.array(layout.layers, dtype=np.int64)
+            def train(start: int, stop: int) -> np.ndarray:
+                flat = np.tile(flat0, (stop - start, 1))
+                sgd_slots(flat, np.ascontiguousarray(excl_rows[start:stop]), X, y64, rows, off,
+                          layout.geom, cfg.lr, cfg.weight_decay)
+                return flat
+        else:
+            # one thread on the CPU: the thread count changes torch's bits
+            stack.enter_context(torch_threads(1 if dev.type == "cpu" else None))
+            stack.enter_context(deterministic())
+            stack.enter_context(torch.no_grad())
+            Xt = torch.from_numpy(np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)]))
+            Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
+            Y1[np.arange(len(y)), y] = 1.0
+            Xt, Yt = Xt.to(dev), torch.from_numpy(Y1).to(dev)
+
+            def train(start: int, stop: int) -> np.ndarray:
+                flat = torch.from_numpy(np.tile(flat0, (stop - start, 1))).to(dev)
+                ex = torch.from_numpy(np.ascontiguousarray(excl_rows[start:stop])).to(dev)
+                return _train_slots(flat, ex, Xt, Yt, schedule, layout, cfg.lr,
+                                    cfg.weight_decay).cpu().numpy()
         for start in range(0, M, chunk_size):
             stop = min(M, start + chunk_size)
-            flat = np.tile(flat0, (stop - start, 1))
-            sgd_slots(flat, np.ascontiguousarray(excl_rows[start:stop]), X,
-                      np.asarray(y, dtype=np.int64), rows, off, geometry, cfg.lr,
-                      cfg.weight_decay)
-            out[start:stop] = flat
-            if progress is not None:
-                progress(stop, M)
-        return out
-    threads = 1 if dev.type == "cpu" else None  # thread count changes torch's CPU bits
-    with torch_threads(threads), deterministic(), torch.no_grad():
-        Xt = torch.from_numpy(Xp).to(dev)
-        Yt = torch.from_numpy(Y1).to(dev)
-        for start in range(0, M, chunk_size):
-            stop = min(M, start + chunk_size)
-            flat = torch.from_numpy(np.tile(flat0, (stop - start, 1))).to(dev)
-            ex = torch.from_numpy(np.ascontiguousarray(excl_rows[start:stop])).to(dev)
-            res = _train_slots(flat, ex, Xt, Yt, schedule, layout, cfg.lr, cfg.weight_decay)
-            out[start:stop] = res.cpu().numpy()
+            out[start:stop] = train(start, stop)
             if progress is not None:
                 progress(stop, M)
     return out
@@ -499,7 +457,7 @@ def train_loo(
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
                 kernel=kernel, progress=progress)
     elapsed = time.perf_counter() - t0
-    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    layout = _layout(cfg)
     Ws, bs = layout.unpack(flat)
     dev = resolve_device(device)
     meta = {
@@ -568,7 +526,7 @@ def train_single(
     excl[0, :len(skip)] = skip
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1, kernel=kernel)
-    layout = _Layout(cfg.n_features, cfg.hidden, cfg.n_classes)
+    layout = _layout(cfg)
     Ws, bs = layout.unpack(flat)
     return MLPParams([W[0] for W in Ws], [b[0] for b in bs])
 

@@ -24,9 +24,69 @@ verify) runs the same kernel, which it does (a model records which one trained i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from numba import njit
+
+
+def round_up(n: int, g: int) -> int:
+    """The smallest multiple of g that is >= n, and at least g."""
+    return max(g, -(-int(n) // g) * g)
+
+
+class ParamLayout:
+    """One network's parameters as one flat float32 row, the layout the kernels here read:
+    per layer the weights (out x in, row-major) then the biases, each block starting at a
+    multiple of `granule` floats, hidden widths padded to a multiple of `width_granule`
+    (the padding stays zero; :mod:`jobs.learners.loo` pads for torch's batched kernels).
+    `layers[i]` = (true out, true in, padded out, padded in, weight offset, bias offset),
+    the kernels' `geom`."""
+
+    def __init__(self, widths: Sequence[int], width_granule: int = 1, granule: int = 1) -> None:
+        true = [int(w) for w in widths]
+        pad = [true[0], *(round_up(h, width_granule) for h in true[1:-1]), true[-1]]
+        self.layers: list[tuple[int, int, int, int, int, int]] = []
+        off = 0
+        for i in range(len(true) - 1):
+            o_t, i_t, o_p, i_p = true[i + 1], true[i], pad[i + 1], pad[i]
+            w_off = off
+            off += round_up(o_p * i_p, granule)
+            b_off = off
+            off += round_up(o_p, granule)
+            self.layers.append((o_t, i_t, o_p, i_p, w_off, b_off))
+        self.P = off
+        self.geom = np.array(self.layers, dtype=np.int64)
+
+    def pack(self, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray]) -> np.ndarray:
+        """Unpadded weights [(out, in)] and biases [(out,)] -> one flat row (P,)."""
+        flat = np.zeros(self.P, dtype=np.float32)
+        for (o_t, i_t, o_p, i_p, w_off, b_off), W, b in zip(self.layers, weights, biases,
+                                                            strict=True):
+            Wp = np.zeros((o_p, i_p), dtype=np.float32)
+            Wp[:o_t, :i_t] = W
+            flat[w_off:w_off + o_p * i_p] = Wp.ravel()
+            flat[b_off:b_off + o_t] = b
+        return flat
+
+    def unpack(self, flat: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(M, P) -> unpadded weights [(M, out, in)] and biases [(M, out)] (copies)."""
+        M = flat.shape[0]
+        Ws, bs = [], []
+        for o_t, i_t, o_p, i_p, w_off, b_off in self.layers:
+            W = flat[:, w_off:w_off + o_p * i_p].reshape(M, o_p, i_p)[:, :o_t, :i_t]
+            Ws.append(np.ascontiguousarray(W))
+            bs.append(np.ascontiguousarray(flat[:, b_off:b_off + o_t]))
+        return Ws, bs
+
+
+def flat_batches(batches: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Mini-batches of row indices, in training order, as the kernels take them: all rows
+    in one array and each batch's start (batch i is rows[off[i]:off[i + 1]])."""
+    off = np.zeros(len(batches) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(b) for b in batches])
+    rows = np.concatenate(batches).astype(np.int64) if len(batches) else np.zeros(0, np.int64)
+    return rows, off
 
 
 @njit(cache=True)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from jobs.learners.keyed import prf_u64
+from jobs.learners.mlp_kernels import ParamLayout, flat_batches, train_mlp
 
 # cuBLAS reads this when its handle is created; without it, deterministic mode
 # refuses CUDA matmuls. Harmless on CPU.
@@ -299,31 +300,18 @@ def _train_mlp_compiled(net: MLP, X: torch.Tensor, y: torch.Tensor, record_keys:
                         lr: float) -> None:
     """train_stage for an MLP on the CPU: the same batches, one compiled Adam loop
     (:mod:`jobs.learners.mlp_kernels`, which says why)."""
-    from jobs.learners.mlp_kernels import train_mlp
-
     linears = [m for m in net.net if isinstance(m, nn.Linear)]
-    flat = np.concatenate([np.concatenate([m.weight.numpy().ravel(), m.bias.numpy()])
-                           for m in linears]).astype(np.float32)
-    geom, at = [], 0  # per layer: out, in, out, in (no padding), weight and bias offsets
-    for m in linears:
-        o, i = m.out_features, m.in_features
-        geom.append((o, i, o, i, at, at + o * i))
-        at += o * i + o
-    parts = [b for epoch in range(epochs)
-             for b in epoch_batches(record_keys, prf_u64(seed, "epoch", *stage_key, epoch), B)]
-    rows = np.concatenate(parts).astype(np.int64)
-    off = np.zeros(len(parts) + 1, dtype=np.int64)
-    off[1:] = np.cumsum([len(b) for b in parts])
-    train_mlp(flat, np.array(geom, dtype=np.int64),
-              np.ascontiguousarray(X.numpy(), dtype=np.float32),
+    layout = ParamLayout([linears[0].in_features, *(m.out_features for m in linears)])
+    flat = layout.pack([m.weight.numpy() for m in linears], [m.bias.numpy() for m in linears])
+    rows, off = flat_batches([
+        b for epoch in range(epochs)
+        for b in epoch_batches(record_keys, prf_u64(seed, "epoch", *stage_key, epoch), B)])
+    train_mlp(flat, layout.geom, np.ascontiguousarray(X.numpy(), dtype=np.float32),
               y.numpy().astype(np.int64), rows, off, float(lr), 0.9, 0.999, 1e-8)
-    at = 0
-    for m in linears:
-        w, b = m.weight, m.bias
-        m.weight.copy_(torch.from_numpy(flat[at:at + w.numel()].reshape(w.shape)))
-        at += w.numel()
-        m.bias.copy_(torch.from_numpy(flat[at:at + b.numel()]))
-        at += b.numel()
+    Ws, bs = layout.unpack(flat[None])
+    for m, W, b in zip(linears, Ws, bs, strict=True):
+        m.weight.copy_(torch.from_numpy(W[0]))
+        m.bias.copy_(torch.from_numpy(b[0]))
     net.eval()
 
 
