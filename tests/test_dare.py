@@ -374,13 +374,38 @@ def test_batches_choose_incremental_or_refit_by_estimated_cost():
             r = rep.retrained
             assert r["cost_incremental"] >= 0 and r["cost_refit"] >= 0
             assert r["mode"] == ("refit" if r["cost_incremental"] > r["cost_refit"]
-                                 else "incremental")
+                                 and not r.get("measuring") else "incremental")
             modes.append((r["mode"], r["cost_incremental"], r["cost_refit"]))
             assert m.content_hash() == DaREForest(n_estimators=8, max_depth=8, random_state=2
                                                   ).fit(live, X[live], y[live]).content_hash()
         assert [mode for mode, _, _ in modes] == ["incremental", "incremental", "refit"]
         runs.append(modes)
     assert runs[0] == runs[1]
+
+
+def test_the_first_batch_measures_what_batches_retrain():
+    """A refit learns nothing about what a batch retrains, so a prior that is too high
+    would refit every batch for good: the first batch estimated at up to twice a refit
+    goes incremental (reported as measuring, exact like any other), and later batches
+    are estimated with the share it measured."""
+    rng = np.random.default_rng(22)
+    X = rng.integers(0, 6, size=(3000, 8)).astype(float)
+    y = (X[:, 0] + X[:, 1] + rng.integers(0, 3, 3000) > 6).astype(int)
+    order = np.random.default_rng(6).permutation(3000)
+    m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(np.arange(3000), X, y)
+
+    def in_range(size: int) -> bool:
+        incr, refit = m._estimate(size)
+        return refit < incr <= 2 * refit
+
+    size = next(s for s in range(8, 1500) if in_range(s))
+    rep = m.delete(order[:size])
+    assert rep.retrained["mode"] == "incremental" and rep.retrained["measuring"]
+    live = np.sort(order[size:])
+    assert m.content_hash() == DaREForest(n_estimators=8, max_depth=8, random_state=2
+                                          ).fit(live, X[live], y[live]).content_hash()
+    rep = m.delete(order[size:size + 50])
+    assert "measuring" not in rep.retrained
 
 
 @pytest.mark.parametrize("d_rmax", [0, 1])

@@ -207,16 +207,20 @@ class DaREForest(ForestUpdates, SplitSearch, ForestStore, Learner, BaseEstimator
     _CHOOSE_BY_COST = True
     _REFIT_FRACTION = 0.25
     #: costs in units of build work (one record through one level of the builder): a node
-    #: on a deletion's path costs 35-130 units (measured on tables of 120-16,000 records,
-    #: 2-10 classes, 20-64 features; the kernel is bound by memory, the builder by the
-    #: data), a deleted record about 1,000 more (the Python around it). The high end is
-    #: taken, so that near the break-even point a batch refits
-    _NODE_UNITS = 100.0
+    #: on a deletion's path costs 10-100 units, 20-45 on most tables (implied by timing
+    #: batches of 1-1,000 deletions against a refit on tables of 1,400-26,000 records,
+    #: distinct and tied, 2-10 classes, 14-64 features, d_rmax 0-3; the kernel is bound
+    #: by memory, the builder by the data), a deleted record about 1,000 more (the Python
+    #: around it). 100 had batches of 120 at 16k records refit in twice the time of the
+    #: incremental path
+    _NODE_UNITS = 50.0
     _RECORD_UNITS = 1000.0
     #: share of the forest's build work one deletion retrains, until measured, and the
     #: weight of the newest measurement in its running average
     _PRIOR_RHO = 0.005
     _EMA = 0.2
+    #: batches of at least this many deletions learn and use a share of their own
+    _BATCH_MIN = 8
 
     def __init__(
         self,
@@ -334,7 +338,7 @@ class DaREForest(ForestUpdates, SplitSearch, ForestStore, Learner, BaseEstimator
         work = self._build_trees(np.arange(self._T))
         self._trim_pools()
         # what the batch cost estimate starts from (not part of the model)
-        self._costs = {"work": work, "n": n, "rho": None}
+        self._costs = {"work": work, "n": n, "rho": None, "rho_batch": None}
         self.generation_ = next(_GENERATIONS)
         return self
 
@@ -633,7 +637,7 @@ class DaREForest(ForestUpdates, SplitSearch, ForestStore, Learner, BaseEstimator
         # that a version loaded to be served or guarded does not pay for them
         self._tables_stale = True
         work = int(self._n_n[self._n_used].sum())  # = what the builder went through
-        self._costs = {"work": work, "n": self._nlive, "rho": None}
+        self._costs = {"work": work, "n": self._nlive, "rho": None, "rho_batch": None}
         got = self.content_hash()
         if got != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch after loading ({got} != "

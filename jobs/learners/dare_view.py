@@ -111,9 +111,14 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
 
     A node that keeps its lists (a cached node: the forest updates them with every
     deletion and addition, so that its splits stay those of a retrain) hands them out as
-    they are wherever each slot still lists k + buffer live pairs, or every valid pair:
-    then they ARE the first k + buffer valid pairs the search would list. The others
-    (small nodes, slots whose buffer ran short) run the split search on their records."""
+    they are: their live pairs are every valid pair below the list's priority cut-off
+    (the forest inserts a pair that turns valid under it), so they ARE the first valid
+    pairs the search would list, up to k + buffer of them. What the guard asks of them is
+    what one more deletion leaves: at most two listed pairs turn invalid, so a slot that
+    lists k + 2 live pairs (or every valid pair) still names the first k after it, and
+    the decisions are those of the search's longer lists. The others (small nodes, slots
+    whose deletions left fewer) run the split search on their records: after a stream of
+    deletions, asking for the whole buffer sent most large nodes there."""
     f = forest
     nodes = np.asarray(nodes, dtype=np.int64)
     m = len(nodes)
@@ -121,7 +126,7 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
     C = len(f.classes_)
     cid = f._n_cid[nodes].astype(np.int64)
     kept = _kept_lists(cid, f._c_attr, f._c_off, f._c_len, f._c_all, f._er1,
-                       f._k + f._BUFFER)
+                       f._k + min(2, f._BUFFER))
     search = np.flatnonzero(~kept)
     slot_attr = np.full((m, P), -1, dtype=np.int64)
     allp = np.zeros((m, P), dtype=bool)
@@ -162,8 +167,9 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
 
 
 @njit(cache=True)
-def _kept_lists(cid, c_attr, c_off, c_len, c_all, er1, KB):  # pragma: no cover - compiled
-    """Per node: whether it keeps lists that are the split search's (see candidates)."""
+def _kept_lists(cid, c_attr, c_off, c_len, c_all, er1, need):  # pragma: no cover - compiled
+    """Per node: whether it keeps lists of at least `need` live pairs per slot, or every
+    valid pair (see candidates)."""
     out = np.zeros(cid.shape[0], np.bool_)
     for i in range(cid.shape[0]):
         c = cid[i]
@@ -177,7 +183,7 @@ def _kept_lists(cid, c_attr, c_off, c_len, c_all, er1, KB):  # pragma: no cover 
             for e in range(c_off[c, s], c_off[c, s] + c_len[c, s]):
                 if er1[e] >= 0:
                     live += 1
-            if live < KB and not c_all[c, s]:
+            if live < need and not c_all[c, s]:
                 good = False
                 break
         out[i] = good
