@@ -205,7 +205,11 @@ def bab_class(
                        seed=random_state, n_pre=n_pre)
         return sb, hyper.is_point
 
+    floor = safety_margin  # the largest margin owed by any set (see the end)
+
     def record(sb: SetBound, S: np.ndarray, final: bool) -> None:
+        nonlocal floor
+        floor = max(floor, sb.margin)
         rec = sb.record()
         rec["set_size"] = int(len(S))
         rec["final"] = final
@@ -275,8 +279,11 @@ def bab_class(
     witness = None
     if stop_reason == "singleton" and popped_seq in incumbents:
         witness = _witness(loo, c, incumbents[popped_seq], S)
+    # a bound below the margins (-inf: infeasible everywhere; or negative) is raised to
+    # them: raising a bound is sound, and the tolerances they cover act there too
     return ClassBound(
-        c=c, beta=beta, exact=exact, stop_reason=stop_reason, root_bound=root_bound,
+        c=c, beta=max(beta, floor), exact=exact, stop_reason=stop_reason,
+        root_bound=root_bound,
         n_milps=n_milps, sets_explored=explored, open_sets=heap_left,
         elapsed_s=time.perf_counter() - t0,
         last_set=_jsonable_ids(loo.record_ids[np.asarray(last) - 1]) if len(last) <= 16 else [],

@@ -40,10 +40,16 @@ z#, alpha = its flipping class -- because every bound used (IBP, difference
 intervals, big-M constants) holds for every network of S at every x in the
 box (:mod:`jobs.idp.ibp`, widened outwards). Hence the MILP optimum, and the
 solver's DUAL bound above it, is >= beta*_{c,S}. The solver runs with
-floating-point tolerances; ``safety_margin`` (default 1e-4) is added to the
-dual bound to cover them and float32 evaluation at serving.
+floating-point tolerances and serving may evaluate the logits in float32, so a
+margin is added to the dual bound (:func:`serving_margin`): ``safety_margin``
+(default 1e-4) plus ``RELATIVE_MARGIN`` times the largest magnitude in play (the
+variables' finite bounds: pre-activations, logits, big-M constants; the bound
+itself), since both errors grow with the numbers they act on.
 
-Infeasible (no network of S can disagree anywhere): the bound is ``-inf``.
+Infeasible (no network of S can disagree anywhere): the set's bound is ``-inf``
+(branch and bound stops there), and the class's bound is raised to the margin
+(:func:`jobs.idp.bab.bab_class`): a tolerance that could hide a
+disagreement would hide it there too.
 For a singleton S without relaxation (``tau = 0``) the MILP is exact.
 """
 
@@ -60,6 +66,11 @@ from jobs.idp.ibp import EPS, HyperNet, LayerBounds, Net64, affine_bounds, ibp, 
 from jobs.idp.solvers import MILP, SolveResult, lp_ranges, solve
 
 DEFAULT_SAFETY_MARGIN = 1e-4
+#: the margin's relative part: HiGHS accepts rows violated by 1e-7 (LP) to 1e-6 (MIP) on
+#: coefficients as large as the variables' bounds, and float32 logits round each term
+#: by 6e-8 relative, summed over a layer's width: 1e-5 of the largest magnitude covers
+#: both with room
+RELATIVE_MARGIN = 1e-5
 
 
 def _widen_hi(v: float, mag: float) -> float:
@@ -379,11 +390,13 @@ class SetBound:
     result: SolveResult | None
     stats: dict
     x: np.ndarray | None = None  # the solver's incumbent input (diagnostics only)
+    margin: float = DEFAULT_SAFETY_MARGIN  # what was (or, for -inf, is owed) on top
 
     def record(self) -> dict:
         from jobs.idp.solvers import jsonable_float
 
-        rec = {"bound": jsonable_float(self.bound), "dual_bound": jsonable_float(self.dual_bound)}
+        rec = {"bound": jsonable_float(self.bound), "dual_bound": jsonable_float(self.dual_bound),
+               "margin": self.margin}
         if self.result is not None:
             rec.update(self.result.record())
         else:
@@ -408,17 +421,35 @@ def bound_set(
     seed: int = 0,
     n_pre: list[tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> SetBound:
-    """Solve the MILP for (N, S, c) and return the DUAL bound plus ``safety_margin``."""
+    """Solve the MILP for (N, S, c) and return the DUAL bound plus :func:`serving_margin`."""
     enc = encode(net, hyper, c, tau=tau, matching=matching, output_matching=output_matching,
                  n_pre=n_pre)
     if enc.milp is None:
-        return SetBound(float(enc.decided), float(enc.decided), None, enc.stats)
+        d = float(enc.decided)
+        margin = serving_margin(None, d, safety_margin)
+        return SetBound(d + margin if math.isfinite(d) else d, d, None, enc.stats,
+                        margin=margin)
     res = solve(enc.milp, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
                 threads=threads, seed=seed)
     dual = res.dual_bound
-    bound = dual + safety_margin if math.isfinite(dual) else dual
+    margin = serving_margin(enc.milp, dual, safety_margin)
+    bound = dual + margin if math.isfinite(dual) else dual
     x = res.x[enc.x_cols] if res.x is not None else None
-    return SetBound(bound, dual, res, enc.stats, x)
+    return SetBound(bound, dual, res, enc.stats, x, margin)
 
 
-__all__ = ["DEFAULT_SAFETY_MARGIN", "Encoding", "SetBound", "bound_set", "encode", "tighten_lp"]
+def serving_margin(milp: MILP | None, dual: float, safety_margin: float) -> float:
+    """What a dual bound gets on top (see the module doc): ``safety_margin`` plus
+    ``RELATIVE_MARGIN`` times the largest finite variable bound of the MILP, or the
+    bound itself, and at least 1."""
+    scale = abs(dual) if math.isfinite(dual) else 0.0
+    if milp is not None:
+        lim = np.concatenate([milp.lb, milp.ub])
+        lim = lim[np.isfinite(lim)]
+        if lim.size:
+            scale = max(scale, float(np.abs(lim).max()))
+    return safety_margin + RELATIVE_MARGIN * max(scale, 1.0)
+
+
+__all__ = ["DEFAULT_SAFETY_MARGIN", "RELATIVE_MARGIN", "Encoding", "SetBound", "bound_set",
+           "encode", "serving_margin", "tighten_lp"]

@@ -24,9 +24,10 @@ def test_bab_between_found_leaks_and_root(tiny) -> None:
         cb = rep.per_class[c]
         found = find_leaking(loo, c, extra_points=X, **FAST_SEARCH).best_margin
         assert cb.stop_reason == "singleton" and cb.exact
-        assert found - 1e-9 <= cb.beta <= cb.root_bound + 1e-12
+        floor = max(m["margin"] for m in cb.milps)  # a negative bound is raised to it
+        assert found - 1e-9 <= cb.beta <= max(cb.root_bound, floor) + 1e-12
         # final singletons are solved with tau = 0 and a 1e-4 gap: tight to the found leak
-        assert cb.beta - found <= 1e-4 + 1e-3 * abs(found) + 1e-3
+        assert cb.beta - max(found, floor) <= 1e-4 + 1e-3 * abs(found) + 1e-3
         w = cb.witness  # the final MILP's incumbent, re-checked on the real networks
         assert w is not None and w["n_margin"] <= cb.beta and w["loo_margin"] <= 1e-5
         bounds = [e["bound"] for e in events if e["class"] == c]
@@ -65,6 +66,19 @@ def test_anytime_bounds_are_sound(tiny) -> None:
     rep = compute_bounds(loo, 1e-3)
     json.dumps(rep.manifest(), allow_nan=False)
     assert all(b >= found or c2 != c for c2, b in rep.beta.items())
+
+
+def test_a_class_no_network_can_flip_is_served_with_the_margin(tiny, monkeypatch) -> None:
+    """Infeasible everywhere (-inf) is not served as a bound of 0: the class's bound is
+    raised to the margin the sets owed, so tolerances are covered there too."""
+    from jobs.idp import bab
+    from jobs.idp.milp import SetBound
+
+    loo = tiny[0]
+    monkeypatch.setattr(bab, "bound_set", lambda *a, **k: SetBound(
+        -math.inf, -math.inf, None, {}, margin=3e-4))
+    cb = bab_class(loo, 0, time_budget_s=5.0)
+    assert cb.stop_reason == "no leaking input" and cb.beta == 3e-4
 
 
 def test_split_is_a_deterministic_partition() -> None:

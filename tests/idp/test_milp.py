@@ -11,7 +11,7 @@ import scipy.sparse as sp
 
 from jobs.idp import solvers
 from jobs.idp.ibp import HyperNet, Net64
-from jobs.idp.milp import bound_set, encode, tighten_lp
+from jobs.idp.milp import bound_set, encode, serving_margin, tighten_lp
 from jobs.idp.search import find_leaking, margins
 from jobs.idp.solvers import MILP, gurobi_available, solve
 
@@ -56,7 +56,7 @@ def test_singleton_without_relaxation_is_exact(tiny) -> None:
     z = loo.logits(s.x[None, :], [0, j])
     mN, mJ = margins(z[0], c)[0], margins(z[1], c)[0]
     assert mJ <= 1e-5  # the LOO network disagrees (within solver tolerance)
-    assert abs((s.bound - 1e-4) - mN) <= 1e-5  # and N's confidence is the bound
+    assert abs((s.bound - s.margin) - mN) <= 1e-5  # and N's confidence is the bound
 
 
 @pytest.mark.skipif(not gurobi_available(), reason="gurobipy not installed")
@@ -94,7 +94,19 @@ def test_no_possible_flip_gives_minus_inf_and_always_flip_gives_max_margin() -> 
     H = HyperNet.from_nets([constant_net([1.0, 0.0]), constant_net([0.9, 0.0])])
     assert bound_set(N, H, 0).bound == -math.inf  # nobody ever disagrees about class 0
     b1 = bound_set(N, H, 1)  # class 1: every member disagrees everywhere; N's margin is -1
-    assert abs(b1.bound - (-1.0 + 1e-4)) <= 1e-6
+    assert b1.margin >= 1e-4 and abs(b1.bound - (-1.0 + b1.margin)) <= 1e-6
+
+
+def test_the_margin_grows_with_the_numbers_in_play() -> None:
+    """Solver tolerances and float32 serving act relative to the magnitudes of the logits
+    and the MILP's constants: the margin on top of a dual bound grows with them."""
+    small = bound_set(constant_net([1.0, 0.0]),
+                      HyperNet.from_nets([constant_net([0.9, 0.0])]), 1)
+    big = bound_set(constant_net([1000.0, 0.0]),
+                    HyperNet.from_nets([constant_net([900.0, 0.0])]), 1)
+    assert small.margin >= 1e-4 and big.margin >= 1e-4 + 1e-5 * 1000 - 1e-12
+    assert big.bound >= big.dual_bound + big.margin - 1e-9
+    assert serving_margin(None, -math.inf, 1e-4) >= 1e-4  # infeasible: still owed
 
 
 def test_gurobi_size_limit_and_licence_refusal_fall_back(monkeypatch) -> None:
