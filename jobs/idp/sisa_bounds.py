@@ -5,9 +5,11 @@ For the SERVED ensemble (:class:`jobs.learners.sisa.SISAEnsemble` with
 ``schedule="loo"``): :func:`ensemble_loo_set` rebuilds shard ``s``'s LOO set from
 the ensemble's own records and training arguments -- index 0 is bit for bit the
 served shard network (checked), index ``1 + j`` bit for bit the shard after
-``ensemble.delete([ids[j]])`` -- and :func:`shard_bounds` turns those into the
-``(S, C)`` per-shard bounds ``beta_s`` that :func:`jobs.idp.guard.sisa_certain`
-takes, recomputing only the shards it is given (after a deletion or addition:
+``ensemble.delete([ids[j]])`` -- and :func:`shard_bounds` turns those into
+per-shard bounds ``beta_s`` (:class:`ShardBounds`, each tied to the hash of the shard
+network it covers; ``for_ensemble`` gives the ``(S, C)`` array that
+:func:`jobs.idp.guard.sisa_certain` takes, ``+inf`` for a shard whose network has
+changed), recomputing only the shards it is given (after a deletion or addition:
 the one shard it touched). Sliced ensembles (``n_slices > 1``) train with Adam
 stages, not the LOO schedule: they get no per-shard bounds (use ``+inf``, the
 bound-free vote rule, which is sound because one record lives in one shard).
@@ -233,41 +235,68 @@ def shard_bound_reports(ensemble: SISAEnsemble, shards: Sequence[int] | None = N
     return out
 
 
+@dataclass(frozen=True)
+class ShardBounds:
+    """Per-shard serving bounds, each tied to the content hash of the shard network whose
+    LOO set it was computed on (``networks[s]``, :meth:`SISAEnsemble.shard_hash`; None:
+    no bound). They are read only through :meth:`for_ensemble`, which gives ``+inf`` (the
+    bound-free vote rule, sound) to a shard whose network is not the one bounded: a bound
+    carried over from another state of the ensemble, or onto a network changed since,
+    is refused rather than served."""
+
+    networks: tuple[str | None, ...]
+    beta: np.ndarray  # (S, C); +inf where networks[s] is None
+
+    @classmethod
+    def none(cls, n_shards: int, n_classes: int) -> ShardBounds:
+        return cls((None,) * n_shards, np.full((n_shards, n_classes), np.inf))
+
+    def current(self, ensemble: SISAEnsemble) -> np.ndarray:
+        """Per shard: whether its bound is the one of the ensemble's shard network now."""
+        return np.array([h is not None and h == ensemble.shard_hash(s)
+                         for s, h in enumerate(self.networks)], dtype=bool)
+
+    def for_ensemble(self, ensemble: SISAEnsemble) -> np.ndarray:
+        """``(S, C)`` bounds for ``sisa_certain(ensemble.shard_logits(X), ...)``."""
+        S, C = len(ensemble.shard_sizes_), len(ensemble.classes_)
+        if self.beta.shape != (S, C):
+            raise ValueError(f"bounds for {self.beta.shape} shards x classes, the ensemble "
+                             f"has {(S, C)}")
+        return np.where(self.current(ensemble)[:, None], self.beta, np.inf)
+
+
 def shard_bounds(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,
-                 betas: np.ndarray | None = None, time_budget_s: float = 60.0,
+                 previous: ShardBounds | None = None, time_budget_s: float = 60.0,
                  solver: str = "highs", reports: dict[int, BoundReport | None] | None = None,
-                 chunk_size: int = 512, **bound_kwargs: Any) -> np.ndarray:
-    """Sound per-shard serving bounds ``(S, C)`` for a fitted ``schedule="loo"`` ensemble.
+                 chunk_size: int = 512, **bound_kwargs: Any) -> ShardBounds:
+    """Sound per-shard serving bounds for a fitted ``schedule="loo"`` ensemble.
 
     Recomputes the listed ``shards`` (default: all) from their own LOO sets (dual
-    bounds, ``max(beta, 0)``, ``time_budget_s`` per shard); every other row is copied
-    from ``betas`` (the previous bounds: after a deletion or an addition pass only the
-    touched shard, whose old row is no longer sound) or is ``+inf`` when ``betas`` is
-    None. Shards with at most one record get ``+inf``. ``reports``, when a dict, is
-    filled with the :class:`BoundReport` of each recomputed shard (for manifests).
-    Feed the result to ``sisa_certain(ensemble.shard_logits(X), betas,
-    ensemble.active_shards_)``.
+    bounds, ``max(beta, 0)``, ``time_budget_s`` per shard); every other shard keeps its
+    bound from ``previous`` where that was computed on the network it has now (after a
+    deletion or an addition: every shard but the touched one), else it has none.
+    Shards with at most one record get none. ``reports``, when a dict, is filled with
+    the :class:`BoundReport` of each recomputed shard (for manifests).
     """
     S, C = len(ensemble.shard_sizes_), len(ensemble.classes_)
-    if betas is None:
-        out = np.full((S, C), np.inf)
-    else:
-        out = np.array(betas, dtype=np.float64, copy=True)
-        if out.shape != (S, C):
-            raise ValueError(f"betas must have shape {(S, C)}, got {out.shape}")
+    base = ShardBounds.none(S, C) if previous is None else previous
+    beta = base.for_ensemble(ensemble).copy()
+    keep = base.current(ensemble)
+    networks = [h if k else None for h, k in zip(base.networks, keep, strict=True)]
     got = shard_bound_reports(ensemble, shards, time_budget_s=time_budget_s, solver=solver,
                               chunk_size=chunk_size, **bound_kwargs)
     for s, rep in got.items():
         if rep is None:
-            out[s] = np.inf
+            beta[s], networks[s] = np.inf, None
         else:
             sb = rep.serving_beta()
-            out[s] = [sb.get(c, np.inf) for c in range(C)]
+            beta[s] = [sb.get(c, np.inf) for c in range(C)]
+            networks[s] = ensemble.shard_hash(s)
     if reports is not None:
         reports.update(got)
-    return out
+    return ShardBounds(tuple(networks), beta)
 
 
-__all__ = ["ShardMismatchError", "ShardedLOO", "compute_shard_bounds", "ensemble_loo_set",
+__all__ = ["ShardBounds", "ShardMismatchError", "ShardedLOO", "compute_shard_bounds", "ensemble_loo_set",
            "naive_certain", "shard_bound_reports", "shard_bounds", "shard_of", "shard_seed",
            "train_sharded_loo"]

@@ -399,7 +399,8 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
     assert ens.config_["schedule"] == "loo"
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    betas = shard_bounds(ens, time_budget_s=args.budget / shards, solver="highs")
+    betas = shard_bounds(ens, time_budget_s=args.budget / shards,
+                         solver="highs").for_ensemble(ens)
     bound_s = time.perf_counter() - t0
     print(f"[{d.name}] SISA (served SISAEnsemble) {shards} shards, sizes "
           f"{ens.shard_sizes_.tolist()}; train {train_s:.1f}s, bounds {bound_s:.1f}s; betas "

@@ -70,10 +70,10 @@ def _fitted() -> tuple[SISAEnsemble, list[LOOSet], np.ndarray, dict]:
         assert ens.config_["schedule"] == "loo"
         loos = [ensemble_loo_set(ens, s) for s in range(S)]
         reports: dict[int, BoundReport | None] = {}
-        betas = shard_bounds(ens, time_budget_s=BUDGET_S, reports=reports)
-        _CACHE.update(ens=ens, loos=loos, betas=betas, reports=reports)
+        bounds = shard_bounds(ens, time_budget_s=BUDGET_S, reports=reports)
+        _CACHE.update(ens=ens, loos=loos, bounds=bounds, reports=reports)
     c = _CACHE
-    return c["ens"], c["loos"], c["betas"], c["reports"]  # type: ignore[return-value]
+    return c["ens"], c["loos"], c["bounds"], c["reports"]  # type: ignore[return-value]
 
 
 def _state(p: MLPParams) -> dict[str, torch.Tensor]:
@@ -145,7 +145,8 @@ def _brute_force_stable(ens: SISAEnsemble, loos: list[LOOSet], Q: np.ndarray) ->
 
 
 def test_per_shard_bounds_are_sound_and_certify_more_than_the_bound_free_rule() -> None:
-    ens, loos, betas, reports = _fitted()
+    ens, loos, bounds, reports = _fitted()
+    betas = bounds.for_ensemble(ens)
     assert betas.shape == (S, 2) and np.isfinite(betas).all() and (betas >= 0).all()
     assert all(isinstance(r, BoundReport) for r in reports.values()) and len(reports) == S
     for s, r in reports.items():
@@ -165,15 +166,21 @@ def test_per_shard_bounds_are_sound_and_certify_more_than_the_bound_free_rule() 
 
 
 def test_recompute_only_the_touched_shard_after_a_deletion() -> None:
-    ens, _, betas, _ = _fitted()
+    ens, _, bounds, _ = _fitted()
+    betas = bounds.for_ensemble(ens)
     e2 = copy.deepcopy(ens)
     rid = e2.shard_records(1)[0][3]
     (s,), _ = e2.locate([rid])
     e2.delete([rid])
     reports: dict[int, BoundReport | None] = {}
-    new = shard_bounds(e2, [int(s)], betas=betas, time_budget_s=BUDGET_S, reports=reports)
-    assert list(reports) == [int(s)]
+    # the touched shard's network changed: its old bound is refused, the others' kept
+    stale = bounds.for_ensemble(e2)
+    assert np.isinf(stale[s]).all() and list(bounds.current(e2)).count(False) == 1
+    new = shard_bounds(e2, [int(s)], previous=bounds, time_budget_s=BUDGET_S,
+                       reports=reports)
+    assert list(reports) == [int(s)] and new.current(e2).all()
     keep = [k for k in range(S) if k != s]
+    new = new.for_ensemble(e2)
     np.testing.assert_array_equal(new[keep], betas[keep])
     assert np.isfinite(new[s]).all()
     loos = [ensemble_loo_set(e2, k) for k in range(S)]
@@ -183,7 +190,7 @@ def test_recompute_only_the_touched_shard_after_a_deletion() -> None:
     assert not (certain & ~_brute_force_stable(e2, loos, Q)).any()
     # without the previous bounds, the other rows are +inf (sound, bound-free)
     alone = shard_bounds(e2, [int(s)], time_budget_s=1.0)  # anytime: sound at any budget
-    assert np.isinf(alone[keep]).all()
+    assert np.isinf(alone.for_ensemble(e2)[keep]).all()
 
 
 # --------------------------------------------------------------------------- edges
@@ -194,8 +201,8 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
     ens = SISAEnsemble(**{**KW, "n_shards": 6}).fit(ids, X, y)
     sizes = ens.shard_sizes_
     assert (sizes <= 1).any(), sizes  # some shard holds one record or none
-    betas = shard_bounds(ens, time_budget_s=2.0)
-    assert np.isinf(betas[sizes <= 1]).all()
+    bounds = shard_bounds(ens, time_budget_s=2.0)
+    assert np.isinf(bounds.for_ensemble(ens)[sizes <= 1]).all()
     for s in np.flatnonzero(sizes == 0):
         assert ensemble_loo_set(ens, int(s)) is None
     with pytest.raises(ValueError, match="out of range"):
@@ -205,7 +212,10 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
     with pytest.raises(ValueError, match="schedule"):
         shard_bounds(sliced)
     s = int(np.argmax(sizes))
+    assert np.isfinite(bounds.for_ensemble(ens)[s]).all()
     with torch.no_grad():
         next(ens._nets[s].parameters()).view(-1)[0] += 1e-6
     with pytest.raises(ShardMismatchError):
         ensemble_loo_set(ens, s)
+    # a bound never covers a network other than the one it was computed on
+    assert np.isinf(bounds.for_ensemble(ens)[s]).all()
