@@ -297,6 +297,6 @@ def shard_bounds(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,
     return ShardBounds(tuple(networks), beta)
 
 
-__all__ = ["ShardBounds", "ShardMismatchError", "ShardedLOO", "compute_shard_bounds", "ensemble_loo_set",
-           "naive_certain", "shard_bound_reports", "shard_bounds", "shard_of", "shard_seed",
-           "train_sharded_loo"]
+__all__ = ["ShardBounds", "ShardMismatchError", "ShardedLOO", "compute_shard_bounds",
+           "ensemble_loo_set", "naive_certain", "shard_bound_reports", "shard_bounds",
+           "shard_of", "shard_seed", "train_sharded_loo"]
