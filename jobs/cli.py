@@ -32,6 +32,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="an update grows the forest guard's new subtrees for at most this "
                         "long before the version is published (sound, fewer answers certain "
                         "until the background refit; default 0.25; inf: grow them all)")
+    p.add_argument("--shard-bound", type=float, default=20.0, metavar="SECONDS",
+                   help="the guard job computes each SISA shard's LUCID bound for at most "
+                        "this long (anytime: sound whenever it stops); until then, and after "
+                        "an update retrains the shard, it counts as fragile (default 20; "
+                        "0: no bounds)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the exactness check (retrain from scratch, compare hashes)")
     p.add_argument("--evaluate", action="store_true", default=None,
@@ -97,7 +102,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
                      guard_max_wait_s=args.guard_max_wait, guard_grow_s=args.guard_grow,
-                     destroy_grace_s=s.destroy_grace_s,
+                     shard_bound_s=args.shard_bound, destroy_grace_s=s.destroy_grace_s,
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     log.info("%s", worker.ledger.schema_upgrade.describe())
     if args.train:

@@ -41,18 +41,20 @@ class GuardResult:
     guard_dir: Path  # fitted guard state, for ServedModel.load_guard
 
 
-def fit_guard(version_path: str, key_hex: str, out_dir: str, verify: bool) -> None:
-    """Refit a stored version's guard and check exactness; results go to `out_dir`, the
-    fitted guard sealed under the version's key like the version itself."""
+def fit_guard(version_path: str, key_hex: str, out_dir: str, verify: bool,
+              bound_s: float = 0.0) -> None:
+    """Refit a stored version's guard (`bound_s`: seconds per part of a guard that searches
+    for bounds, see ServedModel.refresh_guard) and check exactness; results go to
+    `out_dir`, the fitted guard sealed under the version's key like the version itself."""
     with sealing.sealed_with(bytes.fromhex(key_hex)):
-        _fit_guard(version_path, out_dir, verify)
+        _fit_guard(version_path, out_dir, verify, bound_s)
 
 
-def _fit_guard(version_path: str, out_dir: str, verify: bool) -> None:
+def _fit_guard(version_path: str, out_dir: str, verify: bool, bound_s: float) -> None:
     out = Path(out_dir)
     try:
         model = ServedModel.load(version_path)
-        guard = model.refresh_guard()
+        guard = model.refresh_guard(bound_s)
         check: dict[str, Any] = {}
         if verify:
             rep = model.learner.verify()
@@ -103,7 +105,7 @@ class GuardProcess:
         child.close()
         self._conn, self._busy = parent, False
 
-    def submit(self, args: tuple[str, str, str, bool]) -> None:
+    def submit(self, args: tuple[str, str, str, bool, float]) -> None:
         if self._busy:
             raise RuntimeError("the guard process is still running a job")
         self.start()
@@ -155,10 +157,10 @@ class GuardJob:
     thread when there is none (tests)."""
 
     def __init__(self, version: str, version_path: Path, key: bytes, verify: bool,
-                 process: GuardProcess | None = None) -> None:
+                 process: GuardProcess | None = None, bound_s: float = 0.0) -> None:
         self.version = version
         self.dir = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}-"))
-        args = (str(version_path), key.hex(), str(self.dir), verify)
+        args = (str(version_path), key.hex(), str(self.dir), verify, float(bound_s))
         self._process = process
         self._thread: threading.Thread | None = None
         if process is not None:

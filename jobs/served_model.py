@@ -8,10 +8,15 @@ The sidecar serves two kinds:
   the version, so a published forest is always guarded; a forest changed without
   it answers every query through the mechanism (noise-all).
 - ``sisa``: a SISA ensemble (exact unlearning) guarded by the vote rule of
-  DESIGN.md with every shard treated as fragile: one record lives in one shard,
-  so a single deletion can move at most that shard's vote, to any class. The
-  answer is certain when no such move changes the winner. The rule needs no
-  bound, so it holds for every state of the ensemble the moment it exists.
+  DESIGN.md: one record lives in one shard, so a single deletion can move at most
+  that shard's vote; a shard whose margin exceeds its LUCID bound keeps its vote,
+  any other may move to any class, and the answer is certain when no such move
+  changes the winner. A shard without a bound for its current network counts as
+  fragile (bound +inf), which needs nothing fitted, so the rule holds for every
+  state of the ensemble the moment it exists; the guard job computes the per-shard
+  bounds in the background (:meth:`ShardVoteModel.refresh_guard`; one-slice
+  ensembles with the masked LOO schedule only), and an update refuses the bound of
+  every shard it retrained until then.
 - ``game``: one network that forgets by the game of Liu et al. (APPROXIMATE
   unlearning). It is served in noise-all mode, always: LUCID's bound holds for
   a network and its leave-one-out networks trained with one masked schedule,
@@ -34,8 +39,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from jobs import sealing
 from jobs.idp.forest_guard import ForestGuard
 from jobs.idp.guard import sisa_certain
+from jobs.idp.sisa_bounds import ShardBounds, shard_bounds
 from jobs.learners.base import Learner
 from jobs.learners.dare import DaREForest
 from jobs.learners.game import GameUnlearningNet
@@ -110,9 +117,10 @@ class ServedModel(abc.ABC):
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(class index, certain) per clipped query; certain is all False when not ready."""
 
-    def refresh_guard(self) -> dict[str, Any]:
+    def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
         """Make the guard valid for the current learner; returns its manifest record.
-        Here, a rule with nothing to fit."""
+        `bound_s`: what a guard that searches for bounds part by part (SISA: per shard)
+        may spend on each (None or 0: none). Here, a rule with nothing to fit."""
         return {**self.guard_record(), "seconds": 0.0}
 
     def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = (),
@@ -191,7 +199,7 @@ class ForestModel(ServedModel):
             return self.plain_labels(X), np.zeros(len(X), dtype=bool)
         return self.guard.certain(X)
 
-    def refresh_guard(self) -> dict[str, Any]:
+    def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         # a guard loaded with its version is valid already; one an update left coarser
         # (out of time) is refitted
@@ -233,19 +241,62 @@ class ForestModel(ServedModel):
 
 
 class ShardVoteModel(ServedModel):
+    """The SISA vote rule with per-shard bounds where the ensemble admits them (one slice,
+    the masked LOO schedule): a shard counts as fragile (bound +inf) until the guard job
+    has computed the bound of its current network (:meth:`refresh_guard`), and again
+    once an update retrains it (the bound is tied to the shard network's hash), so every
+    answer is sound at every moment and answers improve as bounds arrive."""
+
     kind = "sisa"
     learner_cls = SISAEnsemble
+
+    def __init__(self, learner: SISAEnsemble) -> None:
+        super().__init__(learner)
+        S, C = len(learner.shard_sizes_), len(learner.classes_)
+        self.bounds = ShardBounds.none(S, C)
+        self.bound_info: dict[int, dict[str, Any]] = {}  # per shard: how it was computed
 
     @property
     def guard_ready(self) -> bool:
         return True
 
+    @property
+    def boundable(self) -> bool:
+        """Whether the shards train with the masked LOO schedule (bounds exist)."""
+        return self.learner.config_.get("schedule") == "loo"
+
+    def _wanted(self) -> np.ndarray:
+        """Shards that can have a bound: boundable, more than one record."""
+        if not self.boundable:
+            return np.zeros(len(self.learner.shard_sizes_), dtype=bool)
+        return self.learner.shard_sizes_ > 1
+
+    @property
+    def guard_complete(self) -> bool:
+        return bool(self.bounds.current(self.learner)[self._wanted()].all())
+
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ens = self.learner
-        logits = ens.shard_logits(X)
-        S, C = logits.shape[0], logits.shape[2]
-        return sisa_certain(logits, np.full((S, C), np.inf), ens.active_shards_,
-                            max(1, ens.max_shards_per_record_))
+        return sisa_certain(ens.shard_logits(X), self.bounds.for_ensemble(ens),
+                            ens.active_shards_, max(1, ens.max_shards_per_record_))
+
+    def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        todo = np.flatnonzero(self._wanted() & ~self.bounds.current(self.learner))
+        if bound_s and todo.size:
+            reports: dict[int, Any] = {}
+            for s in todo.tolist():  # one at a time: progress in the job's log
+                t1 = time.perf_counter()
+                self.bounds = shard_bounds(self.learner, [s], previous=self.bounds,
+                                           time_budget_s=bound_s, reports=reports)
+                self.bound_info[s] = _bound_info(reports.get(s), time.perf_counter() - t1)
+        return {**self.guard_record(), "seconds": time.perf_counter() - t0}
+
+    def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = (),
+                     grow_seconds: float | None = None) -> dict[str, Any]:
+        # nothing to do before publishing: a retrained shard's bound no longer matches
+        # its network and is refused (+inf) until the guard job recomputes it
+        return {**self.guard_record(), "seconds": 0.0}
 
     def vote_counts(self, X: np.ndarray) -> np.ndarray:
         pred = self.learner.shard_predictions(X)  # -1 for shards without records
@@ -256,8 +307,38 @@ class ShardVoteModel(ServedModel):
         return votes
 
     def guard_record(self) -> dict[str, Any]:
-        return {"rule": "sisa-vote", "ready": True, "shard_bound": "inf",
-                "n_shards": int(self.learner.n_shards)}
+        rec: dict[str, Any] = {"rule": "sisa-vote", "ready": True,
+                               "n_shards": int(self.learner.n_shards)}
+        if not self.boundable:
+            return {**rec, "shard_bound": "inf"}
+        current = self.bounds.current(self.learner)
+        shards = []
+        for s, ok in enumerate(current.tolist()):
+            row = {"shard": s, "current": ok,
+                   "beta": [_jsonable(b) for b in self.bounds.beta[s]] if ok else None}
+            if ok:
+                row.update(self.bound_info.get(s, {}))
+            shards.append(row)
+        return {**rec, "shard_bound": "per-shard",
+                "bound": {"complete": self.guard_complete, "shards": shards}}
+
+    def save_guard(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        sealing.write_file(path / SHARD_BOUNDS_FILE, json.dumps({
+            "networks": list(self.bounds.networks),
+            "beta": [[_jsonable(b) for b in row] for row in self.bounds.beta],
+            "info": {str(s): v for s, v in self.bound_info.items()}}).encode())
+
+    def load_guard(self, path: Path) -> None:
+        f = path / SHARD_BOUNDS_FILE
+        if not f.exists():
+            return
+        data = json.loads(sealing.read_file(f))
+        beta = np.array([[float(b) for b in row] for row in data["beta"]], dtype=np.float64)
+        bounds = ShardBounds(tuple(data["networks"]), beta)
+        bounds.for_ensemble(self.learner)  # ValueError for another ensemble's shape
+        self.bounds = bounds  # rows of shards whose network differs are refused on use
+        self.bound_info = {int(s): v for s, v in data["info"].items()}
 
 
 class GameModel(ServedModel):
@@ -283,6 +364,27 @@ class GameModel(ServedModel):
     def holdout_ids(self) -> np.ndarray:
         learner = self.learner
         return learner.record_ids_[~learner.train_mask_]
+
+
+SHARD_BOUNDS_FILE = "shard_bounds.json"
+
+
+def _jsonable(b: float) -> float | str:
+    return float(b) if np.isfinite(b) else ("inf" if b > 0 else "-inf")
+
+
+def _bound_info(report: Any, seconds: float) -> dict[str, Any]:
+    """How a shard's bound was computed, for the manifest (solver, status, gap)."""
+    if report is None:
+        return {"seconds": round(seconds, 3), "status": "one record or none: no bound"}
+    man = report.manifest()
+    milps = [m for cb in report.per_class.values() for m in cb.milps]
+    gaps = [m["gap"] for m in milps if isinstance(m.get("gap"), float)]
+    return {"seconds": round(seconds, 3), "solvers": man["solvers_used"],
+            "loo_hash": report.loo_hash,
+            "status": sorted({cb.stop_reason for cb in report.per_class.values()}),
+            "exact": all(cb.exact for cb in report.per_class.values()),
+            "max_gap": max(gaps) if gaps else None, "n_milps": man.get("n_milps")}
 
 
 KINDS: dict[str, type[ServedModel]] = {

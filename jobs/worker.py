@@ -92,6 +92,9 @@ class WorkerConfig:
     # worst-case pairs until the background refit): deletion -> served stays about one
     # update (inf: grow them all before publishing)
     guard_grow_s: float = 0.25
+    # the guard job computes each SISA shard's LUCID bound for at most this long (anytime:
+    # sound whenever it stops); 0: no bounds, every shard counts as fragile
+    shard_bound_s: float = 0.0
     # measure each deletion's privacy (jobs.eval) into its `applied` event: seconds per pass
     evaluate: bool = False
     # versions superseded by a deletion are destroyed this long after it (jobs.retention)
@@ -102,7 +105,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_window_s", "poll_s", "lease_s", "guard_after_idle_s",
-                     "guard_max_wait_s", "destroy_grace_s", "guard_grow_s"):
+                     "guard_max_wait_s", "destroy_grace_s", "guard_grow_s", "shard_bound_s"):
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"worker setting {name} must be >= 0 seconds, got {value}")
@@ -441,15 +444,21 @@ class Worker:
         if self.registry.current().version != cur.version:
             return True  # published meanwhile: the requests read may not be in `cur`
         if (not applied and not _guard_owed(cur.manifest)
-                and not _guard_coarse(cur.manifest["guard"])):
+                and not self._refinable(cur.manifest["guard"])):
             self._unverified_since = None
             return False
         self._check_requests = None if _guard_owed(cur.manifest) else applied
         self._check_started = now
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
                                    self.registry.key(cur.version),
-                                   self.config.verify_exactness, self._guard_process)
+                                   self.config.verify_exactness, self._guard_process,
+                                   self.config.shard_bound_s)
         return True
+
+    def _refinable(self, guard: dict[str, Any]) -> bool:
+        """A coarse guard that the guard job would make finer with this configuration."""
+        return _guard_coarse(guard) and (guard["rule"] != "sisa-vote"
+                                         or self.config.shard_bound_s > 0)
 
     def _finish_guard(self, job: GuardJob) -> None:
         try:

@@ -83,6 +83,8 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
             ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
             current = registry.current()
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
+            if learner == "sisa":
+                ok = _await_shard_bounds(registry, sidecar.base_url) and ok
             _report(ledger, s, sidecar, stream)
             ok = _forgotten_report(ledger, registry, ds, stream, work) and ok
         finally:
@@ -191,6 +193,37 @@ def _predict_loop(base: str, raw: np.ndarray, stop: threading.Event,
             except httpx.HTTPError:
                 answers["error"] += 1
             stop.wait(0.05)
+
+
+def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 300.0) -> bool:
+    """Show the per-shard bounds arriving: the worker's guard job computes one shard after
+    the other once the stream pauses, and publishes them with the version they bound."""
+    print("\n== per-shard bounds (SISA): the guard job computes each shard's LUCID bound in "
+          "the background; until then a shard counts as fragile (bound +inf)")
+    t0, seen = time.monotonic(), None
+    while time.monotonic() - t0 < timeout_s:
+        cur = registry.current()
+        bound = cur.manifest["guard"].get("bound") if cur else None
+        if bound is None:
+            print("  the ensemble has no per-shard bounds (sliced, or not the LOO schedule)")
+            return True
+        done = sum(row["current"] for row in bound["shards"])
+        if (cur.version, done) != seen:
+            seen = (cur.version, done)
+            print(f"  {time.monotonic() - t0:5.1f} s  {cur.version}: {done}/"
+                  f"{len(bound['shards'])} shards bounded")
+        if bound["complete"] and _await_served(base_url, cur.version):
+            for row in bound["shards"]:
+                beta = ", ".join(f"{b:.3g}" if isinstance(b, float) else str(b)
+                                 for b in row["beta"] or [])
+                print(f"    shard {row['shard']}: beta [{beta}] in {row.get('seconds', 0):.1f} "
+                      f"s ({', '.join(row.get('status', []))}; solvers "
+                      f"{', '.join(row.get('solvers', [])) or 'none needed'})")
+            return True
+        time.sleep(1.0)
+    print(f"  not complete after {timeout_s:.0f} s (answers stay sound: unbounded shards count "
+          "as fragile)")
+    return True
 
 
 def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any]) -> None:

@@ -320,7 +320,10 @@ class Sidecar:
                      max_seconds: float | None = None) -> Proc:
         """`obliviate worker [args]` in the background; each gets a distinct worker name."""
         n = self._counts.get("worker", 0) + 1
-        argv = ["worker", "--name", name or f"test-worker-{n}", *args]
+        # per-shard SISA bounds take minutes of CPU in the guard job: only the tests
+        # about them ask for them
+        bounds = () if "--shard-bound" in args else ("--shard-bound", "0")
+        argv = ["worker", "--name", name or f"test-worker-{n}", *args, *bounds]
         if max_seconds is not None:
             argv += ["--max-seconds", str(max_seconds)]
         proc = self.start_process("worker", argv)

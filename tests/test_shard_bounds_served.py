@@ -1,0 +1,116 @@
+"""Per-shard SISA bounds on the served path: the guard job computes them in the
+background, each is tied to the shard network it covers, an update refuses the bound of
+the shard it retrained until the job recomputes it, and every answer certified at any
+moment survives every single deletion (checked against every LOO network)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from jobs import sealing
+from jobs.idp.sisa_bounds import ensemble_loo_set
+from jobs.registry import Registry
+from jobs.served_model import ShardVoteModel
+from jobs.worker import Worker, WorkerConfig
+from ledger.store import Ledger
+from tests.conftest import seed
+from tests.idp.test_sisa_bounds import _brute_force_stable
+from tests.test_worker import _drain
+
+SISA = {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}
+
+
+def _queries(model: ShardVoteModel, X: np.ndarray) -> np.ndarray:
+    rng = np.random.default_rng(3)
+    return np.vstack([X, rng.random((300, X.shape[1]))]).astype(np.float32)
+
+
+def _assert_sound(model: ShardVoteModel, Q: np.ndarray) -> np.ndarray:
+    """Certified answers are stable under every single deletion; returns `certain`."""
+    ens = model.learner
+    cls, certain = model.certain(Q)
+    loos = [ensemble_loo_set(ens, s) for s in range(len(ens.shard_sizes_))]
+    stable = _brute_force_stable(ens, loos, Q)
+    assert not (certain & ~stable).any(), int((certain & ~stable).sum())
+    S, C = len(ens.shard_sizes_), len(ens.classes_)
+    from jobs.idp.guard import sisa_certain
+
+    _, free = sisa_certain(ens.shard_logits(Q), np.full((S, C), np.inf), ens.active_shards_)
+    assert not (free & ~certain).any()  # bounds only add certain answers
+    return certain
+
+
+@pytest.fixture
+def seeded90(ledger: Ledger) -> Ledger:
+    seed(ledger, n=90)
+    return ledger
+
+
+def test_the_guard_job_bounds_each_shard_and_an_update_refuses_the_retrained_one(
+        seeded90: Ledger) -> None:
+    ledger = seeded90
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, shard_bound_s=2.0))
+    w.bootstrap("sisa", SISA)
+    guard = reg.current().manifest["guard"]
+    assert guard["shard_bound"] == "per-shard" and guard["bound"]["complete"] is False
+    assert not any(row["current"] for row in guard["bound"]["shards"])  # all fragile
+
+    _drain(w, timeout_s=300)  # the guard job computes every shard's bound
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "guard"
+    rows = cur.manifest["guard"]["bound"]["shards"]
+    assert cur.manifest["guard"]["bound"]["complete"] is True
+    assert all(r["current"] and len(r["beta"]) == 3 and r["status"] and r["loo_hash"]
+               for r in rows)
+    model = reg.load(cur.version)
+    assert isinstance(model, ShardVoteModel) and model.guard_complete
+    X, _ = ledger.record_data([f"r{i:03d}" for i in range(90)])
+    Q = _queries(model, X)
+    _assert_sound(model, Q)
+
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r004"]})
+    assert w.step()
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "update"
+    rows = cur.manifest["guard"]["bound"]["shards"]
+    assert [r["current"] for r in rows].count(False) == 1  # the shard that held r004
+    model = reg.load(cur.version)
+    assert not model.guard_complete
+    _assert_sound(model, Q)  # the retrained shard counts as fragile meanwhile
+
+    _drain(w, timeout_s=300)
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "guard" and cur.manifest["guard"]["bound"][
+        "complete"] is True
+    _assert_sound(reg.load(cur.version), Q)
+
+
+def test_bounds_are_kept_only_for_the_networks_they_were_computed_on(
+        seeded90: Ledger, tmp_path) -> None:
+    """Saved with the version (sealed under its key); loaded onto an ensemble whose shard
+    changed, that shard's bound is refused (+inf), the others' kept."""
+    X, y = seeded90.record_data([f"r{i:03d}" for i in range(90)])
+    ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
+    model = ShardVoteModel.train("sisa", ids, X, y, params=SISA)
+    assert not model.guard_complete
+    model.refresh_guard(bound_s=1.0)
+    assert model.guard_complete
+    key = sealing.new_key()
+    with sealing.sealed_with(key):
+        model.save(tmp_path / "v")
+    changed = ShardVoteModel.train("sisa", ids, X, y, params={
+        **SISA, "random_state": model.learner.random_state})
+    assert changed.learner.content_hash() == model.learner.content_hash()
+    gone = "r004"
+    (s,), _ = changed.learner.locate([gone])
+    changed.learner.delete([gone])
+    with sealing.sealed_with(key):
+        changed.load_guard(tmp_path / "v" / "guard")
+    current = changed.bounds.current(changed.learner)
+    assert not current[s] and current.sum() == len(current) - 1
+    assert np.isinf(changed.bounds.for_ensemble(changed.learner)[s]).all()
