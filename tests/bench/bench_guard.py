@@ -82,6 +82,14 @@ the uniform access queries (must be 0).
 Reference (LUCID Table 1): accuracy decrease 1.4 points at eps 0, 1.1 at
 eps 1; access 0.16 ms per query.
 
+Served SISA (``served=``, issue 17): the sidecar's own :class:`jobs.served_model.ShardVoteModel`
+with the served defaults (5 shards, one hidden layer of 32, 20 epochs, batch 32,
+random_state 0) on breast cancer, digits (1,797 x 64, 10 classes) and a generated
+16,000-record table (``--served``; quick: breast cancer 200 x 10): ``served=inf`` as a
+version is first published (every shard fragile), ``served=bounds`` once
+``refresh_guard`` (the guard job's call) has bounded every shard (``--budget`` / 5 s
+each); ``acc_eps0`` = the expected accuracy at eps 0; ``violations`` as above.
+
 The last lines are, per data set,
 
     RESULT data=... model=mlp acc=... acc_eps0=... acc_eps02=... acc_eps1=... acc_eps0_loo=... \
@@ -89,6 +97,8 @@ beta=b0/b1 bound_s=... access_ms=... naive_ms=... tightness=t0/t1 violations=0
     RESULT data=... model=sisa shards=5 acc=... certain_sisa=... certain_free=... \
 certain_naive=... acc_eps0_sisa=... acc_eps0_free=... acc_eps0_naive=... \
 uniform_sisa=... uniform_free=... uniform_naive=... bound_s=... violations=0
+    RESULT data=... model=sisa served=inf|bounds certified=... acc=... acc_eps0=... \
+bound_s=... violations=0
     RESULT data=... model=dare acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=... \
 bound_s=... access_ms=... batch_ms=... naive_ms=... tightness=... violations=0
 """
@@ -104,7 +114,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_breast_cancer, load_wine, make_moons
+from sklearn.datasets import load_breast_cancer, load_digits, load_wine, make_moons
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -171,6 +181,14 @@ def load(name: str, quick: bool) -> Data:
     elif name == "wine":
         d = load_wine()
         X, y, note = _scale(d.data), d.target, "wine 178x13 (3 classes)"
+    elif name == "digits":
+        d = load_digits()
+        X, y, note = _scale(d.data), d.target, "digits 1797x64 (10 classes)"
+    elif name == "synthetic16k":
+        from ledger import datasets
+
+        d = datasets.load("synthetic", n_samples=16000)
+        X, y, note = _scale(d.X), d.y, "make_classification 16000x20 (3 classes)"
     else:
         raise SystemExit(f"unknown data set {name!r}")
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
@@ -445,6 +463,38 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
             f"uniform_naive={cq_naive.mean():.4f} bound_s={bound_s:.1f} violations={violations}")
 
 
+def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
+    """The sidecar's own code path for SISA (``ShardVoteModel`` with the served defaults):
+    ``served=inf`` as a version is first published (every shard fragile), ``served=bounds``
+    after the guard job's ``refresh_guard`` (``args.budget / shards`` s per shard)."""
+    from jobs.served_model import DEFAULT_PARAMS, ShardVoteModel
+
+    C = int(d.ytr.max()) + 1
+    model = ShardVoteModel.train("sisa", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
+                                 params={"random_state": 0})
+    ens = model.learner
+    shards = int(DEFAULT_PARAMS["sisa"]["n_shards"])
+    Xc = clip_unit(d.Xte)
+    out = []
+    for served in ("inf", "bounds"):
+        bound_s = 0.0
+        if served == "bounds":
+            t0 = time.perf_counter()
+            model.refresh_guard(bound_s=args.budget / shards)
+            bound_s = time.perf_counter() - t0
+        winner, certain = model.certain(Xc)
+        acc = float((winner == d.yte).mean())
+        violations = sisa_violations(ens, Xc, certain, winner)
+        print(f"[{d.name}] served SISA ({served}): shards {ens.shard_sizes_.tolist()}, "
+              f"certain {certain.mean():.3f}, bounds {bound_s:.1f}s, violations {violations}",
+              flush=True)
+        out.append(f"RESULT data={d.name} model=sisa served={served} "
+                   f"certified={certain.mean():.4f} acc={acc:.4f} "
+                   f"acc_eps0={expected_accuracy(winner, certain, d.yte, C, 0.0):.4f} "
+                   f"bound_s={bound_s:.1f} violations={violations}")
+    return out
+
+
 class NaiveForestIDP:
     """Naive iDP for a forest: the served forest and every exact LOO forest on the query;
     the label iff all agree (argmax, lowest index on ties, in the served class space), else
@@ -573,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS),
                     help="comma-separated subset of mlp,sisa,dare (default: all)")
     ap.add_argument("--no-sisa", action="store_true")
+    ap.add_argument("--served", default=None,
+                    help="data sets for the served SISA rows (default cancer,digits,"
+                         "synthetic16k; quick: cancer; 'none' to skip)")
     ap.add_argument("--reps", type=int, default=None, help="guards per accuracy (default 50)")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden width (default: moons 16, cancer 8, wine 8; quick 8)")
@@ -600,10 +653,16 @@ def main(argv: list[str] | None = None) -> int:
             sisa_results.append(bench_sisa(d, args, hidden))
         if "dare" in models:
             dare_results.append(bench_dare(d, args))
+    served = args.served or ("cancer" if args.quick else "cancer,digits,synthetic16k")
+    served_results = []
+    if "sisa" in models:
+        for name in [n for n in served.split(",") if n and n != "none"]:
+            served_results += bench_served(load(name, args.quick), args)
     print(f"total {time.perf_counter() - t_start:.0f}s")
-    for line in results + sisa_results + dare_results:
+    lines = results + sisa_results + dare_results + served_results
+    for line in lines:
         print(line)
-    bad = [r for r in results + sisa_results + dare_results if not r.endswith("violations=0")]
+    bad = [r for r in lines if not r.endswith("violations=0")]
     return 1 if bad else 0
 
 
