@@ -181,6 +181,11 @@ class ServedModel(abc.ABC):
     def load_guard(self, path: Path) -> None:  # noqa: B027 - a guard may have no state
         """Install guard state written by :meth:`save_guard` (checked against the learner)."""
 
+    def adopt_guard(self, path: Path) -> bool:
+        """Take from another version's saved guard state what still holds for this learner;
+        True if that made the guard finer. Here, nothing carries over."""
+        return False
+
 
 class ForestModel(ServedModel):
     kind = "dare"
@@ -330,15 +335,33 @@ class ShardVoteModel(ServedModel):
             "info": {str(s): v for s, v in self.bound_info.items()}}).encode())
 
     def load_guard(self, path: Path) -> None:
-        f = path / SHARD_BOUNDS_FILE
-        if not f.exists():
-            return
-        data = json.loads(sealing.read_file(f))
+        if (path / SHARD_BOUNDS_FILE).exists():
+            # rows of shards whose network differs are refused on use
+            self.bounds, self.bound_info = self._read_bounds(path)
+
+    def adopt_guard(self, path: Path) -> bool:
+        """Another version's bounds for the shards whose network is the same here (a
+        guard job that finished after an update retrained other shards)."""
+        if not (path / SHARD_BOUNDS_FILE).exists():
+            return False
+        bounds, info = self._read_bounds(path)
+        theirs = bounds.current(self.learner) & ~self.bounds.current(self.learner)
+        if not theirs.any():
+            return False
+        self.bounds = ShardBounds(
+            tuple(b if t else a for a, b, t in zip(self.bounds.networks, bounds.networks,
+                                                  theirs, strict=True)),
+            np.where(theirs[:, None], bounds.beta, self.bounds.beta))
+        self.bound_info.update({s: info[s] for s in np.flatnonzero(theirs).tolist()
+                                if s in info})
+        return True
+
+    def _read_bounds(self, path: Path) -> tuple[ShardBounds, dict[int, dict[str, Any]]]:
+        data = json.loads(sealing.read_file(path / SHARD_BOUNDS_FILE))
         beta = np.array([[float(b) for b in row] for row in data["beta"]], dtype=np.float64)
         bounds = ShardBounds(tuple(data["networks"]), beta)
         bounds.for_ensemble(self.learner)  # ValueError for another ensemble's shape
-        self.bounds = bounds  # rows of shards whose network differs are refused on use
-        self.bound_info = {int(s): v for s, v in data["info"].items()}
+        return bounds, {int(s): v for s, v in data["info"].items()}
 
 
 class GameModel(ServedModel):

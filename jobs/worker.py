@@ -47,7 +47,7 @@ from sqlalchemy import Connection
 from jobs import metrics
 from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
-from jobs.guard_job import GuardJob, GuardProcess, remove_orphaned_job_dirs
+from jobs.guard_job import GuardJob, GuardProcess, GuardResult, remove_orphaned_job_dirs
 from jobs.learners.base import UpdateReport
 from jobs.registry import (
     ModelVersion,
@@ -438,7 +438,10 @@ class Worker:
         due = (overdue or now - self._last_update >= self.config.guard_after_idle_s
                or (self._unverified_since is not None
                    and now - self._unverified_since >= self.config.guard_max_wait_s))
-        if not due or cur.manifest["change"]["op"] == "guard":
+        # a version the guard job published is not checked again, unless what it carried
+        # over left it coarse (per-shard bounds of some shards only)
+        if not due or (cur.manifest["change"]["op"] == "guard"
+                       and not self._refinable(cur.manifest["guard"])):
             return False
         applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
         if self.registry.current().version != cur.version:
@@ -485,6 +488,7 @@ class Worker:
         # published with its guard: only the check was owed (or the version it completed
         # a coarse guard for is no longer current)
         if in_place is not None and not refined:
+            self._carry_guard(job, result, cur)
             job.discard()
             if in_place and not failed:
                 self.ledger.mark_verified(in_place, job.version, {
@@ -518,6 +522,32 @@ class Worker:
             return
         if request_ids and not failed:
             self._unverified_since = None
+
+    def _carry_guard(self, job: GuardJob, result: GuardResult, cur: ModelVersion | None
+                     ) -> None:
+        """A job for a superseded version may still hold guard state that is valid for the
+        current one (SISA: the bounds of shards no update has retrained since): publish it
+        with the current version, so that bounds arrive during a stream too."""
+        if (cur is None or cur.version == job.version
+                or not self._refinable(cur.manifest["guard"])):
+            return
+        try:
+            key = self.registry.key(job.version)
+        except VersionUnavailable:  # destroyed meanwhile: its files no longer open
+            return
+        model, parent = self._current()
+        with sealed_with(key):
+            finer = model.adopt_guard(result.guard_dir)
+        if not finer:
+            return
+        guard = {**model.guard_record(), "seconds": result.guard["seconds"],
+                 "carried_from": job.version}
+        change = {"op": "guard", "guard": guard, "requests": 0}
+        try:
+            self._publish(model, parent.version, change,
+                          self._announce("guard_refreshed", change))
+        except PublishConflict:
+            self._model = None
 
     def _retention_pass(self) -> bool:
         """At most once a second: destroy the versions a deletion superseded once their

@@ -114,3 +114,32 @@ def test_bounds_are_kept_only_for_the_networks_they_were_computed_on(
     current = changed.bounds.current(changed.learner)
     assert not current[s] and current.sum() == len(current) - 1
     assert np.isinf(changed.bounds.for_ensemble(changed.learner)[s]).all()
+
+
+def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards(
+        seeded90: Ledger) -> None:
+    """A guard job that finishes after an update published a newer version still holds
+    valid bounds for the shards the update did not retrain: they are published with the
+    current version at once (answers improve during a stream), and the next job bounds
+    the retrained shard."""
+    ledger = seeded90
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, shard_bound_s=2.0))
+    first = w.bootstrap("sisa", SISA)
+    assert w.step() and w.busy  # the guard job for the first version is computing
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r004"]})
+    assert w.step()  # the deletion is published meanwhile
+    update = reg.current()
+    assert update.manifest["change"]["op"] == "update" and w.busy
+    _drain(w, timeout_s=300)
+    versions = w.registry.lineage()
+    ops = [(v.manifest["change"]["op"], v.manifest["guard"]) for v in versions]
+    assert [op for op, _ in ops] == ["guard", "guard", "update", "train"]
+    carried = ops[1][1]
+    assert versions[1].manifest["change"]["guard"]["carried_from"] == first
+    assert [r["current"] for r in carried["bound"]["shards"]].count(True) == 2
+    assert ops[0][1]["bound"]["complete"] is True
+    model = reg.load(reg.current().version)
+    X, _ = ledger.record_data([f"r{i:03d}" for i in range(90) if i != 4])
+    _assert_sound(model, _queries(model, X))
