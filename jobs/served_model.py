@@ -286,15 +286,20 @@ class ShardVoteModel(ServedModel):
                             ens.active_shards_, max(1, ens.max_shards_per_record_))
 
     def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
+        """Bound the shards that lack a bound for their current network, one after the
+        other, until about `bound_s` has passed (at least one): a guard job publishes what
+        it has, so bounds arrive one job at a time and the exactness check that shares
+        the job is not held back by all of them."""
         t0 = time.perf_counter()
         todo = np.flatnonzero(self._wanted() & ~self.bounds.current(self.learner))
-        if bound_s and todo.size:
-            reports: dict[int, Any] = {}
-            for s in todo.tolist():  # one at a time: progress in the job's log
-                t1 = time.perf_counter()
-                self.bounds = shard_bounds(self.learner, [s], previous=self.bounds,
-                                           time_budget_s=bound_s, reports=reports)
-                self.bound_info[s] = _bound_info(reports.get(s), time.perf_counter() - t1)
+        reports: dict[int, Any] = {}
+        for s in todo.tolist() if bound_s else []:
+            if time.perf_counter() - t0 >= bound_s:
+                break
+            t1 = time.perf_counter()
+            self.bounds = shard_bounds(self.learner, [s], previous=self.bounds,
+                                       time_budget_s=bound_s, reports=reports)
+            self.bound_info[s] = _bound_info(reports.get(s), time.perf_counter() - t1)
         return {**self.guard_record(), "seconds": time.perf_counter() - t0}
 
     def update_guard(self, deleted: Sequence[str] = (), added: Sequence[str] = (),

@@ -525,11 +525,12 @@ class Worker:
 
     def _carry_guard(self, job: GuardJob, result: GuardResult, cur: ModelVersion | None
                      ) -> None:
-        """A job for a superseded version may still hold guard state that is valid for the
-        current one (SISA: the bounds of shards no update has retrained since): publish it
-        with the current version, so that bounds arrive during a stream too."""
-        if (cur is None or cur.version == job.version
-                or not self._refinable(cur.manifest["guard"])):
+        """A job's guard state that makes the current version's guard finer without being
+        complete, or that was computed for a superseded version but still holds for the
+        current one (SISA: the bounds of shards no update has retrained since): publish
+        it with the current version, so that bounds arrive one job at a time, during a
+        stream too."""
+        if cur is None or not self._refinable(cur.manifest["guard"]):
             return
         try:
             key = self.registry.key(job.version)
@@ -540,8 +541,9 @@ class Worker:
             finer = model.adopt_guard(result.guard_dir)
         if not finer:
             return
-        guard = {**model.guard_record(), "seconds": result.guard["seconds"],
-                 "carried_from": job.version}
+        guard = {**model.guard_record(), "seconds": result.guard["seconds"]}
+        if job.version != cur.version:
+            guard["carried_from"] = job.version
         change = {"op": "guard", "guard": guard, "requests": 0}
         try:
             self._publish(model, parent.version, change,
