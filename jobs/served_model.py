@@ -43,6 +43,7 @@ from jobs import sealing
 from jobs.idp.forest_guard import ForestGuard
 from jobs.idp.guard import sisa_certain
 from jobs.idp.sisa_bounds import ShardBounds, shard_bounds
+from jobs.idp.solvers import jsonable_float
 from jobs.learners.base import Learner
 from jobs.learners.dare import DaREForest
 from jobs.learners.game import GameUnlearningNet
@@ -325,7 +326,7 @@ class ShardVoteModel(ServedModel):
         shards = []
         for s, ok in enumerate(current.tolist()):
             row = {"shard": s, "current": ok,
-                   "beta": [_jsonable(b) for b in self.bounds.beta[s]] if ok else None}
+                   "beta": [jsonable_float(b) for b in self.bounds.beta[s]] if ok else None}
             if ok:
                 row.update(self.bound_info.get(s, {}))
             shards.append(row)
@@ -336,7 +337,7 @@ class ShardVoteModel(ServedModel):
         path.mkdir(parents=True, exist_ok=True)
         sealing.write_file(path / SHARD_BOUNDS_FILE, json.dumps({
             "networks": list(self.bounds.networks),
-            "beta": [[_jsonable(b) for b in row] for row in self.bounds.beta],
+            "beta": [[jsonable_float(b) for b in row] for row in self.bounds.beta],
             "info": {str(s): v for s, v in self.bound_info.items()}}).encode())
 
     def load_guard(self, path: Path) -> None:
@@ -395,10 +396,6 @@ class GameModel(ServedModel):
 
 
 SHARD_BOUNDS_FILE = "shard_bounds.json"
-
-
-def _jsonable(b: float) -> float | str:
-    return float(b) if np.isfinite(b) else ("inf" if b > 0 else "-inf")
 
 
 def _bound_info(report: Any, seconds: float) -> dict[str, Any]:
