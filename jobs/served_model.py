@@ -261,6 +261,8 @@ class ShardVoteModel(ServedModel):
         S, C = len(learner.shard_sizes_), len(learner.classes_)
         self.bounds = ShardBounds.none(S, C)
         self.bound_info: dict[int, dict[str, Any]] = {}  # per shard: how it was computed
+        # (bounds, shard networks, which bounds are current, the served bounds): see _served
+        self._resolved: tuple[ShardBounds, tuple[Any, ...], np.ndarray, np.ndarray] | None = None
 
     @property
     def guard_ready(self) -> bool:
@@ -277,14 +279,27 @@ class ShardVoteModel(ServedModel):
             return np.zeros(len(self.learner.shard_sizes_), dtype=bool)
         return self.learner.shard_sizes_ > 1
 
+    def _served(self) -> tuple[np.ndarray, np.ndarray]:
+        """(which shards' bounds are current, the (S, C) bounds served). Hashing every
+        shard's weights for each batch of queries doubled the guard's time, so the answer
+        is kept while the bounds and every shard network object are those it was worked
+        out for (a shard an update retrains gets a new network object)."""
+        nets = self.learner.shard_networks_
+        r = self._resolved
+        if (r is None or r[0] is not self.bounds or len(r[1]) != len(nets)
+                or any(a is not b for a, b in zip(r[1], nets, strict=True))):
+            current = self.bounds.current(self.learner)
+            r = self._resolved = (self.bounds, nets, current, self.bounds.masked(current))
+        return r[2], r[3]
+
     @property
     def guard_complete(self) -> bool:
-        return bool(self.bounds.current(self.learner)[self._wanted()].all())
+        return bool(self._served()[0][self._wanted()].all())
 
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ens = self.learner
-        return sisa_certain(ens.shard_logits(X), self.bounds.for_ensemble(ens),
-                            ens.active_shards_, max(1, ens.max_shards_per_record_))
+        return sisa_certain(ens.shard_logits(X), self._served()[1], ens.active_shards_,
+                            max(1, ens.max_shards_per_record_))
 
     def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
         """Bound the shards that lack a bound for their current network, one after the
@@ -292,7 +307,7 @@ class ShardVoteModel(ServedModel):
         it has, so bounds arrive one job at a time and the exactness check that shares
         the job is not held back by all of them."""
         t0 = time.perf_counter()
-        todo = np.flatnonzero(self._wanted() & ~self.bounds.current(self.learner))
+        todo = np.flatnonzero(self._wanted() & ~self._served()[0])
         reports: dict[int, Any] = {}
         for s in todo.tolist() if bound_s else []:
             if time.perf_counter() - t0 >= bound_s:
@@ -322,9 +337,8 @@ class ShardVoteModel(ServedModel):
                                "n_shards": int(self.learner.n_shards)}
         if not self.boundable:
             return {**rec, "shard_bound": "inf"}
-        current = self.bounds.current(self.learner)
         shards = []
-        for s, ok in enumerate(current.tolist()):
+        for s, ok in enumerate(self._served()[0].tolist()):
             row = {"shard": s, "current": ok,
                    "beta": [jsonable_float(b) for b in self.bounds.beta[s]] if ok else None}
             if ok:
@@ -351,7 +365,7 @@ class ShardVoteModel(ServedModel):
         if not (path / SHARD_BOUNDS_FILE).exists():
             return False
         bounds, info = self._read_bounds(path)
-        theirs = bounds.current(self.learner) & ~self.bounds.current(self.learner)
+        theirs = bounds.current(self.learner) & ~self._served()[0]
         if not theirs.any():
             return False
         self.bounds = ShardBounds(

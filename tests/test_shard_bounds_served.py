@@ -115,6 +115,13 @@ def test_bounds_are_kept_only_for_the_networks_they_were_computed_on(
     current = changed.bounds.current(changed.learner)
     assert not current[s] and current.sum() == len(current) - 1
     assert np.isinf(changed.bounds.for_ensemble(changed.learner)[s]).all()
+    # the same on the model that computed them, after it answered: an update in place
+    # (the worker's) refuses the retrained shard's bound at once
+    model.certain(X)
+    model.learner.delete([gone])
+    rows = model.guard_record()["bound"]["shards"]
+    assert not model.guard_complete and [r["current"] for r in rows].count(False) == 1
+    assert not rows[s]["current"]
 
 
 def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards(

@@ -262,7 +262,11 @@ class ShardBounds:
         if self.beta.shape != (S, C):
             raise ValueError(f"bounds for {self.beta.shape} shards x classes, the ensemble "
                              f"has {(S, C)}")
-        return np.where(self.current(ensemble)[:, None], self.beta, np.inf)
+        return self.masked(self.current(ensemble))
+
+    def masked(self, current: np.ndarray) -> np.ndarray:
+        """The bounds with +inf for the shards that are not `current` (:meth:`current`)."""
+        return np.where(current[:, None], self.beta, np.inf)
 
 
 def shard_bounds(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,

@@ -761,6 +761,13 @@ class SISAEnsemble(Learner, BaseEstimator):
         return self.member_.sum(axis=0)
 
     @property
+    def shard_networks_(self) -> tuple[torch.nn.Module, ...]:
+        """The served shard networks. A shard an update retrains gets a new network object,
+        so identity tells a caller which shards may have changed since it last looked."""
+        self._check_fitted()
+        return tuple(self._nets)
+
+    @property
     def max_shards_per_record_(self) -> int:
         """The most shards one live record belongs to: how many shard models one deletion
         can change (1 for a partition; the SISA vote rule needs it)."""
