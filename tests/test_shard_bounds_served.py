@@ -5,6 +5,7 @@ moment survives every single deletion (checked against every LOO network)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -158,3 +159,27 @@ def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards
     model = reg.load(reg.current().version)
     X, _ = ledger.record_data([r for r in ens.record_ids_.tolist() if r != gone])
     _assert_sound(model, _queries(model, X))
+
+
+def test_obliviate_worker_publishes_shard_bounds_and_the_service_serves_them(tmp_path
+                                                                             ) -> None:
+    """From the real processes: `obliviate worker --shard-bound` bounds every shard in its
+    guard jobs, and `obliviate serve` serves the version that holds them (/v1/models)."""
+    from tests.sidecar import Sidecar
+
+    with Sidecar(tmp_path, learner="sisa") as sc:
+        first = sc.models()["current"]["manifest"]["guard"]
+        assert first["shard_bound"] == "per-shard" and first["bound"]["complete"] is False
+        sc.start_worker("--shard-bound", "1")
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            m = sc.models()
+            if (m["current"]["manifest"]["guard"]["bound"]["complete"]
+                    and m["serving"]["version"] == m["current"]["version"]):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"shard bounds not served: {m['current']['manifest']['guard']}")
+        rows = m["current"]["manifest"]["guard"]["bound"]["shards"]
+        assert all(r["current"] and r["beta"] for r in rows)
+        assert m["current"]["manifest"]["change"]["op"] == "guard"
