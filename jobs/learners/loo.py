@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -93,6 +94,10 @@ from jobs.learners.nets import (
 
 GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
 WIDTH_GRANULE = 16  # floats (64 bytes); hidden widths are padded to a multiple of this
+# On CUDA every network trains in a batch of exactly this many slots (padded with copies):
+# cuBLAS picks its batched kernels by the batch count, and a network trained alone or in
+# a chunk of another size came out with other bits (measured on an H200).
+CUDA_SLOTS = 512
 FORMAT_VERSION = 1
 
 
@@ -250,85 +255,93 @@ def _init_flat(cfg: LOOConfig, layout: ParamLayout) -> np.ndarray:
 # --------------------------------------------------------------------------- the kernel
 
 
+def _device_schedule(schedule: list[list[np.ndarray]], n_pad_row: int,
+                     device: torch.device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Per batch: (padded size, rows to gather, row index or -1), on the device once for
+    every chunk (a host-to-device copy per step and chunk held CUDA back)."""
+    out = []
+    for batches in schedule:
+        for rows in batches:
+            bp = round_up(len(rows), GRANULE)
+            ridx = np.full(bp, -1, dtype=np.int64)
+            ridx[:len(rows)] = rows
+            take = np.where(ridx >= 0, ridx, n_pad_row)
+            out.append((bp, torch.from_numpy(take).to(device), torch.from_numpy(ridx).to(device)))
+    return out
+
+
 def _train_slots(
     flat: torch.Tensor,
     excl: torch.Tensor,
     Xp: torch.Tensor,
     Yp: torch.Tensor,
-    schedule: list[list[np.ndarray]],
+    steps: list[tuple[int, torch.Tensor, torch.Tensor]],
     layout: ParamLayout,
     lr: float,
     wd: float,
 ) -> torch.Tensor:
     """Train the (M, P) slots in place of a copy; ``excl`` (M, k) = rows each slot skips.
 
-    ``Xp``/``Yp`` hold the sorted rows plus one trailing all-zero row used for padding.
+    ``Xp``/``Yp`` hold the sorted rows plus one trailing all-zero row used for padding;
+    ``steps`` is the schedule from :func:`_device_schedule`.
     """
     device = flat.device
     M = flat.shape[0]
-    n_pad_row = Xp.shape[0] - 1
     C = Yp.shape[1]
     L = len(layout.layers)
     flat = flat.clone()
     views = _views(layout, flat)
     grad = torch.zeros_like(flat)  # gaps between blocks stay exactly zero
     ones_cache: dict[int, torch.Tensor] = {}
-    for batches in schedule:
-        for rows in batches:
-            b = len(rows)
-            bp = round_up(b, GRANULE)
-            ridx = np.full(bp, -1, dtype=np.int64)
-            ridx[:b] = rows
-            take = torch.from_numpy(np.where(ridx >= 0, ridx, n_pad_row)).to(device)
-            ridx_t = torch.from_numpy(ridx).to(device)
-            xb = Xp.index_select(0, take)
-            yb = Yp.index_select(0, take)
-            present = (ridx_t >= 0)[None, :] & ~(ridx_t[None, :, None] == excl[:, None, :]).any(-1)
-            mask = present.to(torch.float32)  # (M, bp)
-            count = mask.sum(1, keepdim=True)  # exact small integers
-            w = mask / count.clamp_min(1.0)
-            # lr for slots with a present record, 0 (no step, no decay) otherwise
-            lr_slot = (count > 0).to(torch.float32) * lr  # (M, 1): exactly lr or 0
+    for bp, take, ridx_t in steps:
+        xb = Xp.index_select(0, take)
+        yb = Yp.index_select(0, take)
+        present = (ridx_t >= 0)[None, :] & ~(ridx_t[None, :, None] == excl[:, None, :]).any(-1)
+        mask = present.to(torch.float32)  # (M, bp)
+        count = mask.sum(1, keepdim=True)  # exact small integers
+        w = mask / count.clamp_min(1.0)
+        # lr for slots with a present record, 0 (no step, no decay) otherwise
+        lr_slot = (count > 0).to(torch.float32) * lr  # (M, 1): exactly lr or 0
 
-            # forward
-            a = xb.expand(M, bp, xb.shape[1])
-            acts = [a]
-            pres = []
-            z = a
-            for li, (W, bias) in enumerate(views):
-                z = torch.bmm(a, W.transpose(1, 2)) + bias[:, None, :]
-                if li < L - 1:
-                    pres.append(z)
-                    a = torch.relu(z)
-                    acts.append(a)
-            # softmax over classes with explicit, position-independent sums
-            m = z[..., 0:1]
-            for c in range(1, C):
-                m = torch.maximum(m, z[..., c:c + 1])
-            e = torch.exp(z - m)
-            s = e[..., 0:1]
-            for c in range(1, C):
-                s = s + e[..., c:c + 1]
-            p = e / s
-            g = (p - yb) * w[:, :, None]  # d(mean CE)/d logits, (M, bp, C)
+        # forward
+        a = xb.expand(M, bp, xb.shape[1])
+        acts = [a]
+        pres = []
+        z = a
+        for li, (W, bias) in enumerate(views):
+            z = torch.bmm(a, W.transpose(1, 2)) + bias[:, None, :]
+            if li < L - 1:
+                pres.append(z)
+                a = torch.relu(z)
+                acts.append(a)
+        # softmax over classes with explicit, position-independent sums
+        m = z[..., 0:1]
+        for c in range(1, C):
+            m = torch.maximum(m, z[..., c:c + 1])
+        e = torch.exp(z - m)
+        s = e[..., 0:1]
+        for c in range(1, C):
+            s = s + e[..., c:c + 1]
+        p = e / s
+        g = (p - yb) * w[:, :, None]  # d(mean CE)/d logits, (M, bp, C)
 
-            # backward
-            ones = ones_cache.get(bp)
-            if ones is None:
-                ones = ones_cache[bp] = torch.ones((M, 1, bp), dtype=torch.float32, device=device)
-            for li in range(L - 1, -1, -1):
-                _o_t, _i_t, o_p, i_p, w_off, b_off = layout.layers[li]
-                dW = torch.bmm(g.transpose(1, 2), acts[li])  # (M, out, in)
-                grad[:, w_off:w_off + o_p * i_p] = dW.reshape(M, -1)
-                grad[:, b_off:b_off + o_p] = torch.bmm(ones, g)[:, 0, :]
-                if li > 0:
-                    g = torch.bmm(g, views[li][0])  # (M, bp, in)
-                    g.mul_(pres[li - 1] > 0)  # ReLU'(z): exact 0/1 factors
+        # backward
+        ones = ones_cache.get(bp)
+        if ones is None:
+            ones = ones_cache[bp] = torch.ones((M, 1, bp), dtype=torch.float32, device=device)
+        for li in range(L - 1, -1, -1):
+            _o_t, _i_t, o_p, i_p, w_off, b_off = layout.layers[li]
+            dW = torch.bmm(g.transpose(1, 2), acts[li])  # (M, out, in)
+            grad[:, w_off:w_off + o_p * i_p] = dW.reshape(M, -1)
+            grad[:, b_off:b_off + o_p] = torch.bmm(ones, g)[:, 0, :]
+            if li > 0:
+                g = torch.bmm(g, views[li][0])  # (M, bp, in)
+                g.mul_(pres[li - 1] > 0)  # ReLU'(z): exact 0/1 factors
 
-            # SGD with weight decay, one IEEE op at a time:
-            # p <- p - lr * (grad + wd * p)
-            u = grad + flat * wd
-            flat.sub_(u * lr_slot)
+        # SGD with weight decay, one IEEE op at a time:
+        # p <- p - lr * (grad + wd * p)
+        u = grad + flat * wd
+        flat.sub_(u * lr_slot)
     return flat
 
 
@@ -367,16 +380,22 @@ def _run(
             stack.enter_context(torch_threads(1 if dev.type == "cpu" else None))
             stack.enter_context(deterministic())
             stack.enter_context(torch.no_grad())
+            if dev.type == "cuda":  # cuBLAS's batched kernels differ by the slot count
+                chunk_size = CUDA_SLOTS
             Xt = torch.from_numpy(np.concatenate([X, np.zeros((1, X.shape[1]), np.float32)]))
             Y1 = np.zeros((len(y) + 1, cfg.n_classes), dtype=np.float32)
             Y1[np.arange(len(y)), y] = 1.0
             Xt, Yt = Xt.to(dev), torch.from_numpy(Y1).to(dev)
+            steps = _device_schedule(schedule, len(y), dev)
 
             def train(start: int, stop: int) -> np.ndarray:
-                flat = torch.from_numpy(np.tile(flat0, (stop - start, 1))).to(dev)
-                ex = torch.from_numpy(np.ascontiguousarray(excl_rows[start:stop])).to(dev)
-                return _train_slots(flat, ex, Xt, Yt, schedule, layout, cfg.lr,
-                                    cfg.weight_decay).cpu().numpy()
+                ex = excl_rows[start:stop]
+                if dev.type == "cuda" and len(ex) < CUDA_SLOTS:  # pad: same shapes always
+                    ex = np.concatenate([ex, np.repeat(ex[:1], CUDA_SLOTS - len(ex), 0)])
+                flat = torch.from_numpy(np.tile(flat0, (len(ex), 1))).to(dev)
+                ex_t = torch.from_numpy(np.ascontiguousarray(ex)).to(dev)
+                return _train_slots(flat, ex_t, Xt, Yt, steps, layout, cfg.lr,
+                                    cfg.weight_decay)[:stop - start].cpu().numpy()
         for start in range(0, M, chunk_size):
             stop = min(M, start + chunk_size)
             out[start:stop] = train(start, stop)
@@ -625,6 +644,11 @@ class LOOSet:
 
     def save(self, path: str | Path) -> str:
         """Write an ``.npz``; returns the content hash (stored inside too)."""
+        with open(path, "wb") as fh:
+            return self.write(fh)
+
+    def write(self, fh: BinaryIO) -> str:
+        """:meth:`save` to an open binary file (e.g. a buffer that is sealed afterwards)."""
         digest = self.content_hash()
         header = {
             "format": FORMAT_VERSION,
@@ -637,13 +661,11 @@ class LOOSet:
         }
         arrays = {f"W{i}": W for i, W in enumerate(self.weights)}
         arrays.update({f"b{i}": b for i, b in enumerate(self.biases)})
-        with open(path, "wb") as fh:
-            np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
-                     **arrays)
+        np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
         return digest
 
     @classmethod
-    def load(cls, path: str | Path, *, verify: bool = True) -> LOOSet:
+    def load(cls, path: str | Path | BinaryIO, *, verify: bool = True) -> LOOSet:
         with np.load(path, allow_pickle=False) as z:
             header = json.loads(z["header"].tobytes().decode())
             if header.get("format") != FORMAT_VERSION:
