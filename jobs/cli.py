@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the command
     from jobs.worker import Worker
 
 # jobs.served_model.KINDS, without importing the learners to build the parser
-LEARNERS = ("dare", "game", "sisa")
+LEARNERS = ("dare", "game", "mlp", "sisa")
 log = logging.getLogger("obliviate")
 
 
@@ -33,10 +33,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "long before the version is published (sound, fewer answers certain "
                         "until the background refit; default 0.25; inf: grow them all)")
     p.add_argument("--shard-bound", type=float, default=20.0, metavar="SECONDS",
-                   help="the guard job computes each SISA shard's LUCID bound for at most "
-                        "this long (anytime: sound whenever it stops); until then, and after "
-                        "an update retrains the shard, it counts as fragile (default 20; "
-                        "0: no bounds)")
+                   help="the guard job computes the LUCID bound of each SISA shard, or of "
+                        "the mlp learner's network, for at most this long (anytime: sound "
+                        "whenever it stops); until then, and after an update retrains it, "
+                        "a shard counts as fragile and the mlp answers in noise-all mode "
+                        "(default 20; 0: no bounds)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the exactness check (retrain from scratch, compare hashes)")
     p.add_argument("--evaluate", action="store_true", default=None,

@@ -277,6 +277,7 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         "params": model.params(),
         "seed": model.learner.get_params().get("random_state"),
         "guarantee": model.learner.guarantee,
+        "device": model.device,
         "content_hash": model.learner.content_hash(),
         "classes": [int(c) for c in model.classes.tolist()],
         "n_features": model.n_features,

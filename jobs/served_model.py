@@ -30,6 +30,7 @@ its memo of noised answers to one version.
 from __future__ import annotations
 
 import abc
+import io
 import json
 import secrets
 import time
@@ -40,13 +41,17 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jobs import sealing
+from jobs.idp.bab import compute_bounds
+from jobs.idp.binding import BoundBinding
 from jobs.idp.forest_guard import ForestGuard
-from jobs.idp.guard import sisa_certain
+from jobs.idp.guard import lucid_certain, sisa_certain
 from jobs.idp.sisa_bounds import ShardBounds, shard_bounds
 from jobs.idp.solvers import jsonable_float
 from jobs.learners.base import Learner
 from jobs.learners.dare import DaREForest
 from jobs.learners.game import GameUnlearningNet
+from jobs.learners.loo import LOOSet
+from jobs.learners.loo_mlp import LeaveOneOutMLP
 from jobs.learners.sisa import SISAEnsemble
 
 LEARNER_DIR = "learner"
@@ -62,6 +67,10 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     # plain SGD (the masked LOO schedule) at the learner's own rate: shards that learn
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
              "batch_size": 32},
+    # one network and its LOO set (n + 1 networks, trained by the guard job): small tables.
+    # LUCID's rate: on breast cancer lr 0.1 gives acc 0.944 with 78% of answers certified,
+    # lr 0.5 0.972 with 20% (the LOO networks move further apart)
+    "mlp": {"hidden": [32], "epochs": 20, "batch_size": 32, "lr": 0.1},
     "game": {"hidden": [64], "epochs": 30},
 }
 
@@ -104,6 +113,12 @@ class ServedModel(abc.ABC):
         learner = self.learner
         return int(getattr(learner, "n_features_in_", None) or learner.n_features_)
 
+    @property
+    def device(self) -> str:
+        """The device type the learner trains on (chosen at fit; the bits depend on it)."""
+        dev = getattr(self.learner, "device_", None)
+        return "cpu" if dev is None else str(getattr(dev, "type", dev))
+
     def params(self) -> dict[str, Any]:
         """Constructor hyperparameters (JSON-able), for the manifest."""
         return {k: list(v) if isinstance(v, tuple) else v
@@ -136,6 +151,12 @@ class ServedModel(abc.ABC):
     def guard_complete(self) -> bool:
         """False while an update left the guard sound but coarser than a refit."""
         return True
+
+    @property
+    def noise_all(self) -> bool:
+        """The rule holds but certifies nothing until the guard job has run (the mlp
+        learner between a deletion and its new bound): every answer is noised."""
+        return False
 
     @abc.abstractmethod
     def guard_record(self) -> dict[str, Any]:
@@ -384,6 +405,134 @@ class ShardVoteModel(ServedModel):
         return bounds, {int(s): v for s, v in data["info"].items()}
 
 
+class GuardedMLPModel(ServedModel):
+    """One network served with LUCID's guard (:mod:`jobs.idp.bab`): an answer is certain
+    when its logit margin is strictly above the bound of its class, computed over the
+    network's LOO set. The guard job trains the LOO set of the current records and bounds
+    it (:meth:`refresh_guard`); a deletion swaps in ``N_{-x}`` (the learner drops the LOO
+    set) and the version answers in noise-all mode until the guard job has the LOO set
+    and bound of the new records. Bound and LOO set are tied to the content hashes of
+    the networks they cover and refused for any other."""
+
+    kind = "mlp"
+    learner_cls = LeaveOneOutMLP
+
+    def __init__(self, learner: LeaveOneOutMLP) -> None:
+        super().__init__(learner)
+        self.binding: BoundBinding | None = None
+        self.bound_info: dict[str, Any] = {}
+        # (LOO set, its content hash): hashing it per query batch would cost milliseconds
+        self._loo_hash: tuple[LOOSet, str] | None = None
+
+    @property
+    def guard_ready(self) -> bool:
+        return True  # noise-all until a bound holds: sound at every moment
+
+    def _loo_digest(self) -> str | None:
+        loo = self.learner.loo_
+        if loo is None:
+            return None
+        if self._loo_hash is None or self._loo_hash[0] is not loo:
+            self._loo_hash = (loo, loo.content_hash())
+        return self._loo_hash[1]
+
+    def _betas(self) -> np.ndarray | None:
+        """The bound's betas if it is the bound of the served network's LOO set."""
+        b = self.binding
+        if b is None or not b.matches(self.learner.network_hash_, self._loo_digest()):
+            return None
+        return np.asarray(b.beta, dtype=np.float64)
+
+    @property
+    def guard_complete(self) -> bool:
+        return self._betas() is not None
+
+    @property
+    def noise_all(self) -> bool:
+        return self._betas() is None
+
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scores = self.learner.scores(X)
+        betas = self._betas()
+        if betas is None:
+            return np.argmax(scores, axis=1), np.zeros(len(X), dtype=bool)
+        return lucid_certain(scores, betas)
+
+    def refresh_guard(self, bound_s: float | None = None) -> dict[str, Any]:
+        """Train the LOO set of the current records if there is none, then bound it for
+        about `bound_s` (anytime: what the search has proved when time runs out)."""
+        t0 = time.perf_counter()
+        if bound_s and self._betas() is None:
+            loo = self.learner.loo_
+            if loo is None:
+                loo = self.learner.fit_loo()
+            t1 = time.perf_counter()
+            report = compute_bounds(loo, float(bound_s))
+            self.binding = BoundBinding.from_report(report, loo)
+            self.bound_info = {**_bound_info(report, time.perf_counter() - t1),
+                               "loo_seconds": round(t1 - t0, 3)}
+        return {**self.guard_record(), "seconds": time.perf_counter() - t0}
+
+    def guard_record(self) -> dict[str, Any]:
+        betas = self._betas()
+        rec: dict[str, Any] = {"rule": "lucid", "ready": True,
+                               "mode": "sound" if betas is not None else "noise-all"}
+        bound: dict[str, Any] = {"complete": betas is not None,
+                                 "network_hash": self.learner.network_hash_,
+                                 "loo_set": self.learner.loo_ is not None}
+        if betas is not None:
+            bound.update(beta=[jsonable_float(b) for b in betas], **self.bound_info)
+        return {**rec, "bound": bound}
+
+    def class_bounds(self) -> list[float] | None:
+        betas = self._betas()
+        return None if betas is None else betas.tolist()
+
+    def save_guard(self, path: Path) -> None:
+        loo = self.learner.loo_
+        if loo is None:
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        loo.write(buf)
+        sealing.write_file(path / LOO_SET_FILE, buf.getbuffer())
+        if self._betas() is not None:
+            b = self.binding
+            sealing.write_file(path / BOUND_FILE, json.dumps({
+                "network_hash": b.network_hash, "loo_hash": b.loo_hash,
+                "beta": [jsonable_float(v) for v in b.beta], "info": self.bound_info}).encode())
+
+    def load_guard(self, path: Path) -> None:
+        """Install a saved LOO set and bound: the LOO set only if its ``N`` is the served
+        network under the frozen definition, the bound only if its hashes are those of
+        that network and LOO set (ValueError otherwise; a sealed file that was altered
+        fails to open)."""
+        if not (path / LOO_SET_FILE).exists():
+            return
+        loo = LOOSet.load(io.BytesIO(sealing.read_file(path / LOO_SET_FILE)))
+        self.learner.adopt_loo(loo)
+        if (path / BOUND_FILE).exists():
+            data = json.loads(sealing.read_file(path / BOUND_FILE))
+            binding = BoundBinding(data["network_hash"], data["loo_hash"],
+                                   tuple(float(v) for v in data["beta"]))
+            if not binding.matches(self.learner.network_hash_, self._loo_digest()):
+                raise ValueError("the saved bound is not the bound of this network and LOO set")
+            if len(binding.beta) != len(self.classes) or any(np.isnan(binding.beta)):
+                raise ValueError("the saved bound does not give one number per class")
+            self.binding, self.bound_info = binding, data["info"]
+
+    def adopt_guard(self, path: Path) -> bool:
+        """Another version's LOO set and bound hold here only for the same network and
+        records (a guard job that finished after an update that changed nothing)."""
+        if self.guard_complete:
+            return False
+        try:
+            self.load_guard(path)
+        except ValueError:
+            return False
+        return self.guard_complete
+
+
 class GameModel(ServedModel):
     kind = "game"
     learner_cls = GameUnlearningNet
@@ -410,6 +559,8 @@ class GameModel(ServedModel):
 
 
 SHARD_BOUNDS_FILE = "shard_bounds.json"
+LOO_SET_FILE = "loo_set.npz"
+BOUND_FILE = "bound.json"
 
 
 def _bound_info(report: Any, seconds: float) -> dict[str, Any]:
@@ -427,7 +578,7 @@ def _bound_info(report: Any, seconds: float) -> dict[str, Any]:
 
 
 KINDS: dict[str, type[ServedModel]] = {
-    m.kind: m for m in (ForestModel, ShardVoteModel, GameModel)}
+    m.kind: m for m in (ForestModel, ShardVoteModel, GuardedMLPModel, GameModel)}
 
 
 def _kind(kind: str) -> type[ServedModel]:

@@ -460,7 +460,7 @@ class Worker:
 
     def _refinable(self, guard: dict[str, Any]) -> bool:
         """A coarse guard that the guard job would make finer with this configuration."""
-        return _guard_coarse(guard) and (guard["rule"] != "sisa-vote"
+        return _guard_coarse(guard) and (guard["rule"] not in ("sisa-vote", "lucid")
                                          or self.config.shard_bound_s > 0)
 
     def _finish_guard(self, job: GuardJob) -> None:

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--dataset", default="breast_cancer")
     p.add_argument("--workdir", default="demo-output")
-    p.add_argument("--learner", choices=["dare", "sisa"], default="dare")
+    p.add_argument("--learner", choices=["dare", "mlp", "sisa"], default="dare")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
     p.set_defaults(func=_demo)
     _connection_options_everywhere(parser)

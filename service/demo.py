@@ -85,6 +85,8 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
             if learner == "sisa":
                 _await_shard_bounds(registry, sidecar.base_url)
+            elif learner == "mlp":
+                _await_network_bound(ledger, registry, sidecar.base_url)
             _report(ledger, s, sidecar, stream)
             ok = _forgotten_report(ledger, registry, ds, stream, work) and ok
         finally:
@@ -226,6 +228,41 @@ def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 30
           "as fragile)")
 
 
+def _await_network_bound(ledger: Ledger, registry: Registry, base_url: str,
+                         timeout_s: float = 300.0) -> None:
+    """Show the single network's LOO set and bound arriving after the stream: a deletion
+    swapped in N_-x, or retrained the network, and left the version in noise-all mode; the
+    guard job trains the LOO set of the records left and bounds it. Not a pass/fail step
+    (noise-all is sound)."""
+    passes: dict[str, bool] = {}
+    for e in ledger.export():
+        if e["kind"] == "applied" and e["request_id"]:
+            detail = e["payload"].get("retrained", {}).get("detail", [])
+            passes[e["model_version"]] = any(d.get("swap") for d in detail)
+    print(f"\n== LUCID bound (mlp): {sum(passes.values())} of {len(passes)} updates swapped "
+          "in N_-x (one deletion with the LOO set at hand), the others retrained the one "
+          "network; each left the version in noise-all mode until the guard job has "
+          "trained the new LOO set and bounded it")
+    t0, seen = time.monotonic(), None
+    while time.monotonic() - t0 < timeout_s:
+        cur = registry.current()
+        bound = cur.manifest["guard"]["bound"] if cur else {}
+        state = (cur.version if cur else None, bound.get("loo_set"), bound.get("complete"))
+        if state != seen:
+            seen = state
+            print(f"  {time.monotonic() - t0:5.1f} s  {state[0]}: LOO set "
+                  f"{'trained' if state[1] else 'pending'}, bound "
+                  f"{'in' if state[2] else 'pending'}")
+        if bound.get("complete") and _await_served(base_url, cur.version):
+            beta = ", ".join(f"{b:.3g}" for b in bound["beta"])
+            print(f"    beta [{beta}]: LOO set {bound.get('loo_seconds', 0):.1f} s, bound "
+                  f"{bound.get('seconds', 0):.1f} s ({', '.join(bound.get('status', []))}; "
+                  f"solvers {', '.join(bound.get('solvers', [])) or 'none needed'})")
+            return
+        time.sleep(1.0)
+    print(f"  not in after {timeout_s:.0f} s (answers stay sound: noise-all until then)")
+
+
 def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any]) -> None:
     events = list(ledger.export())
     intake = ledger.intake_counts()
@@ -239,7 +276,7 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any
     for v in Registry(ledger.engine, s.model_name).lineage(8):
         m, ts = v.manifest, v.manifest["training_set"]
         print(f"  {v.version}  parent={v.parent or '-':8} {m['change']['op']:6} "
-              f"guard={'sound' if m['guard']['ready'] else 'noise-all':9} "
+              f"guard={m['guard'].get('mode', 'sound' if m['guard']['ready'] else 'noise-all'):9} "
               f"records={ts['count']:4}  root={ts['merkle_root'][:12]}")
     lat = deletion_latencies(events)
     if lat:

@@ -124,7 +124,8 @@ class ModelHolder:
             return False
         guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
                            secret=self.noise_secret)
-        guard.bind(cur.version, sound=model.guard_ready and self.budgets is None)
+        guard.bind(cur.version, sound=(model.guard_ready and not model.noise_all
+                                       and self.budgets is None))
         budget = None
         if self.budgets is not None and cur.manifest.get("seed_lineage"):
             budget = self.budgets.get(cur.manifest["seed_lineage"])

@@ -33,6 +33,7 @@ from tests.db_files import db_files
 
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
          "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},
+         "mlp": {"hidden": [8], "epochs": 5},
          "game": {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
                   "third_fraction": 0.25}}
 N, D = 60, 5
@@ -53,21 +54,27 @@ def _run(worker: Worker, seconds: float = 2.5) -> None:
     worker.run(max_seconds=seconds)  # the loop a deployed worker runs, retention included
 
 
-@pytest.mark.parametrize("kind", ["dare", "sisa", "game"])
+@pytest.mark.parametrize("kind", ["dare", "sisa", "mlp", "game"])
 def test_no_file_holds_a_deleted_record(ledger: Ledger, kind: str, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     tag = uuid.uuid4().hex[:8]
     ids, X, rng = _stream(ledger, tag)
     reg = Registry(ledger.engine, name=f"m{tag}")
+    # the mlp's guard job keeps a LOO set with each version: every network in it but one
+    # saw each record
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
-                                         guard_after_idle_s=0.0, destroy_grace_s=0.0))
+                                         guard_after_idle_s=0.0, destroy_grace_s=0.0,
+                                         shard_bound_s=0.5 if kind == "mlp" else 0.0))
     first = w.bootstrap(kind, SMALL[kind])
     added = rng.random((2, D))
     add = {"request_id": f"{tag}-a1", "op": "add", "subject_id": f"{tag}-new",
            "payload": {"records": [{"record_id": f"{tag}-n{i}", "features": added[i].tolist(),
                                     "label": i} for i in range(2)]}}
     assert ledger.receive(add).status == "accepted"
-    _run(w)
+    end = time.monotonic() + 60  # the additions are in a version before they are deleted
+    while (ledger.history(add["request_id"])["request"]["status"] != "verified"
+           and time.monotonic() < end):
+        _run(w)
     deletions = [{"request_id": f"{tag}-d1", "op": "delete", "record_ids": [ids[1]]},
                  {"request_id": f"{tag}-d2", "op": "delete", "subject_id": f"{tag}-s05"},
                  {"request_id": f"{tag}-d3", "op": "delete", "subject_id": f"{tag}-new"}]

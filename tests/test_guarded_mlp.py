@@ -1,0 +1,238 @@
+"""The mlp learner (one network, LOO swap) and its LUCID guard on the served path.
+
+Exactness is checked by retraining from scratch and comparing bits; the retraining
+definition (frozen batch count, tombstones) is the one everywhere and a LOO set trained
+with another is refused; every answer the served guard certifies is the answer of every
+LOO network, on training rows, random points and points searched to break it; the
+worker serves a deletion by swapping in N_-x and the guard job brings the bound back."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs import sealing
+from jobs.idp.search import find_leaking
+from jobs.learners.base import DuplicateRecordError, UnknownRecordError
+from jobs.learners.loo import schedule_keys, train_loo, train_single
+from jobs.learners.loo_mlp import LeaveOneOutMLP
+from jobs.registry import Registry
+from jobs.served_model import BOUND_FILE, GuardedMLPModel, ServedModel
+from jobs.worker import Worker, WorkerConfig
+from ledger.store import Ledger
+from service import metrics
+from service.model_holder import ModelHolder
+from service.residue import TraceScanner
+from tests.conftest import seed
+from tests.test_worker import _drain, _events
+
+SMALL = {"hidden": [8], "epochs": 6, "batch_size": 8}
+
+
+def _data(n: int = 48, d: int = 4, seed_: int = 0) -> tuple[list[str], np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed_)
+    X = rng.random((n, d))
+    y = (X[:, 0] + 0.3 * rng.standard_normal(n) > 0.5).astype(int) + (X[:, 1] > 0.8)
+    return [f"r{i:03d}" for i in range(n)], X, y
+
+
+def _learner(**kw) -> LeaveOneOutMLP:
+    ids, X, y = _data()
+    params = {"hidden": (8,), "epochs": 6, "batch_size": 8, "device": "cpu",
+              "random_state": 3, **kw}
+    return LeaveOneOutMLP(**params).fit(ids, X, y)
+
+
+def test_a_single_deletion_swaps_in_the_network_a_retrain_gives() -> None:
+    m = _learner()
+    loo = m.fit_loo()
+    expect = loo.loo("r007")
+    rep = m.delete(["r007"])
+    assert rep.retrained == {"swap": True, "networks": 0}
+    assert m.network_.equal(expect) and m.loo_ is None  # the old set saw r007: dropped
+    v = m.verify()
+    assert v.exact and v.served_hash == v.retrained_hash
+    # "retrain without x" is T on the rest with x's key as a tombstone and the frozen B
+    ids, X, y = _data()
+    keep = [i for i in range(len(ids)) if ids[i] != "r007"]
+    alone = train_single(X[keep], y[keep], [ids[i] for i in keep], n_classes=3, hidden=(8,),
+                         epochs=6, batch_size=8, lr=m.config_.lr, seed=3,
+                         n_batches=m.config_.n_batches,
+                         tombstones=schedule_keys(3, ["r007"]).tolist(), device="cpu")
+    assert alone.equal(m.network_)
+
+
+def test_every_update_path_stays_exact() -> None:
+    m = _learner()
+    ids, X, y = _data()
+    rng = np.random.default_rng(1)
+    live = set(ids)
+    for step in range(8):
+        if step % 3 == 0:
+            m.fit_loo()
+        op = rng.choice(["one", "two", "add"])
+        if op == "add":
+            new = [f"n{step}", ids[int(rng.integers(len(ids)))]] if step % 2 else [f"n{step}"]
+            new = [i for i in new if i not in live][:2] or [f"n{step}b"]
+            m.add(new, rng.random((len(new), 4)), rng.integers(0, 3, len(new)))
+            live |= set(new)
+        else:
+            gone = list(rng.choice(sorted(live), 1 if op == "one" else 2, replace=False))
+            rep = m.delete(gone)
+            assert rep.retrained["swap"] == (op == "one" and step % 3 == 0)
+            live -= set(gone)
+        assert m.verify().exact, (step, op)
+        assert set(m.record_ids_.tolist()) == live
+
+
+def test_a_loo_set_of_another_definition_is_refused() -> None:
+    m = _learner()
+    m.delete([f"r{i:03d}" for i in range(1, 10)])
+    ids, X, y = m.record_ids_.tolist(), m.X_, m.y_
+    args = {"n_classes": 3, "hidden": (8,), "epochs": 6, "batch_size": 8, "lr": m.config_.lr,
+            "seed": 3, "device": "cpu"}
+    tomb = m.tombstones_.tolist()
+    ok = train_loo(X, y, ids, n_batches=m.config_.n_batches, tombstones=tomb, **args)
+    # B recomputed from the 39 left (what train_single's default would do) is another model
+    recomputed = train_loo(X, y, ids, n_batches=-(-len(ids) // 8), tombstones=tomb, **args)
+    assert recomputed.config.n_batches == 5 != m.config_.n_batches
+    with pytest.raises(ValueError, match="batch count"):
+        m.adopt_loo(recomputed)
+    with pytest.raises(ValueError, match="tombstones"):
+        m.adopt_loo(train_loo(X, y, ids, n_batches=m.config_.n_batches, **args))
+    with pytest.raises(ValueError, match="other records"):
+        m.adopt_loo(train_loo(X[1:], y[1:], ids[1:], n_batches=m.config_.n_batches,
+                              tombstones=tomb, **args))
+    m.adopt_loo(ok)
+    assert m.loo_ is ok
+
+
+def test_bad_updates_are_refused_and_change_nothing() -> None:
+    m = _learner()
+    before = m.content_hash()
+    with pytest.raises(UnknownRecordError):
+        m.delete(["nope"])
+    with pytest.raises(DuplicateRecordError):
+        m.add(["r002"], np.zeros((1, 4)), [0])
+    with pytest.raises(ValueError, match="unknown label"):
+        m.add(["x1"], np.zeros((1, 4)), [7])
+    with pytest.raises(ValueError, match="NaN"):
+        m.add(["x1"], np.full((1, 4), np.nan), [0])
+    assert m.content_hash() == before
+
+
+def test_save_and_load_keep_the_bits_and_refuse_an_altered_bundle(tmp_path: Path) -> None:
+    m = _learner()
+    m.delete(["r003", "r004"])
+    m.save(tmp_path / "m")
+    back = LeaveOneOutMLP.load(tmp_path / "m")
+    assert back.content_hash() == m.content_hash() and back.verify().exact
+    meta = tmp_path / "m" / "meta.json"
+    meta.write_text(meta.read_text().replace('"r005"', '"r995"'))
+    with pytest.raises(ValueError, match="content hash"):
+        LeaveOneOutMLP.load(tmp_path / "m")
+
+
+def _served(bound_s: float = 2.0) -> tuple[GuardedMLPModel, np.ndarray]:
+    ids, X, y = _data()
+    model = ServedModel.train("mlp", np.array(ids, dtype=object), X, y,
+                              params={**SMALL, "device": "cpu"})
+    assert isinstance(model, GuardedMLPModel) and not model.guard_complete
+    model.refresh_guard(bound_s)
+    return model, X
+
+
+def test_every_certified_answer_is_every_loo_networks_answer() -> None:
+    model, X = _served()
+    assert model.guard_complete and model.guard_record()["mode"] == "sound"
+    loo = model.learner.loo_
+    rng = np.random.default_rng(5)
+    betas = model.class_bounds()
+    searched = []
+    for c in range(loo.n_classes):  # the most confident inputs where a LOO network differs
+        leak = find_leaking(loo, c, n_samples=3000, n_starts=16, steps=100, seed=c)
+        assert leak.best_margin <= betas[c]
+        if leak.best_x is not None:
+            searched.append(leak.best_x[None, :])
+    Q = np.clip(np.vstack([X, rng.random((3000, X.shape[1])), *searched]), 0, 1)
+    Q = Q.astype(np.float32)
+    labels, certain = model.certain(Q)
+    every = np.argmax(loo.logits(Q), axis=2)  # (networks, queries)
+    assert certain.any()
+    assert (every[:, certain] == labels[certain]).all()
+
+
+def test_the_bound_is_kept_only_for_its_network_and_sealed(tmp_path: Path) -> None:
+    model, X = _served()
+    key = sealing.new_key()
+    with sealing.sealed_with(key):
+        model.save(tmp_path / "v")
+        back = ServedModel.load(tmp_path / "v")
+    assert back.guard_complete and back.class_bounds() == model.class_bounds()
+    # an edited bound file does not open (AES-GCM); a plain one bound to another
+    # network is refused
+    path = tmp_path / "v" / "guard" / BOUND_FILE
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 1
+    path.write_bytes(bytes(blob))
+    with sealing.sealed_with(key), pytest.raises(sealing.SealedFileError):
+        ServedModel.load(tmp_path / "v")
+    model.save(tmp_path / "plain")
+    bound = tmp_path / "plain" / "guard" / BOUND_FILE
+    bound.write_text(bound.read_text().replace(model.learner.network_hash_, "0" * 64))
+    with pytest.raises(ValueError, match="not the bound of this network"):
+        ServedModel.load(tmp_path / "plain")
+    # after a swap the version answers in noise-all mode: nothing certified
+    model.learner.delete(["r010"])
+    assert not model.guard_complete and not model.certain(X)[1].any()
+    assert model.guard_record()["mode"] == "noise-all"
+
+
+@pytest.fixture
+def seeded60(ledger: Ledger) -> Ledger:
+    seed(ledger, n=60)
+    return ledger
+
+
+def test_the_worker_swaps_a_deletion_in_and_the_guard_job_bounds_the_rest(
+        seeded60: Ledger) -> None:
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, shard_bound_s=1.0,
+                                         destroy_grace_s=0.0))
+    w.bootstrap("mlp", SMALL)
+    assert reg.current().manifest["device"] == "cpu"
+    _drain(w, timeout_s=120)  # the guard job trains the LOO set and bounds it
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "guard" and cur.manifest["guard"]["mode"] == "sound"
+
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r004"]})
+    assert w.step()
+    cur = reg.current()
+    update = cur.manifest["change"]["updates"][0]
+    assert update["retrained"] == {"swap": True, "networks": 0}
+    assert cur.manifest["guard"]["mode"] == "noise-all"
+    assert not reg.load(cur.version).certain(np.random.default_rng(0).random((50, 4)))[1].any()
+    holder = ModelHolder(reg)  # the service says so on its dashboard
+    assert holder.refresh() and metrics.GUARD_MODE._value.get() == 0.0
+
+    _drain(w, timeout_s=120)
+    cur = reg.current()
+    assert cur.manifest["change"]["op"] == "guard" and cur.manifest["guard"]["mode"] == "sound"
+    assert holder.refresh() and metrics.GUARD_MODE._value.get() == 1.0
+    assert [e["kind"] for e in _events(ledger, "d1")][-1] == "verified"
+    verified = [e for e in _events(ledger, "d1") if e["kind"] == "verified"][0]
+    assert verified["payload"]["exactness"]["exact"] is True
+    model = reg.load(cur.version)
+    assert "r004" not in model.learner.record_ids_.tolist()
+    assert "r004" not in model.learner.loo_.record_ids.tolist()
+    # no stored file holds r004: the served version's LOO set is of the records left, and
+    # the versions before the deletion are destroyed (the loop a deployed worker runs)
+    w.run(max_seconds=2.0)
+    X, _ = ledger.record_data([f"r{i:03d}" for i in range(60) if i != 4])
+    gone_x = np.random.default_rng(0).random((60, 4))[4]  # conftest.seed's features of r004
+    assert TraceScanner({"r004": gone_x}, kept=X).scan_model_store(reg) == []
