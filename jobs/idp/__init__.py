@@ -13,8 +13,9 @@
   leaking inputs (lower bounds on the true bound; used by tests and benchmarks);
 * :mod:`jobs.idp.guard` -- guarded label-only answers: the certainty rules
   (one network; SISA's vote rule), the exponential mechanism, the memo;
-* :mod:`jobs.idp.guarded` -- a served network with its bound bound to its hash,
-  noise-all without one, and the instant swap to N_{-x} after a deletion;
+* :mod:`jobs.idp.binding` -- a bound tied to the content hashes of the network and LOO
+  set it covers (the sidecar's ``mlp`` learner serves with it; the stand-alone guarded
+  network that the benchmarks use lives in ``tests/bench/guarded_network.py``);
 * :mod:`jobs.idp.sisa_bounds` -- per-shard LOO sets and bounds for an ensemble;
 * :mod:`jobs.idp.forest_guard` -- the same guard for DaRE forests, from exact
   leave-one-out forests.

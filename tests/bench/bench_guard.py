@@ -29,7 +29,7 @@ Per data set:
 2. ``compute_bounds`` with HiGHS (``bound_s``; per-class ``beta``); with Gurobi
    too when its size-limited licence accepts the MILPs (printed as a GUROBI
    line: time, betas and which solver really ran; its fallback is HiGHS);
-3. accuracy through :class:`~jobs.idp.guarded.GuardedNetwork` at eps 0, 0.2
+3. accuracy through :class:`GuardedNetwork` (guarded_network.py) at eps 0, 0.2
    and 1 on the test split: the mean over ``--reps`` fresh guards (fresh memo
    and noise); the exact expectation is printed beside it. ``acc_eps0_loo`` is
    the ceiling of any sound guard: the expected accuracy at eps 0 of exact
@@ -128,13 +128,13 @@ from jobs.idp.guard import (  # noqa: E402
     mechanism_probabilities,
     sisa_certain,
 )
-from jobs.idp.guarded import GuardedNetwork  # noqa: E402
 from jobs.idp.search import find_leaking, margins  # noqa: E402
 from jobs.idp.sisa_bounds import ensemble_loo_set, naive_certain, shard_bounds  # noqa: E402
 from jobs.idp.solvers import gurobi_available  # noqa: E402
 from jobs.learners.dare import DaREForest  # noqa: E402
 from jobs.learners.loo import LOOSet, train_loo  # noqa: E402
 from jobs.learners.sisa import SISAEnsemble  # noqa: E402
+from tests.bench.guarded_network import GuardedNetwork  # noqa: E402
 
 EPSILONS = (0.0, 0.2, 1.0)
 MODELS = ("mlp", "sisa", "dare")

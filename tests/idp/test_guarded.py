@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from jobs.idp.bab import BoundReport, compute_bounds
+from jobs.idp.binding import BoundBinding
 from jobs.idp.guard import cell_centres, clip_unit, grid_cells, top_margin
-from jobs.idp.guarded import NOISE_ALL, SOUND, BoundBinding, GuardedNetwork
 from jobs.learners.loo import LOOSet, schedule_keys, train_loo, train_single
+from tests.bench.guarded_network import NOISE_ALL, SOUND, GuardedNetwork
 
 from ..leaks import traces_found
 from .conftest import TINY, tiny_loo

@@ -36,10 +36,10 @@ from jobs.idp.guard import (
     mechanism_probabilities,
     top_margin,
 )
-from jobs.idp.guarded import SOUND, GuardedNetwork
 from jobs.idp.search import find_leaking, margins
 from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo
 from jobs.learners.loo import LOOSet, train_loo
+from tests.bench.guarded_network import SOUND, GuardedNetwork
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,10 @@
 """A guarded network: label-only, eps-iDP answers from one verified MLP (LUCID, Alg. 2).
 
+The benchmarks' and tests' stand-alone form of what the sidecar serves with
+``--learner mlp`` (:class:`jobs.served_model.GuardedMLPModel` with
+:class:`jobs.learners.loo_mlp.LeaveOneOutMLP`, the service's own guard and memo):
+``bench_guard.py`` measures accuracy through it without a ledger or a service.
+
 :class:`GuardedNetwork` serves the full network N of a :class:`~jobs.learners.loo.LOOSet`
 through :class:`~jobs.idp.guard.LabelGuard`:
 
@@ -49,11 +54,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from jobs.idp.bab import BoundReport, compute_bounds
+from jobs.idp.binding import BoundBinding
 from jobs.idp.guard import LabelGuard, clip_unit, lucid_certain
 from jobs.learners.loo import LOOSet, MLPParams, schedule_keys, train_loo
 
@@ -66,39 +72,6 @@ NOISE_ALL = "noise-all"
 def _plain(v: object) -> object:
     """numpy scalars -> Python scalars (ids as they appear in manifests)."""
     return v.item() if isinstance(v, np.generic) else v
-
-
-@dataclass(frozen=True)
-class BoundBinding:
-    """Per-class serving bounds tied to the exact network they were verified for.
-
-    ``beta[c]`` is ``BoundReport.serving_beta()[c]`` (``max(beta_c, 0)``;
-    ``+inf`` when the search proved nothing, which makes class c always noised).
-    """
-
-    network_hash: str  # MLPParams.content_hash() of the LOO set's full network N
-    loo_hash: str  # LOOSet.content_hash() the bound was computed on
-    beta: tuple[float, ...]
-    manifest: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @classmethod
-    def from_report(cls, report: BoundReport, loo_set: LOOSet) -> BoundBinding:
-        """Bind ``report`` to ``loo_set``; ValueError if it was computed on another set."""
-        digest = loo_set.content_hash()
-        if report.loo_hash != digest:
-            raise ValueError(f"the bound was computed on LOO set {report.loo_hash[:12]}..., "
-                             f"not on {digest[:12]}...")
-        sb = report.serving_beta()
-        C = loo_set.n_classes
-        if set(sb) != set(range(C)):
-            raise ValueError(f"the bound covers classes {sorted(sb)}, the network has {C}")
-        beta = tuple(float(sb[c]) for c in range(C))
-        if any(np.isnan(b) for b in beta):
-            raise ValueError("a bound is NaN")
-        return cls(loo_set.full().content_hash(), digest, beta, report.manifest())
-
-    def matches(self, network_hash: str, loo_hash: str | None) -> bool:
-        return self.network_hash == network_hash and self.loo_hash == loo_hash
 
 
 @dataclass(frozen=True)
@@ -386,4 +359,4 @@ class GuardedNetwork:
         return report
 
 
-__all__ = ["NOISE_ALL", "SOUND", "BoundBinding", "GuardedNetwork"]
+__all__ = ["NOISE_ALL", "SOUND", "GuardedNetwork"]
