@@ -75,11 +75,15 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
               "ledger (clients send raw values)")
         registry = Registry(ledger.engine, s.model_name)
         first = Worker(ledger, registry).bootstrap(learner)
-        print(f"model: {first} trained and guarded ({learner})")
+        print(f"model: {first} trained ({learner}) and guarded"
+              + (" in noise-all mode until the worker's guard job has bounded it"
+                 if learner == "mlp" else ""))
         sidecar = LocalSidecar(work, env).start()
         try:
             print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
                   f"admin token in {s.admin_token_file})")
+            if learner == "mlp":
+                _await_first_bound(registry)
             ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
             current = registry.current()
             ok = _await_served(sidecar.base_url, current.version if current else None) and ok
@@ -226,6 +230,23 @@ def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 30
         time.sleep(1.0)
     print(f"  not complete after {timeout_s:.0f} s (answers stay sound: unbounded shards count "
           "as fragile)")
+
+
+def _await_first_bound(registry: Registry, timeout_s: float = 300.0) -> None:
+    """The mlp learner's first version answers in noise-all mode: the worker's guard job
+    trains its LOO set and bounds it in the background. Wait for that before the stream,
+    so that the first deletion is a swap and the client's first answers are certified."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        cur = registry.current()
+        if cur is not None and cur.manifest["guard"].get("mode") == "sound":
+            bound = cur.manifest["guard"]["bound"]
+            print(f"guard: LOO set of {cur.manifest['training_set']['count']} records trained "
+                  f"in {bound.get('loo_seconds', 0):.1f} s and bounded in "
+                  f"{bound.get('seconds', 0):.1f} s by the worker's guard job ({cur.version})")
+            return
+        time.sleep(0.5)
+    print(f"guard: no bound after {timeout_s:.0f} s; the stream starts in noise-all mode")
 
 
 def _await_network_bound(ledger: Ledger, registry: Registry, base_url: str,

@@ -1,6 +1,7 @@
 """End-to-end deletion latency: produced to Kafka -> served by a version without the record.
 
-    python tests/bench/bench_e2e.py [--quick] [--learners dare,sisa] [--requests N]
+    python tests/bench/bench_e2e.py [--quick] [--learners dare,sisa,mlp] [--requests N]
+                                    [--records N] [--shard-bound S] [--rate R]
 
 Per learner: a local tansu broker, a fresh SQLite ledger holding a synthetic
 table (make_classification, 3 classes, 20 features scaled to [0, 1]), the
@@ -19,12 +20,23 @@ noised) give the share certified in each phase. Target (issue "Guarded
 answers at production scale"): certified_stream >= 0.9 x certified_idle and
 p50 <= 2 s on a table of at least 16k records.
 
-Baseline in the same process: for SISA, the time to retrain one shard (one
-single-record deletion on the same ensemble, which retrains exactly the
-affected shard). Last lines:
+Bounds (issue "The LUCID bound as a background job"): ``--shard-bound S`` gives the
+worker's guard job S seconds per SISA shard, or for the mlp learner's network, to
+compute LUCID bounds (0, the default: none; a 16k table's SISA shards of 3,200 records
+take minutes each); the idle phase then starts once the current version's guard is
+complete (``bound_wait_s``), so ``certified_idle`` is what the bounds certify and
+``certified_stream`` what is left of it while deletions keep retraining shards (a shard
+counts as fragile, the mlp answers in noise-all mode, until the next guard job).
 
-    RESULT learner=... p50_s=... p95_s=... lost=0 duplicated=0 certified_stream=...
-           certified_idle=... [shard_retrain_s=... ratio=...]
+Baselines in the same process: for SISA, the time to retrain one shard (one
+single-record deletion on the same ensemble, which retrains exactly the affected
+shard); for mlp, a deletion by LOO swap and one by retraining the network. The mlp
+learner serves a deletion by swapping in N_-x when the LOO set of the current records is
+at hand (``swaps``: how many were), else by retraining its one network. Last lines:
+
+    RESULT learner=... records=... p50_s=... p95_s=... lost=0 duplicated=0
+           certified_stream=... certified_idle=... served=inf|bounds bound_wait_s=...
+           [shard_retrain_s=... ratio=...] [swaps=... swap_ms=... retrain_s=...]
 """
 
 from __future__ import annotations
@@ -102,7 +114,20 @@ def _shard_retrain_seconds(ds, params: dict) -> float:  # noqa: ANN001 - dataset
     return float(np.median(times))
 
 
-def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]:
+def _await_complete_guard(registry, timeout_s: float) -> float:  # noqa: ANN001 - Registry
+    """Seconds until the current version's guard is complete (bounds in), at most
+    `timeout_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        cur = registry.current()
+        if cur is not None and (cur.manifest["guard"].get("bound") or {}).get("complete"):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.0,
+        rate: float = RATE) -> dict[str, float | int]:
     from jobs.registry import Registry
     from jobs.worker import Worker
     from ledger import datasets
@@ -140,10 +165,10 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
         first_served: dict[int, float] = {}
         stop = threading.Event()
         held_out = datasets.load("synthetic", n_samples=n_records + 2000).X[n_records:]
-        # per-shard SISA bounds are off here: a 16k table's shards of 3,200 records take
+        # bounds are off by default: a 16k table's SISA shards of 3,200 records take
         # minutes each in the guard job, which would share the two cores with the stream
-        # (bench_guard.py's served= rows measure what the bounds certify)
-        with LocalSidecar(work, env, worker_args=["--shard-bound", "0"]) as sidecar:
+        with LocalSidecar(work, env, worker_args=["--shard-bound", str(shard_bound_s)]
+                          ) as sidecar:
             watcher = threading.Thread(target=_watch_versions,
                                        args=(sidecar.base_url, stop, first_served))
             watcher.start()
@@ -151,12 +176,17 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
             client = threading.Thread(target=_ask, args=(sidecar.base_url, held_out, asking))
             client.start()
             try:
+                bound_wait = (_await_complete_guard(Registry(ledger.engine, s.model_name),
+                                                    1800.0) if shard_bound_s > 0 else 0.0)
+                if shard_bound_s > 0:
+                    print(f"[{learner}] guard complete (bounds in) after {bound_wait:.0f} s",
+                          flush=True)
                 idle0 = _guard_counts(sidecar.base_url)
                 time.sleep(20)
                 idle1 = _guard_counts(sidecar.base_url)
-                produce(s.kafka_bootstrap, s.requests_topic, paced(messages, RATE), on_sent)
+                produce(s.kafka_bootstrap, s.requests_topic, paced(messages, rate), on_sent)
                 stream1 = _guard_counts(sidecar.base_url)
-                deadline = time.monotonic() + 120 + n_requests / RATE
+                deadline = time.monotonic() + 120 + n_requests / rate
                 while time.monotonic() < deadline:
                     counts = ledger.status_counts()
                     if sum(counts.get(k, 0) for k in ("applied", "verified", "failed")) >= \
@@ -178,7 +208,11 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
         applied: dict[str, list[int]] = {}
         at: dict[tuple[str, str], float] = {}
         passes: dict[str, tuple[int, float, float]] = {}  # version -> (requests, update, guard)
+        swaps = 0
         for e in ledger.export():
+            if e["kind"] == "applied":
+                swaps += sum(bool(d.get("swap")) for d in
+                             e["payload"].get("retrained", {}).get("detail", []))
             if e["kind"] == "applied" and e["model_version"]:
                 n, u, g = passes.get(e["model_version"], (0, 0.0, 0.0))
                 passes[e["model_version"]] = (n + 1, e["payload"].get("update_seconds", u),
@@ -213,7 +247,21 @@ def run(learner: str, n_requests: int, n_records: int) -> dict[str, float | int]
     return {"p50_s": float(q[0]), "p95_s": float(q[1]), "lost": lost,
             "duplicated": duplicated, "measured": len(latencies),
             "certified_idle": _share(idle0, idle1), "certified_stream": _share(idle1, stream1),
+            "bound_wait_s": bound_wait, "swaps": swaps,
             "t0": datetime.now().isoformat(timespec="seconds")}
+
+
+def _mlp_baselines(ds, params: dict) -> tuple[float, float]:  # noqa: ANN001 - datasets.Dataset
+    """(a deletion by LOO swap, a deletion that retrains the network), seconds."""
+    from jobs.served_model import ServedModel
+
+    model = ServedModel.train("mlp", np.array(ds.record_ids, dtype=object), ds.X, ds.y,
+                              params)
+    model.learner.fit_loo()
+    swap = model.learner.delete(np.array(ds.record_ids[:1], dtype=object))
+    retrain = model.learner.delete(np.array(ds.record_ids[1:2], dtype=object))
+    assert swap.retrained["swap"] and not retrain.retrained["swap"]
+    return swap.seconds, retrain.seconds
 
 
 def main() -> int:
@@ -221,9 +269,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="200 requests per learner")
     ap.add_argument("--learners", default="dare,sisa")
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--records", type=int, default=None,
+                    help="table size (default 16,000; --quick 2,000)")
+    ap.add_argument("--shard-bound", type=float, default=0.0, metavar="S",
+                    help="the worker's --shard-bound (default 0: no LUCID bounds)")
+    ap.add_argument("--rate", type=float, default=RATE, help="deletions per second")
     args = ap.parse_args()
     n = args.requests or (200 if args.quick else 1000)
-    n_records = 2000 if args.quick else max(16_000, n + 500)
+    n_records = args.records or (2000 if args.quick else max(16_000, n + 500))
     os.environ["BENTOML_HOME"] = tempfile.mkdtemp(prefix="bench-e2e-bentoml-")
     os.environ["BENTOML_DO_NOT_TRACK"] = "true"
     from jobs.served_model import DEFAULT_PARAMS
@@ -231,15 +284,21 @@ def main() -> int:
 
     lines = []
     for learner in args.learners.split(","):
-        res = run(learner, n, n_records)
-        line = (f"RESULT learner={learner} p50_s={res['p50_s']:.3f} p95_s={res['p95_s']:.3f} "
-                f"lost={res['lost']} duplicated={res['duplicated']} "
+        res = run(learner, n, n_records, args.shard_bound, args.rate)
+        served = "bounds" if args.shard_bound > 0 and learner in ("sisa", "mlp") else "inf"
+        line = (f"RESULT learner={learner} records={n_records} p50_s={res['p50_s']:.3f} "
+                f"p95_s={res['p95_s']:.3f} lost={res['lost']} duplicated={res['duplicated']} "
                 f"certified_stream={res['certified_stream']:.3f} "
-                f"certified_idle={res['certified_idle']:.3f}")
+                f"certified_idle={res['certified_idle']:.3f} served={served} "
+                f"bound_wait_s={res['bound_wait_s']:.0f}")
+        ds = datasets.load("synthetic", n_samples=n_records)
         if learner == "sisa":
-            shard_s = _shard_retrain_seconds(datasets.load("synthetic", n_samples=n_records),
-                                             DEFAULT_PARAMS["sisa"])
+            shard_s = _shard_retrain_seconds(ds, DEFAULT_PARAMS["sisa"])
             line += f" shard_retrain_s={shard_s:.3f} ratio={res['p50_s'] / shard_s:.2f}"
+        if learner == "mlp":
+            swap_s, retrain_s = _mlp_baselines(ds, DEFAULT_PARAMS["mlp"])
+            line += (f" swaps={res['swaps']} swap_ms={swap_s * 1e3:.2f} "
+                     f"retrain_s={retrain_s:.3f}")
         print(f"[{learner}] {res['measured']} latencies measured", flush=True)
         lines.append(line)
     for line in lines:

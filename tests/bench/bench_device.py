@@ -1,0 +1,145 @@
+"""The LOO set and SISA's shards on CUDA: exactness on the device, time against the CPU.
+
+    python tests/bench/bench_device.py [--quick] [--sizes 569,2000,8000,16000]
+
+Without CUDA it prints ``RESULT device=cpu cuda=absent`` and stops: the CPU paths are
+what ``make test`` checks. With CUDA, per size n (breast cancer for 569, else a
+generated table of the census character, :func:`ledger.census.census_like`, min-max
+scaled),
+the sidecar's mlp network (one hidden layer of 32, 20 epochs, batch 32, lr 0.1):
+
+1. ``train_loo`` on CUDA against the CPU's compiled loop, timed on ``--cpu-networks``
+   networks of the same set and scaled to n + 1 (each CPU network is its own loop, so
+   the cost is linear in them);
+2. exactness on the device: ``train_single(exclude=x)`` on CUDA (one network, padded to
+   ``CUDA_SLOTS`` slots) against slot x of the LOO set, bit for bit, for a few records at
+   different positions, and the time of that single retrain;
+3. the sidecar's learners with ``device="cuda"``: ``LeaveOneOutMLP`` (fit, LOO set,
+   delete by swap, delete two, verify) and ``SISAEnsemble`` (5 shards, fit, delete,
+   verify) -- ``verify`` retrains from scratch on the device that trained the model.
+
+Last lines:
+
+    RESULT n=... loo_cuda_s=... loo_cpu_est_s=... speedup=... single_cuda_s=... slots_exact=true
+    RESULT learner=mlp device=cuda fit_s=... loo_s=... swap_ms=... exact=true
+    RESULT learner=sisa device=cuda fit_s=... delete_s=... cpu_delete_s=... exact=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.datasets import load_breast_cancer
+from sklearn.preprocessing import MinMaxScaler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from jobs.learners.loo import train_loo, train_single  # noqa: E402
+from jobs.learners.loo_mlp import LeaveOneOutMLP  # noqa: E402
+from jobs.learners.sisa import SISAEnsemble  # noqa: E402
+from ledger.census import census_like  # noqa: E402
+
+NET = {"hidden": (32,), "epochs": 20, "batch_size": 32, "lr": 0.1, "weight_decay": 1e-5}
+
+
+def table(n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    if n == 569:
+        X, y = load_breast_cancer(return_X_y=True)
+    else:
+        X, y = census_like(n, seed=0)
+    X = MinMaxScaler().fit_transform(X).astype(np.float32)
+    return X, np.asarray(y, dtype=np.int64), [f"r{i}" for i in range(len(y))]
+
+
+def loo_row(n: int, cpu_networks: int) -> str:
+    X, y, ids = table(n)
+    args = {**NET, "seed": 11, "n_classes": int(y.max()) + 1}
+    t0 = time.perf_counter()
+    big = train_loo(X, y, ids, device="cuda", **args)
+    torch.cuda.synchronize()
+    cuda_s = time.perf_counter() - t0
+    B = big.config.n_batches
+    picks = np.random.default_rng(0).choice(len(ids), 4, replace=False)
+    t0 = time.perf_counter()
+    slots_exact = all(
+        train_single(X, y, ids, exclude=ids[i], n_batches=B, device="cuda", **args)
+        .equal(big.loo(ids[i])) for i in picks)
+    single_s = (time.perf_counter() - t0) / len(picks)
+    # the CPU's compiled loop: one network after the other, so time a few and scale
+    train_single(X[:64], y[:64], ids[:64], device="cpu", **args)  # compile / warm
+    t0 = time.perf_counter()
+    for i in range(cpu_networks):
+        train_single(X, y, ids, exclude=ids[i], n_batches=B, device="cpu", **args)
+    cpu_est = (time.perf_counter() - t0) / cpu_networks * (len(ids) + 1)
+    cpu_full = train_single(X, y, ids, device="cpu", **args)
+    same_bits = cpu_full.equal(big.full())
+    gap = float(np.abs(cpu_full.logits(X) - big.full().logits(X)).max())
+    return (f"RESULT n={len(ids)} networks={big.n_networks} loo_cuda_s={cuda_s:.2f} "
+            f"loo_cpu_est_s={cpu_est:.1f} speedup={cpu_est / cuda_s:.1f} "
+            f"single_cuda_s={single_s:.2f} slots_exact={str(slots_exact).lower()} "
+            f"cpu_cuda_same_bits={str(same_bits).lower()} cpu_cuda_max_logit_gap={gap:.2e}")
+
+
+def mlp_row() -> str:
+    X, y, ids = table(569)
+    t0 = time.perf_counter()
+    m = LeaveOneOutMLP(**NET, device="cuda", random_state=5).fit(ids, X, y)
+    fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m.fit_loo()
+    loo_s = time.perf_counter() - t0
+    rep = m.delete([ids[3]])
+    swap_ms = rep.seconds * 1e3
+    exact1 = m.verify().exact and rep.retrained["swap"]
+    m.delete([ids[4], ids[5]])
+    exact2 = m.verify().exact
+    return (f"RESULT learner=mlp device=cuda fit_s={fit_s:.2f} loo_s={loo_s:.2f} "
+            f"swap_ms={swap_ms:.2f} exact={str(exact1 and exact2).lower()}")
+
+
+def sisa_row() -> str:
+    X, y, ids = table(2000)
+    out = {}
+    for dev in ("cuda", "cpu"):
+        t0 = time.perf_counter()
+        ens = SISAEnsemble(n_shards=5, hidden=(32,), epochs_per_slice=20, device=dev,
+                           random_state=3).fit(ids, X, y)
+        fit_s = time.perf_counter() - t0
+        rep = ens.delete([ids[7]])
+        out[dev] = (fit_s, rep.seconds, ens.verify().exact)
+    (fit_s, del_s, exact), (_, cpu_del, _) = out["cuda"], out["cpu"]
+    return (f"RESULT learner=sisa device=cuda n=2000 fit_s={fit_s:.2f} delete_s={del_s:.3f} "
+            f"cpu_delete_s={cpu_del:.3f} exact={str(exact).lower()}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sizes", default=None, help="comma-separated n (default 569,2000,8000,16000)")
+    ap.add_argument("--cpu-networks", type=int, default=8)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: the CPU paths are the tested default (make test)")
+        print("RESULT device=cpu cuda=absent")
+        return 0
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    sizes = ([569] if args.quick else [569, 2000, 8000, 16000]) if args.sizes is None else [
+        int(s) for s in args.sizes.split(",")]
+    rows = []
+    for n in sizes:
+        rows.append(loo_row(n, args.cpu_networks))
+        print(rows[-1], flush=True)
+    rows += [mlp_row(), sisa_row()]
+    print(rows[-2], flush=True)
+    print(rows[-1], flush=True)
+    ok = all("=false" not in r for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
