@@ -89,6 +89,10 @@ random_state 0) on breast cancer, digits (1,797 x 64, 10 classes) and a generate
 version is first published (every shard fragile), ``served=bounds`` once
 ``refresh_guard`` (the guard job's call) has bounded every shard (``--budget`` / 5 s
 each); ``acc_eps0`` = the expected accuracy at eps 0; ``violations`` as above.
+``synthetic<N>`` (``synthetic2667``, ``synthetic16k``) is a generated table of N records.
+The same for the sidecar's one-network learner (``model=mlp``,
+:class:`jobs.served_model.GuardedMLPModel`: ``served=inf`` is its noise-all mode before
+the guard job, ``served=bounds`` after its LOO set and ``--budget`` s of bound).
 
 The last lines are, per data set,
 
@@ -97,7 +101,7 @@ beta=b0/b1 bound_s=... access_ms=... naive_ms=... tightness=t0/t1 violations=0
     RESULT data=... model=sisa shards=5 acc=... certain_sisa=... certain_free=... \
 certain_naive=... acc_eps0_sisa=... acc_eps0_free=... acc_eps0_naive=... \
 uniform_sisa=... uniform_free=... uniform_naive=... bound_s=... violations=0
-    RESULT data=... model=sisa served=inf|bounds certified=... acc=... acc_eps0=... \
+    RESULT data=... model=sisa|mlp served=inf|bounds certified=... acc=... acc_eps0=... \
 bound_s=... violations=0
     RESULT data=... model=dare acc=... acc_eps0=... acc_eps02=... acc_eps1=... beta=... \
 bound_s=... access_ms=... batch_ms=... naive_ms=... tightness=... violations=0
@@ -184,11 +188,13 @@ def load(name: str, quick: bool) -> Data:
     elif name == "digits":
         d = load_digits()
         X, y, note = _scale(d.data), d.target, "digits 1797x64 (10 classes)"
-    elif name == "synthetic16k":
+    elif name.startswith("synthetic"):  # synthetic16k, synthetic2667, ...
         from ledger import datasets
 
-        d = datasets.load("synthetic", n_samples=16000)
-        X, y, note = _scale(d.X), d.y, "make_classification 16000x20 (3 classes)"
+        size = name.removeprefix("synthetic")
+        n = int(float(size[:-1]) * 1000) if size.endswith("k") else int(size)
+        d = datasets.load("synthetic", n_samples=n)
+        X, y, note = _scale(d.X), d.y, f"make_classification {n}x20 (3 classes)"
     else:
         raise SystemExit(f"unknown data set {name!r}")
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
@@ -493,6 +499,40 @@ def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
                    f"certified={certain.mean():.4f} acc={acc:.4f} "
                    f"acc_eps0={expected_accuracy(winner, certain, d.yte, C, 0.0):.4f} "
                    f"bound_s={bound_s:.1f} violations={violations}")
+    return out + bench_served_mlp(d, args)
+
+
+def bench_served_mlp(d: Data, args: argparse.Namespace) -> list[str]:
+    """The sidecar's ``mlp`` learner (``GuardedMLPModel``): noise-all as a version is
+    first published, then the guard job's ``refresh_guard`` (LOO set + ``args.budget`` s of
+    bound); violations: certified answers some LOO network answers differently."""
+    from jobs.served_model import GuardedMLPModel
+
+    if len(d.ids) > args.mlp_max_records:
+        print(f"[{d.name}] served mlp skipped: its LOO set is {len(d.ids) + 1} networks of "
+              f"{len(d.ids)} records (hours on 2 cores; --mlp-max-records)", flush=True)
+        return []
+    C = int(d.ytr.max()) + 1
+    model = GuardedMLPModel.train("mlp", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
+                                  params={"random_state": 0, "device": "cpu"})
+    Xc = clip_unit(d.Xte)
+    out = []
+    for served in ("inf", "bounds"):
+        bound_s = 0.0
+        if served == "bounds":
+            t0 = time.perf_counter()
+            model.refresh_guard(bound_s=args.budget)
+            bound_s = time.perf_counter() - t0
+        winner, certain = model.certain(Xc)
+        loo = model.learner.loo_
+        violations = 0 if loo is None else int(
+            (np.argmax(loo.logits(Xc), axis=2)[:, certain] != winner[certain]).any(0).sum())
+        print(f"[{d.name}] served mlp ({served}): certain {certain.mean():.3f}, LOO set and "
+              f"bound {bound_s:.1f}s, violations {violations}", flush=True)
+        out.append(f"RESULT data={d.name} model=mlp served={served} "
+                   f"certified={certain.mean():.4f} acc={float((winner == d.yte).mean()):.4f} "
+                   f"acc_eps0={expected_accuracy(winner, certain, d.yte, C, 0.0):.4f} "
+                   f"bound_s={bound_s:.1f} violations={violations}")
     return out
 
 
@@ -625,8 +665,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of mlp,sisa,dare (default: all)")
     ap.add_argument("--no-sisa", action="store_true")
     ap.add_argument("--served", default=None,
-                    help="data sets for the served SISA rows (default cancer,digits,"
+                    help="data sets for the served SISA and mlp rows (default cancer,digits,"
                          "synthetic16k; quick: cancer; 'none' to skip)")
+    ap.add_argument("--mlp-max-records", type=int, default=3000,
+                    help="served mlp rows only up to this many training records")
     ap.add_argument("--reps", type=int, default=None, help="guards per accuracy (default 50)")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden width (default: moons 16, cancer 8, wine 8; quick 8)")
