@@ -88,7 +88,8 @@ random_state 0) on breast cancer, digits (1,797 x 64, 10 classes) and a generate
 16,000-record table (``--served``; quick: breast cancer 200 x 10): ``served=inf`` as a
 version is first published (every shard fragile), ``served=bounds`` once
 ``refresh_guard`` (the guard job's call) has bounded every shard (``--budget`` / 5 s
-each); ``acc_eps0`` = the expected accuracy at eps 0; ``violations`` as above.
+each; ``--quick``: 5 s in all, and 5 s for the mlp row); ``acc_eps0`` = the expected
+accuracy at eps 0; ``violations`` as above.
 ``synthetic<N>`` (``synthetic2667``, ``synthetic16k``) is a generated table of N records.
 The same for the sidecar's one-network learner (``model=mlp``,
 :class:`jobs.served_model.GuardedMLPModel`: ``served=inf`` is its noise-all mode before
@@ -469,6 +470,11 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
             f"uniform_naive={cq_naive.mean():.4f} bound_s={bound_s:.1f} violations={violations}")
 
 
+def _served_budget(args: argparse.Namespace) -> float:
+    """Seconds of bound search for a served model (``--quick``: 5, a run under a minute)."""
+    return 5.0 if args.quick else args.budget
+
+
 def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
     """The sidecar's own code path for SISA (``ShardVoteModel`` with the served defaults):
     ``served=inf`` as a version is first published (every shard fragile), ``served=bounds``
@@ -487,7 +493,7 @@ def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
         if served == "bounds":
             t0 = time.perf_counter()
             while not model.guard_complete:  # the guard jobs' calls, a shard or more each
-                model.refresh_guard(bound_s=args.budget / shards)
+                model.refresh_guard(bound_s=_served_budget(args) / shards)
             bound_s = time.perf_counter() - t0
         winner, certain = model.certain(Xc)
         acc = float((winner == d.yte).mean())
@@ -521,7 +527,7 @@ def bench_served_mlp(d: Data, args: argparse.Namespace) -> list[str]:
         bound_s = 0.0
         if served == "bounds":
             t0 = time.perf_counter()
-            model.refresh_guard(bound_s=args.budget)
+            model.refresh_guard(bound_s=_served_budget(args))
             bound_s = time.perf_counter() - t0
         winner, certain = model.certain(Xc)
         loo = model.learner.loo_
