@@ -77,6 +77,12 @@ def seeded(ledger: Ledger) -> Ledger:
     return ledger
 
 
+@pytest.fixture
+def seeded60(ledger: Ledger) -> Ledger:
+    seed(ledger, n=60)
+    return ledger
+
+
 @pytest.fixture(scope="session")
 def broker() -> Iterator[LocalBroker]:
     """One real Kafka-protocol broker for the session; tests use their own topics."""

@@ -15,19 +15,12 @@ from jobs.registry import PublishConflict, Registry
 from jobs.worker import Worker, WorkerConfig
 from ledger.store import Ledger
 from service.model_holder import ModelHolder
-from tests.conftest import seed
 from tests.sidecar import Sidecar
 
 SISA = {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}
 # eps0 = 0.5, (eps, delta) = (2, 1e-5): 4 answers (with so few, delta 1e-5 buys nothing
 # over the basic composition: 5 answers are (1.5, 0.059)- or (2.5, 0)-DP)
 POLICY = BudgetPolicy(epsilon_per_answer=0.5, epsilon_budget=2.0, delta=1e-5)
-
-
-@pytest.fixture
-def seeded60(ledger: Ledger) -> Ledger:
-    seed(ledger, n=60)
-    return ledger
 
 
 def _worker(ledger: Ledger, reg: Registry, budget: BudgetPolicy | None = POLICY) -> Worker:

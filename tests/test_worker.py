@@ -18,7 +18,6 @@ from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
 from service import metrics
 from service.model_holder import ModelHolder
-from tests.conftest import seed
 
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
          "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}}
@@ -44,12 +43,6 @@ def _drain(worker: Worker, timeout_s: float = 60.0) -> None:
 
 def _events(ledger: Ledger, request_id: str) -> list[dict]:
     return ledger.history(request_id)["events"]
-
-
-@pytest.fixture
-def seeded60(ledger: Ledger) -> Ledger:
-    seed(ledger, n=60)
-    return ledger
 
 
 def test_a_guard_update_out_of_time_is_published_sound_then_completed(

@@ -164,6 +164,26 @@ def check_features(X: Any, n: int | None, d: int | None,
     return np.ascontiguousarray(out) + dtype(0.0)
 
 
+def encode_labels(y: Any, classes: np.ndarray, n: int) -> np.ndarray:
+    """`y` (n labels) as indices into `classes`; a label outside them raises ValueError
+    (the model only predicts the classes it was built with)."""
+    arr = np.asarray(y)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
+    try:
+        known = np.isin(arr, classes)
+    except TypeError:
+        known = np.array([any(v == c for c in classes) for v in arr.tolist()])
+    if not known.all():
+        unknown = sorted({repr(v) for v in arr[~known].tolist()})
+        raise ValueError(
+            f"unknown label(s) {', '.join(unknown[:5])}; the model's classes are "
+            f"{classes.tolist()} (declare all labels with classes=... at construction)"
+        )
+    lookup = {c: k for k, c in enumerate(classes.tolist())}
+    return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
+
+
 def unique_ids(ids: Any) -> np.ndarray:
     """`as_ids`, refusing an id named twice."""
     rids = as_ids(ids)

@@ -452,9 +452,9 @@ def train_loo(
     (:func:`schedule_keys`). ``kernel``: ``"compiled"`` trains on the CPU with
     :func:`jobs.learners.mlp_kernels.sgd_slots`, ``"torch"`` with torch's batched ops
     (what sets trained before the compiled kernel need; CUDA always uses torch's).
-    ``chunk_size`` networks train at a time (memory
-    bound); the result does not depend on it. ``progress(done, total)`` is
-    called after each chunk.
+    ``chunk_size`` networks train at a time on the CPU (memory bound; on CUDA
+    always ``CUDA_SLOTS``); the result does not depend on it. ``progress(done,
+    total)`` is called after each chunk.
     """
     ids_arr = np.asarray(list(ids))
     Xs, ys, keys, src = _sorted_data(X, y, ids_arr, tombstones, int(seed))

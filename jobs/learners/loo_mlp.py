@@ -50,6 +50,7 @@ from jobs.learners.base import (
     UpdateReport,
     VerifyReport,
     check_features,
+    encode_labels,
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
@@ -106,18 +107,6 @@ class LeaveOneOutMLP(Learner, BaseEstimator):
     def _check_fitted(self) -> None:
         if not hasattr(self, "network_"):
             raise NotFittedError("LeaveOneOutMLP is not fitted; call fit first")
-
-    def _encode_y(self, y: Any, n: int) -> np.ndarray:
-        arr = np.asarray(y)
-        if arr.ndim != 1 or arr.shape[0] != n:
-            raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
-        lookup = {c: k for k, c in enumerate(self.classes_.tolist())}
-        unknown = sorted({repr(v) for v in arr.tolist() if v not in lookup})
-        if unknown:
-            raise ValueError(f"unknown label(s) {', '.join(unknown[:5])}; the model's classes "
-                             f"are {self.classes_.tolist()} (declare all labels with "
-                             "classes=... at construction)")
-        return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
 
     def _kernel(self) -> str:
         # the compiled loop on the CPU; torch's batched ops on CUDA (loo._run)
@@ -176,7 +165,7 @@ class LeaveOneOutMLP(Learner, BaseEstimator):
             lr=float(self.lr), weight_decay=float(self.weight_decay),
             seed=secrets.randbits(31) if rs is None else int(rs))
         self.tombstones_ = _NO_KEYS
-        self._set_records(rids, Xa, self._encode_y(yarr, len(rids)))
+        self._set_records(rids, Xa, encode_labels(yarr, classes, len(rids)))
         self.loo_: LOOSet | None = None
         self._set_network(self._retrain())
         return self
@@ -207,7 +196,7 @@ class LeaveOneOutMLP(Learner, BaseEstimator):
         t0 = time.perf_counter()
         rids = ids_to_add(ids, self._row)
         Xa = check_features(X, len(rids), self.n_features_in_, dtype=np.float32)
-        yi = self._encode_y(y, len(rids))
+        yi = encode_labels(y, self.classes_, len(rids))
         if len(rids) == 0:
             return self._report("add", rids, t0, False)
         self.tombstones_ = np.setdiff1d(self.tombstones_,

@@ -148,6 +148,7 @@ from jobs.learners.base import (
     VerifyReport,
     as_ids,
     check_features,
+    encode_labels,
     ids_to_add,
     ids_to_delete,
     read_bundle_meta,
@@ -369,26 +370,6 @@ class SISAEnsemble(Learner, BaseEstimator):
     def _threads(self):
         n = self.config_["cpu_threads"] if self.device_.type == "cpu" else None
         return torch_threads(n)
-
-    # ------------------------------------------------------------------ input checks
-
-
-    def _encode_y(self, y: Any, n: int) -> np.ndarray:
-        arr = np.asarray(y)
-        if arr.ndim != 1 or arr.shape[0] != n:
-            raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
-        try:
-            known = np.isin(arr, self.classes_)
-        except TypeError:
-            known = np.array([any(v == c for c in self.classes_) for v in arr.tolist()])
-        if not known.all():
-            unknown = sorted({repr(v) for v in arr[~known].tolist()})
-            raise ValueError(
-                f"unknown label(s) {', '.join(unknown[:5])}; the model's classes are "
-                f"{self.classes_.tolist()} (declare all labels with classes=... at construction)"
-            )
-        lookup = {c: k for k, c in enumerate(self.classes_.tolist())}
-        return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
 
     # ------------------------------------------------------------------ keyed assignment
 
@@ -645,7 +626,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.n_features_in_ = int(Xa.shape[1])
         self.device_ = resolve_device(self.device)
         self.platform_ = self._platform()
-        yi = self._encode_y(yarr, len(rids))
+        yi = encode_labels(yarr, self.classes_, len(rids))
         data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
         ckpts = [self._train_shard(s, data, {}, 0, None) for s in range(self._S)]
         self._commit(data, {}, ckpts)
@@ -732,7 +713,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         t0 = time.perf_counter()
         rids = ids_to_add(ids, self._row)
         Xa = check_features(X, len(rids), self.n_features_in_, dtype=np.float32)
-        yi = self._encode_y(y, len(rids))
+        yi = encode_labels(y, self.classes_, len(rids))
         if len(rids) == 0:
             return self._report("add", rids, t0, {}, self._data(), 0.0)
         old = self._data()

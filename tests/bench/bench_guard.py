@@ -114,8 +114,10 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -475,37 +477,49 @@ def _served_budget(args: argparse.Namespace) -> float:
     return 5.0 if args.quick else args.budget
 
 
-def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
-    """The sidecar's own code path for SISA (``ShardVoteModel`` with the served defaults):
-    ``served=inf`` as a version is first published (every shard fragile), ``served=bounds``
-    after the guard job's ``refresh_guard`` (``args.budget / shards`` s per shard)."""
-    from jobs.served_model import DEFAULT_PARAMS, ShardVoteModel
-
+def _served_rows(d: Data, kind: str, model: Any, bound: Callable[[], None],
+                 violations: Callable[[np.ndarray, np.ndarray, np.ndarray], int],
+                 note: str = "") -> list[str]:
+    """``served=inf`` as a version is first published, ``served=bounds`` after ``bound()``
+    (the guard job's calls), both through the served model's own ``certain``."""
     C = int(d.ytr.max()) + 1
-    model = ShardVoteModel.train("sisa", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
-                                 params={"random_state": 0})
-    ens = model.learner
-    shards = int(DEFAULT_PARAMS["sisa"]["n_shards"])
     Xc = clip_unit(d.Xte)
     out = []
     for served in ("inf", "bounds"):
         bound_s = 0.0
         if served == "bounds":
             t0 = time.perf_counter()
-            while not model.guard_complete:  # the guard jobs' calls, a shard or more each
-                model.refresh_guard(bound_s=_served_budget(args) / shards)
+            bound()
             bound_s = time.perf_counter() - t0
         winner, certain = model.certain(Xc)
-        acc = float((winner == d.yte).mean())
-        violations = sisa_violations(ens, Xc, certain, winner)
-        print(f"[{d.name}] served SISA ({served}): shards {ens.shard_sizes_.tolist()}, "
-              f"certain {certain.mean():.3f}, bounds {bound_s:.1f}s, violations {violations}",
-              flush=True)
-        out.append(f"RESULT data={d.name} model=sisa served={served} "
-                   f"certified={certain.mean():.4f} acc={acc:.4f} "
+        v = violations(Xc, certain, winner)
+        print(f"[{d.name}] served {kind} ({served}): {note}certain {certain.mean():.3f}, "
+              f"bounds {bound_s:.1f}s, violations {v}", flush=True)
+        out.append(f"RESULT data={d.name} model={kind} served={served} "
+                   f"certified={certain.mean():.4f} acc={float((winner == d.yte).mean()):.4f} "
                    f"acc_eps0={expected_accuracy(winner, certain, d.yte, C, 0.0):.4f} "
-                   f"bound_s={bound_s:.1f} violations={violations}")
-    return out + bench_served_mlp(d, args)
+                   f"bound_s={bound_s:.1f} violations={v}")
+    return out
+
+
+def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
+    """The sidecar's own code path for SISA (``ShardVoteModel`` with the served defaults):
+    bounds by the guard job's ``refresh_guard`` (``args.budget / shards`` s per shard)."""
+    from jobs.served_model import DEFAULT_PARAMS, ShardVoteModel
+
+    model = ShardVoteModel.train("sisa", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
+                                 params={"random_state": 0})
+    ens = model.learner
+    shards = int(DEFAULT_PARAMS["sisa"]["n_shards"])
+
+    def bound() -> None:
+        while not model.guard_complete:  # the guard jobs' calls, a shard or more each
+            model.refresh_guard(bound_s=_served_budget(args) / shards)
+
+    rows = _served_rows(d, "sisa", model, bound,
+                        lambda Q, certain, winner: sisa_violations(ens, Q, certain, winner),
+                        f"shards {ens.shard_sizes_.tolist()}, ")
+    return rows + bench_served_mlp(d, args)
 
 
 def bench_served_mlp(d: Data, args: argparse.Namespace) -> list[str]:
@@ -518,28 +532,17 @@ def bench_served_mlp(d: Data, args: argparse.Namespace) -> list[str]:
         print(f"[{d.name}] served mlp skipped: its LOO set is {len(d.ids) + 1} networks of "
               f"{len(d.ids)} records (hours on 2 cores; --mlp-max-records)", flush=True)
         return []
-    C = int(d.ytr.max()) + 1
     model = GuardedMLPModel.train("mlp", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
                                   params={"random_state": 0, "device": "cpu"})
-    Xc = clip_unit(d.Xte)
-    out = []
-    for served in ("inf", "bounds"):
-        bound_s = 0.0
-        if served == "bounds":
-            t0 = time.perf_counter()
-            model.refresh_guard(bound_s=_served_budget(args))
-            bound_s = time.perf_counter() - t0
-        winner, certain = model.certain(Xc)
+
+    def violations(Q: np.ndarray, certain: np.ndarray, winner: np.ndarray) -> int:
         loo = model.learner.loo_
-        violations = 0 if loo is None else int(
-            (np.argmax(loo.logits(Xc), axis=2)[:, certain] != winner[certain]).any(0).sum())
-        print(f"[{d.name}] served mlp ({served}): certain {certain.mean():.3f}, LOO set and "
-              f"bound {bound_s:.1f}s, violations {violations}", flush=True)
-        out.append(f"RESULT data={d.name} model=mlp served={served} "
-                   f"certified={certain.mean():.4f} acc={float((winner == d.yte).mean()):.4f} "
-                   f"acc_eps0={expected_accuracy(winner, certain, d.yte, C, 0.0):.4f} "
-                   f"bound_s={bound_s:.1f} violations={violations}")
-    return out
+        if loo is None:
+            return 0
+        return int((np.argmax(loo.logits(Q), axis=2)[:, certain] != winner[certain]).any(0).sum())
+
+    return _served_rows(d, "mlp", model, lambda: model.refresh_guard(_served_budget(args)),
+                        violations)
 
 
 class NaiveForestIDP:
