@@ -82,13 +82,19 @@ def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     return Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig(**config))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def parse_params(text: str) -> dict[str, Any]:
+    """`--params`: the learner's hyperparameters as a JSON object."""
     try:
-        params = json.loads(args.params)
+        params = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--params is not JSON: {exc}") from None
     if not isinstance(params, dict):
         raise ValueError("--params must be a JSON object")
+    return params
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    params = parse_params(args.params)
     learner = args.learner or settings_from(args).learner
     version = _worker(args).bootstrap(learner, params)
     print(f"current version: {version}")

@@ -14,8 +14,8 @@ The sidecar serves two kinds:
   changes the winner. A shard without a bound for its current network counts as
   fragile (bound +inf), which needs nothing fitted, so the rule holds for every
   state of the ensemble the moment it exists; the guard job computes the per-shard
-  bounds in the background (:meth:`ShardVoteModel.refresh_guard`; one-slice
-  ensembles with the masked LOO schedule only), and an update refuses the bound of
+  bounds in the background (:meth:`ShardVoteModel.refresh_guard`; ensembles trained
+  with the masked LOO schedule, sliced or not), and an update refuses the bound of
   every shard it retrained until then.
 - ``game``: one network that forgets by the game of Liu et al. (APPROXIMATE
   unlearning). It is served in noise-all mode, always: LUCID's bound holds for
@@ -66,7 +66,7 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_domain": 2.0},
     # plain SGD (the masked LOO schedule) at the learner's own rate: shards that learn
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
-             "batch_size": 32},
+             "batch_size": 32, "schedule": "loo"},  # (sliced ones too: bounds need it)
     # one network and its LOO set (n + 1 networks, trained by the guard job): small tables.
     # LUCID's rate: on breast cancer lr 0.1 gives acc 0.944 with 78% of answers certified,
     # lr 0.5 0.972 with 20% (the LOO networks move further apart)
@@ -268,8 +268,8 @@ class ForestModel(ServedModel):
 
 
 class ShardVoteModel(ServedModel):
-    """The SISA vote rule with per-shard bounds where the ensemble admits them (one slice,
-    the masked LOO schedule): a shard counts as fragile (bound +inf) until the guard job
+    """The SISA vote rule with per-shard bounds where the ensemble admits them (the masked
+    LOO schedule): a shard counts as fragile (bound +inf) until the guard job
     has computed the bound of its current network (:meth:`refresh_guard`), and again
     once an update retrains it (the bound is tied to the shard network's hash), so every
     answer is sound at every moment and answers improve as bounds arrive."""

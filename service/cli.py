@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="demo-output")
     p.add_argument("--learner", choices=["dare", "mlp", "sisa"], default="dare")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
+    p.add_argument("--params", default="{}",
+                   help='the learner\'s hyperparameters as a JSON object (e.g. sliced SISA '
+                        'shards: \'{"n_slices": 3}\')')
     p.set_defaults(func=_demo)
     _connection_options_everywhere(parser)
     return parser
@@ -97,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from service.demo import run_demo
 
-    return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate)
+    return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate,
+                    jobs_cli.parse_params(args.params))
 
 
 def database_error(exc: BaseException, url: str | None) -> str | None:

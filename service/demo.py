@@ -47,7 +47,7 @@ DEMO_GRACE_S = 5.0
 
 
 def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
-             rate: float = 50.0) -> int:
+             rate: float = 50.0, params: dict[str, Any] | None = None) -> int:
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -74,7 +74,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
               f"subjects, {ds.X.shape[1]} features min-max scaled by ranges stored in the "
               "ledger (clients send raw values)")
         registry = Registry(ledger.engine, s.model_name)
-        first = Worker(ledger, registry).bootstrap(learner)
+        first = Worker(ledger, registry).bootstrap(learner, params)
         print(f"model: {first} trained ({learner}) and guarded"
               + (" in noise-all mode until the worker's guard job has bounded it"
                  if learner == "mlp" else ""))
@@ -212,7 +212,7 @@ def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 30
         cur = registry.current()
         bound = cur.manifest["guard"].get("bound") if cur else None
         if bound is None:
-            print("  the ensemble has no per-shard bounds (sliced, or not the LOO schedule)")
+            print("  the ensemble has no per-shard bounds (not the LOO schedule)")
             return
         done = sum(row["current"] for row in bound["shards"])
         if (cur.version, done) != seen:

@@ -50,13 +50,15 @@ def seeded90(ledger: Ledger) -> Ledger:
     return ledger
 
 
+@pytest.mark.parametrize("n_slices", [1, 2], ids=["one-slice", "sliced"])
 def test_the_guard_job_bounds_each_shard_and_an_update_refuses_the_retrained_one(
-        seeded90: Ledger) -> None:
+        seeded90: Ledger, n_slices: int) -> None:
     ledger = seeded90
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
                                          guard_after_idle_s=0.0, shard_bound_s=2.0))
-    w.bootstrap("sisa", SISA)
+    w.bootstrap("sisa", {**SISA, "n_slices": n_slices})
+    assert reg.load(reg.current().version).learner.config_["schedule"] == "loo"
     guard = reg.current().manifest["guard"]
     assert guard["shard_bound"] == "per-shard" and guard["bound"]["complete"] is False
     assert not any(row["current"] for row in guard["bound"]["shards"])  # all fragile

@@ -152,6 +152,13 @@ class MLPParams:
     weights: list[np.ndarray]
     biases: list[np.ndarray]
 
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> MLPParams:
+        """The inverse of :func:`jobs.learners.nets.mlp_state` (copies, bit for bit)."""
+        n = len(state) // 2
+        return cls([state[f"net.{2 * i}.weight"].detach().cpu().numpy().copy() for i in range(n)],
+                   [state[f"net.{2 * i}.bias"].detach().cpu().numpy().copy() for i in range(n)])
+
     def logits(self, X: np.ndarray) -> np.ndarray:
         """Logits in float64 (the real-arithmetic function the bounds talk about)."""
         a = np.asarray(X, dtype=np.float64)
@@ -240,8 +247,10 @@ def _sorted_data(
     return X[order], y[order], keys[order], src[order]
 
 
-def _schedule(keys: np.ndarray, seed: int, epochs: int, B: int) -> list[list[np.ndarray]]:
-    return [epoch_batches(keys, prf_u64(seed, "loo-epoch", e), B) for e in range(epochs)]
+def _schedule(keys: np.ndarray, seed: int, epochs: int, B: int,
+              first_epoch: int = 0) -> list[list[np.ndarray]]:
+    return [epoch_batches(keys, prf_u64(seed, "loo-epoch", e), B)
+            for e in range(first_epoch, first_epoch + epochs)]
 
 
 def _init_flat(cfg: LOOConfig, layout: ParamLayout) -> np.ndarray:
@@ -356,14 +365,20 @@ def _run(
     chunk_size: int,
     kernel: str = "compiled",
     progress: Callable[[int, int], None] | None = None,
+    init: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P)."""
+    """Train one network per row of ``excl_rows`` (M, k); returns flat params (M, P).
+
+    ``init`` (M, P): each network's starting parameters (default: the seed's)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     dev = resolve_device(device)
     layout = _layout(cfg)
-    flat0 = _init_flat(cfg, layout)
     M = excl_rows.shape[0]
+    if init is None:
+        init = np.broadcast_to(_init_flat(cfg, layout), (M, layout.P))
+    elif init.shape != (M, layout.P):
+        raise ValueError(f"init must be ({M}, {layout.P}), got {init.shape}")
     out = np.empty((M, layout.P), dtype=np.float32)
     with contextlib.ExitStack() as stack:
         if dev.type == "cpu" and kernel == "compiled":  # one loop per network (mlp_kernels)
@@ -371,7 +386,7 @@ def _run(
             y64 = np.asarray(y, dtype=np.int64)
 
             def train(start: int, stop: int) -> np.ndarray:
-                flat = np.tile(flat0, (stop - start, 1))
+                flat = np.array(init[start:stop], dtype=np.float32, order="C")
                 sgd_slots(flat, np.ascontiguousarray(excl_rows[start:stop]), X, y64, rows, off,
                           layout.geom, cfg.lr, cfg.weight_decay)
                 return flat
@@ -389,10 +404,11 @@ def _run(
             steps = _device_schedule(schedule, len(y), dev)
 
             def train(start: int, stop: int) -> np.ndarray:
-                ex = excl_rows[start:stop]
+                ex, fl = excl_rows[start:stop], init[start:stop]
                 if dev.type == "cuda" and len(ex) < CUDA_SLOTS:  # pad: same shapes always
                     ex = np.concatenate([ex, np.repeat(ex[:1], CUDA_SLOTS - len(ex), 0)])
-                flat = torch.from_numpy(np.tile(flat0, (len(ex), 1))).to(dev)
+                    fl = np.concatenate([fl, np.repeat(fl[:1], CUDA_SLOTS - len(fl), 0)])
+                flat = torch.from_numpy(np.array(fl, dtype=np.float32, order="C")).to(dev)
                 ex_t = torch.from_numpy(np.ascontiguousarray(ex)).to(dev)
                 return _train_slots(flat, ex_t, Xt, Yt, steps, layout, cfg.lr,
                                     cfg.weight_decay)[:stop - start].cpu().numpy()
@@ -509,6 +525,8 @@ def train_single(
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     kernel: str = "compiled",
+    init: MLPParams | None = None,
+    first_epoch: int = 0,
 ) -> MLPParams:
     """Train ONE network of the same schedule, without the record(s) ``exclude``.
 
@@ -517,6 +535,10 @@ def train_single(
     tombstone of its key is inserted). ``B`` counts excluded records, so with the
     same arguments this reproduces ``train_loo(...).loo(exclude)`` bit for bit
     (pass ``n_classes`` when the excluded record is not in ``ids``).
+
+    ``init`` and ``first_epoch`` continue a run (a later stage of a sliced shard):
+    training starts from ``init`` instead of the seed's weights, and its epochs are
+    numbered from ``first_epoch`` (their batches are keyed by that number).
     """
     if exclude is None:
         ex_list: list[object] = []
@@ -543,11 +565,75 @@ def train_single(
     skip = np.flatnonzero(~live_mask)
     excl = np.full((1, max(1, len(skip))), -1, dtype=np.int64)
     excl[0, :len(skip)] = skip
-    schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
-    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1, kernel=kernel)
+    schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches, first_epoch)
     layout = _layout(cfg)
+    start = None if init is None else layout.pack(init.weights, init.biases)[None, :]
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=1, kernel=kernel,
+                init=start)
     Ws, bs = layout.unpack(flat)
     return MLPParams([W[0] for W in Ws], [b[0] for b in bs])
+
+
+def train_slots(
+    X: np.ndarray,
+    y: np.ndarray,
+    ids: Sequence[object],
+    exclude: Sequence[object | None],
+    *,
+    init: Sequence[MLPParams | None] | None = None,
+    first_epoch: int = 0,
+    n_classes: int,
+    hidden: Sequence[int] = (50, 50),
+    epochs: int = 30,
+    batch_size: int = 32,
+    lr: float = 0.1,
+    weight_decay: float = 1e-5,
+    seed: int = 0,
+    n_batches: int | None = None,
+    tombstones: Iterable[int] = (),
+    device: str | torch.device = "auto",
+    chunk_size: int = 512,
+    kernel: str = "compiled",
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Several networks of ONE schedule on the same records, batched like :func:`train_loo`:
+    network ``m`` skips record ``exclude[m]`` (an id of ``ids``; None: none) and starts
+    from ``init[m]`` (None: the seed's weights). Returns stacked weights ``[(M, out, in)]``
+    and biases ``[(M, out)]``.
+
+    Why: a sliced shard's leave-one-out networks part ways at the record's slice, so
+    each stage continues every network from its own checkpoint. Network ``m`` is bit for
+    bit :func:`train_single` with ``exclude=exclude[m]``, ``init=init[m]`` and the same
+    other arguments.
+    """
+    ids_arr = np.asarray(list(ids))
+    Xs, ys, keys, src = _sorted_data(X, y, ids_arr, tombstones, int(seed))
+    tomb = src < 0
+    cfg = _make_config(Xs, ys[~tomb], len(keys), n_classes=n_classes, hidden=hidden,
+                       epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
+                       weight_decay=weight_decay, seed=seed)
+    row_of = {v: i for i, v in enumerate(src.tolist()) if v >= 0}
+    pos = {v: i for i, v in enumerate(ids_arr.tolist())}
+    tomb_rows = np.flatnonzero(tomb)
+    M = len(exclude)
+    excl = np.full((M, 1 + len(tomb_rows)), -1, dtype=np.int64)
+    for m, rid in enumerate(exclude):
+        if rid is not None:
+            if rid not in pos:
+                raise KeyError(f"excluded record {rid!r} is not among the records")
+            excl[m, 0] = row_of[pos[rid]]
+    excl[:, 1:] = tomb_rows[None, :]
+    layout = _layout(cfg)
+    start = None
+    if init is not None:
+        if len(init) != M:
+            raise ValueError(f"init names {len(init)} networks, exclude {M}")
+        seed_flat = _init_flat(cfg, layout)
+        start = np.stack([seed_flat if p is None else layout.pack(p.weights, p.biases)
+                          for p in init])
+    schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches, first_epoch)
+    flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
+                kernel=kernel, init=start)
+    return layout.unpack(flat)
 
 
 def _jsonable_id(v: object) -> object:
@@ -690,5 +776,6 @@ __all__ = [
     "schedule_keys",
     "train_loo",
     "train_single",
+    "train_slots",
 ]
 

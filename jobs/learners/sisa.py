@@ -29,10 +29,11 @@ arrival order enter ``T``:
 
 Two training schedules
 ----------------------
-``schedule="loo"`` (the default for ``model="mlp", n_slices=1``, the
-configuration the sidecar serves): shard ``s`` is trained by the masked
-leave-one-out kernel of :mod:`jobs.learners.loo` -- :func:`jobs.learners.loo.train_single`
-on the shard's live records with ``seed_s = prf(seed, "init", s)`` (the same
+``schedule="loo"`` (the default for ``model="mlp", n_slices=1``; the
+configuration the sidecar serves, where it is asked for whatever the slices):
+shard ``s`` is trained by the masked leave-one-out kernel of
+:mod:`jobs.learners.loo` -- :func:`jobs.learners.loo.train_single` on the shard's
+live records with ``seed_s = prf(seed, "init", s)`` (the same
 initialisation), rows in the order of their schedule keys ``k = prf(seed_s,
 "loo-batch", id)``, per-epoch batch ``mix64(k ^ prf(seed_s, "loo-epoch", e))
 mod B``, ``B = max(1, ceil(n_s / batch_size))`` (``n_s`` the shard's live
@@ -54,9 +55,22 @@ With tombstones the shard network is bit for bit the base network ``N`` of
 tombstones), and ``train_loo``'s ``N_{-x}`` with ``B = ceil((n_s - 1) /
 batch_size)`` is bit for bit the shard after ``delete([x])``, on any CPU:
 that is what lets :func:`jobs.idp.sisa_bounds.shard_bounds` compute
-per-shard LUCID bounds for the SERVED ensemble. One checkpoint per shard
-(``R = 1``). A later ``add`` of a tombstoned id removes its tombstones (its
-keys are recomputed from the id); ``fit`` starts with none.
+per-shard LUCID bounds for the SERVED ensemble. A later ``add`` of a
+tombstoned id removes its tombstones (its keys are recomputed from the id);
+``fit`` starts with none.
+
+Sliced, under ``schedule="loo"`` (ask for it; the sidecar does): stage ``r`` is
+that same ``train_single`` run on the live records of slices ``0..r`` and the
+tombstones of records deleted from those slices (``tombstone_slices_``, aligned
+with ``tombstones_``: a deleted record's slice), ``B`` and ``E(B)`` from the
+stage's live count, starting from the checkpoint after stage ``r - 1`` (stage 0:
+the seed's weights), its epochs numbered from ``r * STAGE_EPOCH_STRIDE`` (so
+every stage's batches are keyed apart; one slice: from 0). A deletion from slice
+``j`` keeps checkpoints ``0..j-1`` as for Adam stages, and the shard's
+single-deletion models are what :func:`jobs.idp.sisa_bounds.ensemble_loo_set`
+trains stage by stage, so sliced shards get per-shard bounds too. A re-added
+record's tombstone leaves the stages from its old slice on, so its shard
+retrains from there.
 
 ``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
 ``r = 0 .. R-1`` trains on the union of slices ``0..r`` for ``E(B)`` epochs
@@ -67,8 +81,8 @@ record's mini-batch is a keyed hash of ``(seed, s, r, e, id)`` mod ``B``,
 ``B = max(1, ceil(n / batch_size))`` with ``n`` the stage's record count;
 records within a batch in key order; empty batches are skipped (see
 :mod:`jobs.learners.nets`). Such ensembles are exact and verifiable too, but
-per-shard bounds need the ``"loo"`` schedule (so ``n_slices=1``); the guard
-serves them with the bound-free vote rule (every shard fragile).
+per-shard bounds need the ``"loo"`` schedule; the guard serves them with the
+bound-free vote rule (every shard fragile).
 
 What "retrain from scratch" means
 ---------------------------------
@@ -157,7 +171,7 @@ from jobs.learners.base import (
     write_bundle,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
-from jobs.learners.loo import schedule_keys, train_single
+from jobs.learners.loo import MLPParams, schedule_keys, train_single
 from jobs.learners.nets import (
     build_net,
     deterministic,
@@ -179,6 +193,10 @@ _STATE = "state.pt"
 State = dict[str, torch.Tensor]
 Tombstones = dict[int, np.ndarray]  # shard -> sorted uint64 schedule keys (non-empty only)
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
+_NO_SLICES = np.zeros(0, dtype=np.int64)
+# Stage r of a sliced "loo" shard numbers its epochs from r * STAGE_EPOCH_STRIDE, so that
+# every stage's batches are keyed apart (stage 0 of a one-slice shard: from 0, as before).
+STAGE_EPOCH_STRIDE = 1 << 20
 # Plain SGD on inputs in [0, 1]^d needs a rate about 50x Adam's: with 0.01 the sidecar's
 # 32-unit shards stayed at the majority class on census-like tables (README, "Learners").
 LOO_DEFAULT_LR = 0.5
@@ -230,8 +248,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         the ``"adam"`` schedule has none and ignores it.
     schedule : {"auto", "loo", "adam"}
         How shards train (module docstring). ``"auto"``: ``"loo"`` for
-        ``model="mlp"`` with ``n_slices=1`` (per-shard bounds possible),
-        ``"adam"`` otherwise. ``"loo"`` needs ``model="mlp"`` and ``n_slices=1``.
+        ``model="mlp"`` with ``n_slices=1``, ``"adam"`` otherwise. ``"loo"`` (per-shard
+        bounds possible, sliced or not) needs ``model="mlp"``.
     aggregation : {"vote", "mean"}
         Majority vote of shard labels (ties -> lowest class index) or mean of
         shard softmax outputs.
@@ -320,8 +338,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         schedule = self.schedule
         if schedule == "auto":
             schedule = "loo" if self.model == "mlp" and n_slices == 1 else "adam"
-        if schedule == "loo" and (self.model != "mlp" or n_slices != 1):
-            raise ValueError("schedule='loo' needs model='mlp' and n_slices=1")
+        if schedule == "loo" and self.model != "mlp":
+            raise ValueError("schedule='loo' needs model='mlp'")
         lr = float(self.lr if self.lr is not None
                    else LOO_DEFAULT_LR if schedule == "loo" else ADAM_DEFAULT_LR)
         if not np.isfinite(lr) or lr <= 0:
@@ -413,6 +431,7 @@ class SISAEnsemble(Learner, BaseEstimator):
         s: int,
         data: dict[str, np.ndarray],
         tombstones: Tombstones,
+        tomb_slices: Tombstones,
         from_slice: int,
         start: State | None,
     ) -> list[State]:
@@ -421,12 +440,13 @@ class SISAEnsemble(Learner, BaseEstimator):
         ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
         ``from_slice == 0``: the shard starts from its seed-only initialisation).
         ``data`` holds the live records' arrays sorted by id; ``tombstones`` the
-        deleted records' keys per shard (``schedule="loo"`` only). This one function serves fit,
-        delete, add and verify: the same kernels and shapes.
+        deleted records' keys per shard and ``tomb_slices`` their slices, aligned
+        (``schedule="loo"`` only). This one function serves fit, delete, add and verify:
+        the same kernels and shapes.
         """
         cfg = self.config_
         if cfg["schedule"] == "loo":
-            return [self._train_shard_loo(s, data, tombstones)]
+            return self._train_shard_loo(s, data, tombstones, tomb_slices, from_slice, start)
         net = self._new_net()
         if from_slice == 0:
             init_net(net, self._init_seed(s))
@@ -466,8 +486,11 @@ class SISAEnsemble(Learner, BaseEstimator):
         return stage_epochs(n_records, cfg["batch_size"], cfg["epochs_per_slice"],
                             cfg.get("min_steps", 0))
 
-    def _loo_args(self, s: int, n_records: int, tombstones: Tombstones) -> dict[str, Any]:
+    def _loo_args(self, s: int, n_records: int, tombstones: Tombstones,
+                  tomb_slices: Tombstones, stage: int) -> dict[str, Any]:
         cfg = self.config_
+        keys = tombstones.get(s, _NO_KEYS)
+        in_stage = tomb_slices.get(s, np.zeros(len(keys), dtype=np.int64)) <= stage
         return {
             "n_classes": len(self.classes_),
             "hidden": tuple(cfg["hidden"]),
@@ -477,29 +500,47 @@ class SISAEnsemble(Learner, BaseEstimator):
             "weight_decay": cfg["weight_decay"],
             "seed": self._init_seed(s),
             "n_batches": n_batches(n_records, cfg["batch_size"]),
-            "tombstones": tombstones.get(s, _NO_KEYS).tolist(),
+            "tombstones": keys[in_stage].tolist(),
             "device": self.device_,
             "kernel": cfg["kernel"],
         }
 
-    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray],
-                         tombstones: Tombstones) -> State:
-        """Shard ``s`` trained by :func:`jobs.learners.loo.train_single` (schedule ``"loo"``)."""
+    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray], tombstones: Tombstones,
+                         tomb_slices: Tombstones, from_slice: int,
+                         start: State | None) -> list[State]:
+        """Stages ``from_slice .. R-1`` of shard ``s``, each a
+        :func:`jobs.learners.loo.train_single` run (schedule ``"loo"``) on the live records of
+        slices ``0..r`` and the tombstones of those slices, continuing from the stage before."""
         rows = np.flatnonzero(data["member"][:, s])
-        params = train_single(data["X"][rows], data["y"][rows], data["ids"][rows].tolist(),
-                              **self._loo_args(s, len(rows), tombstones))
-        return mlp_state(params.weights, params.biases)
+        slices = data["slice"][rows]
+        params = None
+        if from_slice > 0:
+            assert start is not None
+            params = MLPParams.from_state(start)
+        out: list[State] = []
+        for r in range(from_slice, self._R):
+            sel = rows[slices <= r]
+            params = train_single(
+                data["X"][sel], data["y"][sel], data["ids"][sel].tolist(),
+                init=params, first_epoch=r * STAGE_EPOCH_STRIDE,
+                **self._loo_args(s, len(sel), tombstones, tomb_slices, r))
+            out.append(mlp_state(params.weights, params.biases))
+        return out
 
-    def shard_training_args(self, s: int, n_records: int | None = None) -> dict[str, Any]:
-        """Keyword arguments of :func:`jobs.learners.loo.train_loo` / ``train_single`` that
-        reproduce shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records
-        (default: the shard's current count; ``n_records`` only sets ``n_batches`` and,
-        through it, ``epochs`` under a ``min_steps`` floor).
+    def shard_training_args(self, s: int, n_records: int | None = None,
+                            stage: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of :func:`jobs.learners.loo.train_loo` / ``train_single`` /
+        ``train_slots`` that reproduce stage ``stage`` (default: the last) of shard ``s``
+        (schedule ``"loo"`` only), for ``n_records`` live records in the stage (default:
+        the shard's current count in slices ``0..stage``; ``n_records`` only sets
+        ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor).
 
-        ``train_loo(*self.shard_records(s), **self.shard_training_args(s))`` gives the
-        served shard network as its ``N`` bit for bit (same device type, torch build,
-        CPU capability and thread count); with ``n_records = n_s - 1`` its ``N_{-x}``
-        are the shard models after ``delete([x])``.
+        One slice: ``train_loo(*self.shard_records(s), **self.shard_training_args(s))``
+        gives the served shard network as its ``N`` bit for bit (same device type, torch
+        build, CPU capability and thread count); with ``n_records = n_s - 1`` its
+        ``N_{-x}`` are the shard models after ``delete([x])``. Sliced: stage ``r`` runs on
+        the records of slices ``0..r`` (:meth:`shard_slices`), from the checkpoint of
+        stage ``r - 1``, with ``first_epoch`` set here.
         """
         self._check_fitted()
         if self.config_.get("schedule") != "loo":
@@ -507,8 +548,20 @@ class SISAEnsemble(Learner, BaseEstimator):
                              f"(this ensemble trains with {self.config_.get('schedule')!r})")
         if not 0 <= int(s) < self._S:
             raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
-        n = int(self.shard_sizes_[int(s)]) if n_records is None else int(n_records)
-        return self._loo_args(int(s), n, self.tombstones_)
+        r = self._R - 1 if stage is None else int(stage)
+        if not 0 <= r < self._R:
+            raise ValueError(f"stage {stage} out of range 0..{self._R - 1}")
+        n = (int((self.shard_slices(int(s)) <= r).sum()) if n_records is None
+             else int(n_records))
+        args = self._loo_args(int(s), n, self.tombstones_, self.tombstone_slices_, r)
+        if self._R > 1:
+            args["first_epoch"] = r * STAGE_EPOCH_STRIDE
+        return args
+
+    def shard_slices(self, s: int) -> np.ndarray:
+        """The slice of each of shard ``s``'s live records, in :meth:`shard_records` order."""
+        self._check_fitted()
+        return self.slice_of_[self.member_[:, int(s)]].copy()
 
     def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
@@ -557,20 +610,30 @@ class SISAEnsemble(Learner, BaseEstimator):
             "keys": self._batch_keys(ids),
         }
 
-    def _tombstone_keys(self, ids: np.ndarray) -> Tombstones:
-        """Per shard holding any of ``ids``, their sorted schedule keys under its seed."""
+    def _tombstone_keys(self, ids: np.ndarray,
+                        slices: np.ndarray | None = None) -> tuple[Tombstones, Tombstones]:
+        """Per shard holding any of ``ids``, their sorted schedule keys under its seed, and
+        the slices (``slices``, aligned with ``ids``; default 0) in that order."""
         member = self._keyed_members(ids)
-        return {s: np.sort(schedule_keys(self._init_seed(s), ids[member[:, s]].tolist()))
-                for s in np.flatnonzero(member.any(axis=0)).tolist()}
+        sl = np.zeros(len(ids), dtype=np.int64) if slices is None else slices
+        keys: Tombstones = {}
+        at: Tombstones = {}
+        for s in np.flatnonzero(member.any(axis=0)).tolist():
+            k = schedule_keys(self._init_seed(s), ids[member[:, s]].tolist())
+            order = np.argsort(k)
+            keys[s], at[s] = k[order], sl[member[:, s]][order]
+        return keys, at
 
     def _commit(
         self,
         data: dict[str, np.ndarray],
         tombstones: Tombstones,
+        tomb_slices: Tombstones,
         checkpoints: list[list[State]],
         changed: list[int] | None = None,
     ) -> None:
         self.tombstones_ = tombstones
+        self.tombstone_slices_ = tomb_slices
         self.record_ids_ = data["ids"]
         self.X_ = data["X"]
         self.y_ = data["y"]
@@ -628,8 +691,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self.platform_ = self._platform()
         yi = encode_labels(yarr, self.classes_, len(rids))
         data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
-        ckpts = [self._train_shard(s, data, {}, 0, None) for s in range(self._S)]
-        self._commit(data, {}, ckpts)
+        ckpts = [self._train_shard(s, data, {}, {}, 0, None) for s in range(self._S)]
+        self._commit(data, {}, {}, ckpts)
         return self
 
     def _platform(self) -> dict[str, Any]:
@@ -640,14 +703,15 @@ class SISAEnsemble(Learner, BaseEstimator):
         }
 
     def _retrain(
-        self, data: dict[str, np.ndarray], tombstones: Tombstones, from_slice: dict[int, int]
+        self, data: dict[str, np.ndarray], tombstones: Tombstones, tomb_slices: Tombstones,
+        from_slice: dict[int, int]
     ) -> tuple[list[list[State]], float]:
         t0 = time.perf_counter()
         ckpts = list(self.checkpoints_)
         for s, r in sorted(from_slice.items()):
             start = self.checkpoints_[s][r - 1] if r > 0 else None
             ckpts[s] = (list(self.checkpoints_[s][:r])
-                        + self._train_shard(s, data, tombstones, r, start))
+                        + self._train_shard(s, data, tombstones, tomb_slices, r, start))
         return ckpts, time.perf_counter() - t0
 
     def _report(
@@ -694,12 +758,16 @@ class SISAEnsemble(Learner, BaseEstimator):
         keep[rows] = False
         old = self._data()
         data = {k: v[keep] for k, v in old.items()}
-        tombstones = dict(self.tombstones_)
+        tombstones, tomb_slices = dict(self.tombstones_), dict(self.tombstone_slices_)
         if self.config_["schedule"] == "loo":
-            for s, keys in self._tombstone_keys(rids).items():
-                tombstones[s] = np.union1d(tombstones.get(s, _NO_KEYS), keys)
-        ckpts, train_s = self._retrain(data, tombstones, from_slice)
-        self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
+            new, at = self._tombstone_keys(rids, self.slice_of_[rows])
+            for s, keys in new.items():
+                k = np.concatenate([tombstones.get(s, _NO_KEYS), keys])
+                sl = np.concatenate([tomb_slices.get(s, _NO_SLICES), at[s]])
+                order = np.argsort(k)
+                tombstones[s], tomb_slices[s] = k[order], sl[order]
+        ckpts, train_s = self._retrain(data, tombstones, tomb_slices, from_slice)
+        self._commit(data, tombstones, tomb_slices, ckpts, changed=sorted(from_slice))
         return self._report("delete", rids, t0, from_slice, data, train_s)
 
     def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
@@ -725,12 +793,21 @@ class SISAEnsemble(Learner, BaseEstimator):
         )
         new_rows = np.isin(data["ids"], rids)
         from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
-        back = self._tombstone_keys(rids)  # a re-added id's tombstones are lifted
-        left = {s: np.setdiff1d(keys, back.get(s, _NO_KEYS))
-                for s, keys in self.tombstones_.items()}
-        tombstones = {s: keys for s, keys in left.items() if len(keys)}
-        ckpts, train_s = self._retrain(data, tombstones, from_slice)
-        self._commit(data, tombstones, ckpts, changed=sorted(from_slice))
+        back, _ = self._tombstone_keys(rids)  # a re-added id's tombstones are lifted
+        tombstones, tomb_slices = {}, {}
+        for s, keys in self.tombstones_.items():
+            stay = ~np.isin(keys, back.get(s, _NO_KEYS))
+            if stay.any():
+                tombstones[s] = keys[stay]
+                tomb_slices[s] = self.tombstone_slices_[s][stay]
+        # a re-added record retrains its shard from the earliest slice it leaves or joins
+        for s, keys in self.tombstones_.items():
+            gone = np.isin(keys, back.get(s, _NO_KEYS))
+            if gone.any():
+                r0 = int(self.tombstone_slices_[s][gone].min())
+                from_slice[s] = min(from_slice.get(s, r0), r0)
+        ckpts, train_s = self._retrain(data, tombstones, tomb_slices, from_slice)
+        self._commit(data, tombstones, tomb_slices, ckpts, changed=sorted(from_slice))
         return self._report("add", rids, t0, from_slice, data, train_s)
 
     # ------------------------------------------------------------------ prediction
@@ -857,7 +934,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         mismatched: list[list[int]] = []
         served_mismatch: list[int] = []
         for s in shards:
-            fresh = self._train_shard(s, data, self.tombstones_, 0, None)
+            fresh = self._train_shard(s, data, self.tombstones_, self.tombstone_slices_, 0,
+                                      None)
             fresh_finals.append(fresh[-1])
             for r in range(self._R):
                 if not states_equal(fresh[r], self.checkpoints_[s][r]):
@@ -938,6 +1016,8 @@ class SISAEnsemble(Learner, BaseEstimator):
             "record_ids": self.record_ids_.tolist(),
             "tombstone_keys": {str(s): keys.tolist()
                                for s, keys in sorted(self.tombstones_.items())},
+            "tombstone_slices": {str(s): sl.tolist()
+                                 for s, sl in sorted(self.tombstone_slices_.items())},
             "platform": self.platform_,
             "content_hash": self.content_hash(),
         }
@@ -991,11 +1071,16 @@ class SISAEnsemble(Learner, BaseEstimator):
         if len(ckpts) != self._S or any(len(c) != self._R for c in ckpts):
             raise ValueError(f"{p}: checkpoint layout does not match n_shards x n_slices")
         if "tombstones" in meta:  # older bundles kept deleted ids: keep only their keys
-            tombstones = self._tombstone_keys(as_ids(meta["tombstones"]))
+            tombstones, tomb_slices = self._tombstone_keys(as_ids(meta["tombstones"]))
         else:
             tombstones = {int(s): np.asarray(keys, dtype=np.uint64)
                           for s, keys in meta.get("tombstone_keys", {}).items()}
-        self._commit(data, tombstones, ckpts)
+            # bundles from before sliced "loo" shards: one slice, every tombstone in slice 0
+            saved = meta.get("tombstone_slices", {})
+            tomb_slices = {s: np.asarray(saved.get(str(s), np.zeros(len(keys))),
+                                         dtype=np.int64)
+                           for s, keys in tombstones.items()}
+        self._commit(data, tombstones, tomb_slices, ckpts)
         if self.content_hash() != meta["content_hash"]:
             raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
         return self

@@ -1,4 +1,4 @@
-"""Per-shard bounds for the SERVED SISA ensemble (schedule "loo", one slice).
+"""Per-shard bounds for the SERVED SISA ensemble (schedule "loo", one slice or sliced).
 
 (a) each shard's rebuilt LOO set has the served shard network as its base, bit for bit;
 (b) its N_{-x} is the shard model after ``ensemble.delete([x])``, bit for bit (both
@@ -208,7 +208,7 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
     with pytest.raises(ValueError, match="out of range"):
         shard_bounds(ens, [6])
     sliced = SISAEnsemble(**{**KW, "n_slices": 2}).fit(ids, X, y)
-    assert sliced.config_["schedule"] == "adam"
+    assert sliced.config_["schedule"] == "adam"  # Adam stages: no LOO schedule, no bounds
     with pytest.raises(ValueError, match="schedule"):
         shard_bounds(sliced)
     s = int(np.argmax(sizes))
@@ -219,3 +219,51 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
         ensemble_loo_set(ens, s)
     # a bound never covers a network other than the one it was computed on
     assert np.isinf(bounds.for_ensemble(ens)[s]).all()
+
+
+# --------------------------------------------------------------------------- sliced
+
+
+def test_sliced_shards_loo_sets_are_the_deletions_and_their_bounds_are_sound() -> None:
+    """Sliced shards under the LOO schedule: after deletions from several slices (their
+    tombstones stay in their slices' stages) and an addition, each shard's LOO set has
+    the served network as its base and, for records of every slice, N_{-x} = the shard
+    after delete([x]) bit for bit; the bounds computed on it certify only answers that
+    every single deletion leaves unchanged, and more than the bound-free rule."""
+    X, y, ids = _data(90)
+    ens = SISAEnsemble(**{**KW, "n_shards": 2, "n_slices": 3, "schedule": "loo",
+                          "epochs_per_slice": 12}).fit(ids[:80], X[:80], y[:80])
+    gone = [ids[0], ids[7], ids[33]]
+    gone_slices = ens.slice_of_[np.searchsorted(ens.record_ids_, gone)]
+    ens.delete(gone)
+    ens.add(ids[80:84], X[80:84], y[80:84])
+    kept = np.concatenate(list(ens.tombstone_slices_.values()))
+    assert sorted(kept.tolist()) == sorted(gone_slices.tolist())
+    assert ens.verify().exact
+    loos = [ensemble_loo_set(ens, s) for s in range(2)]
+    for s in range(2):
+        slices = ens.shard_slices(s)
+        rids = loos[s].record_ids.tolist()
+        assert set(slices.tolist()) == {0, 1, 2}
+        for r in range(3):  # a record of each slice
+            rid = rids[int(np.flatnonzero(slices == r)[0])]
+            e2 = copy.deepcopy(ens)
+            rep = e2.delete([rid])
+            assert rep.retrained["from_slice"] == {s: r}
+            assert states_equal(_state(loos[s].loo(rid)), e2.shard_state(s)), (s, rid)
+            for k in range(r):  # the checkpoints before the record's slice are kept
+                assert e2.checkpoint_hash(s, k) == ens.checkpoint_hash(s, k)
+    reports: dict[int, BoundReport | None] = {}
+    bounds = shard_bounds(ens, time_budget_s=BUDGET_S, reports=reports)
+    betas = bounds.for_ensemble(ens)
+    assert np.isfinite(betas).all()
+    for s, rep_s in reports.items():
+        assert rep_s is not None and rep_s.loo_hash == loos[s].content_hash()
+    rng = np.random.default_rng(9)
+    Q = np.concatenate([rng.random((2500, 2)),  # and points near the shards' boundaries
+                        X[:80] + rng.normal(0, 0.02, (80, 2))]).astype(np.float32)
+    L = ens.shard_logits(Q)
+    _, certain = sisa_certain(L, betas, ens.active_shards_)
+    _, certain_inf = sisa_certain(L, np.full_like(betas, np.inf), ens.active_shards_)
+    assert not (certain & ~_brute_force_stable(ens, loos, Q)).any()
+    assert certain.sum() > certain_inf.sum()
