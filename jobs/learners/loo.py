@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -437,6 +437,14 @@ def _make_config(
     )
 
 
+def _prepared(X: np.ndarray, y: np.ndarray, ids: np.ndarray, tombstones: Iterable[object],
+              **hyper) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, LOOConfig]:
+    """:func:`_sorted_data` and the config of T (``B`` counts the live records and
+    tombstones when not given)."""
+    Xs, ys, keys, src = _sorted_data(X, y, ids, tombstones, int(hyper["seed"]))
+    return Xs, ys, keys, src, _make_config(Xs, ys[src >= 0], len(keys), **hyper)
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -473,11 +481,11 @@ def train_loo(
     total)`` is called after each chunk.
     """
     ids_arr = np.asarray(list(ids))
-    Xs, ys, keys, src = _sorted_data(X, y, ids_arr, tombstones, int(seed))
+    Xs, ys, keys, src, cfg = _prepared(
+        X, y, ids_arr, tombstones, n_classes=n_classes, hidden=hidden, epochs=epochs,
+        batch_size=batch_size, n_batches_=n_batches, lr=lr, weight_decay=weight_decay,
+        seed=seed)
     tomb = src < 0
-    cfg = _make_config(Xs, ys[~tomb], len(keys), n_classes=n_classes, hidden=hidden,
-                       epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
-                       weight_decay=weight_decay, seed=seed)
     live = np.flatnonzero(~tomb)
     live = live[np.argsort(ids_arr[src[live]], kind="stable")]  # networks in id order
     tomb_rows = np.flatnonzero(tomb)
@@ -582,23 +590,18 @@ def train_slots(
     *,
     init: Sequence[MLPParams | None] | None = None,
     first_epoch: int = 0,
-    n_classes: int,
-    hidden: Sequence[int] = (50, 50),
-    epochs: int = 30,
-    batch_size: int = 32,
-    lr: float = 0.1,
-    weight_decay: float = 1e-5,
-    seed: int = 0,
-    n_batches: int | None = None,
     tombstones: Iterable[int] = (),
     device: str | torch.device = "auto",
     chunk_size: int = 512,
     kernel: str = "compiled",
+    **hyper: Any,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Several networks of ONE schedule on the same records, batched like :func:`train_loo`:
     network ``m`` skips record ``exclude[m]`` (an id of ``ids``; None: none) and starts
-    from ``init[m]`` (None: the seed's weights). Returns stacked weights ``[(M, out, in)]``
-    and biases ``[(M, out)]``.
+    from ``init[m]`` (None: the seed's weights). ``hyper``: T's hyperparameters as
+    :func:`train_loo` takes them (``n_classes``, ``hidden``, ``epochs``, ``batch_size``,
+    ``lr``, ``weight_decay``, ``seed``, ``n_batches``; all required but ``n_batches``).
+    Returns stacked weights ``[(M, out, in)]`` and biases ``[(M, out)]``.
 
     Why: a sliced shard's leave-one-out networks part ways at the record's slice, so
     each stage continues every network from its own checkpoint. Network ``m`` is bit for
@@ -606,11 +609,9 @@ def train_slots(
     other arguments.
     """
     ids_arr = np.asarray(list(ids))
-    Xs, ys, keys, src = _sorted_data(X, y, ids_arr, tombstones, int(seed))
+    hyper["n_batches_"] = hyper.pop("n_batches", None)
+    Xs, ys, keys, src, cfg = _prepared(X, y, ids_arr, tombstones, **hyper)
     tomb = src < 0
-    cfg = _make_config(Xs, ys[~tomb], len(keys), n_classes=n_classes, hidden=hidden,
-                       epochs=epochs, batch_size=batch_size, n_batches_=n_batches, lr=lr,
-                       weight_decay=weight_decay, seed=seed)
     row_of = {v: i for i, v in enumerate(src.tolist()) if v >= 0}
     pos = {v: i for i, v in enumerate(ids_arr.tolist())}
     tomb_rows = np.flatnonzero(tomb)
