@@ -8,7 +8,7 @@ The sidecar serves two kinds:
   the version, so a published forest is always guarded; a forest changed without
   it answers every query through the mechanism (noise-all).
 - ``sisa``: a SISA ensemble (exact unlearning) guarded by the vote rule of
-  DESIGN.md: one record lives in one shard, so a single deletion can move at most
+  docs/DESIGN.md: one record lives in one shard, so a single deletion can move at most
   that shard's vote; a shard whose margin exceeds its LUCID bound keeps its vote,
   any other may move to any class, and the answer is certain when no such move
   changes the winner. A shard without a bound for its current network counts as
@@ -64,9 +64,12 @@ KIND_FILE = "served.json"
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     # features are scaled to [0, 1]: a fixed random-node domain, which no deletion moves
     "dare": {"n_estimators": 50, "max_depth": 8, "k": 10, "d_rmax": 1, "random_domain": 2.0},
-    # plain SGD (the masked LOO schedule) at the learner's own rate: shards that learn
+    # plain SGD (the masked LOO schedule, sliced ones too: bounds need it) on a network
+    # small enough for the guard job's LOO sets (a 400-record shard's in 2 s, its bound in
+    # 20 s); the learner's own defaults (two layers of 64, an 8,000-step floor) learn more on
+    # some tables but make a shard's LOO set take minutes on 2 cores (README, "Learners")
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
-             "batch_size": 32, "schedule": "loo"},  # (sliced ones too: bounds need it)
+             "min_steps": 0, "lr": 0.5, "batch_size": 32, "schedule": "loo"},
     # one network and its LOO set (n + 1 networks, trained by the guard job): small tables.
     # LUCID's rate: on breast cancer lr 0.1 gives acc 0.944 with 78% of answers certified,
     # lr 0.5 0.972 with 20% (the LOO networks move further apart)

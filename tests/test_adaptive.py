@@ -116,8 +116,8 @@ def test_a_trial_runs_in_both_modes() -> None:
     X = rng.random((120, 4))
     y = (X[:, 0] > 0.5).astype(int)
     ids = np.array([f"r{i}" for i in range(120)], dtype=object)
-    params = {"model": "mlp", "hidden": (8,), "epochs_per_slice": 3, "n_shards": 4,
-              "device": "cpu"}
+    params = {"model": "mlp", "hidden": (8,), "epochs_per_slice": 3, "min_steps": 0,
+              "n_shards": 4, "device": "cpu"}
     for mode in ("plain", "private"):
         r = run_trial(params, ids[:90], X[:90], y[:90], X[90:], y[90:], mode=mode, seed=1)
         assert r.statistic in (0, 1) and 0 <= r.accuracy <= 1 and 0 <= r.vote_accuracy <= 1

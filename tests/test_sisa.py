@@ -30,7 +30,7 @@ from jobs.learners.sisa import SISAEnsemble
 from ledger import datasets
 from tests.leaks import traces_found
 
-TINY = {"hidden": (8,), "epochs_per_slice": 2, "batch_size": 8, "lr": 0.05}
+TINY = {"hidden": (8,), "epochs_per_slice": 2, "min_steps": 0, "batch_size": 8, "lr": 0.05}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -598,16 +598,23 @@ def test_cnn_on_small_digits_subset():
 # --------------------------------------------------------------------------- schedules
 
 
-def test_schedule_resolution_and_validation():
+def test_schedule_resolution_and_validation(tmp_path):
     ids, X, y = _pool(40)
     one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(ids, X, y)
-    assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.5
-    assert one.config_["min_steps"] == 0
+    # each schedule's defaults: a table network for "loo", the former ones for Adam
+    assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.2
+    assert one.config_["min_steps"] == 8000 and one.config_["hidden"] == [8]
     assert one.config_["weight_decay"] == 1e-5
-    sliced = SISAEnsemble(
-        n_shards=2, n_slices=2, hidden=(8,), epochs_per_slice=1, device="cpu"
-    ).fit(ids, X, y)
+    sliced = SISAEnsemble(n_shards=2, n_slices=2, device="cpu").fit(ids, X, y)
     assert sliced.config_["schedule"] == "adam" and sliced.config_["lr"] == 0.01
+    assert sliced.config_["min_steps"] == 0 and sliced.config_["hidden"] == [64]
+    assert sliced.config_["epochs_per_slice"] == 20
+    table = SISAEnsemble(n_shards=2, device="cpu").fit(ids, X, y)
+    assert (table.config_["hidden"], table.config_["epochs_per_slice"]) == ([64, 64], 40)
+    assert table.get_params()["hidden"] is None  # resolved at fit, into config_
+    table.save(tmp_path / "t")
+    back = SISAEnsemble.load(tmp_path / "t")
+    assert back.content_hash() == table.content_hash() and back.verify().exact
     adam = _model(n_shards=2, schedule="adam").fit(ids, X, y)
     assert adam.config_["schedule"] == "adam" and adam.config_["lr"] == 0.05
     assert adam.content_hash() != _model(n_shards=2).fit(ids, X, y).content_hash()

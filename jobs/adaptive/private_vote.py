@@ -1,6 +1,6 @@
 """Private prediction for SISA ensembles: a noisy vote, differentially private in the seeds.
 
-Gupta et al. (papers/NOTES.md §3) make SISA safe against deletions chosen
+Gupta et al. (docs/PAPERS.md §3) make SISA safe against deletions chosen
 after looking at its answers by publishing only answers that are
 differentially private in the training randomness (the shard seeds). Here an
 answer is the exponential mechanism over the vote counts v_c of the shards:

@@ -1,4 +1,4 @@
-"""The iDP guard (LUCID, papers/NOTES.md section 1, and what goes beyond it).
+"""The iDP guard (LUCID, docs/PAPERS.md §1, and what goes beyond it).
 
 * (:mod:`jobs.learners.loo`, a learner's training and so in ``learners``: the full
   network N and all leave-one-out networks N_{-x}, trained together with one masked,

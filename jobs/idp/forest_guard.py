@@ -1,4 +1,4 @@
-"""A sound iDP label guard for DaRE forests (DESIGN.md, "Beyond LUCID, for DaRE forests").
+"""A sound iDP label guard for DaRE forests (docs/DESIGN.md, "Beyond LUCID, for DaRE forests").
 
 A :class:`~jobs.learners.dare.DaREForest` answers ``argmax_c p_c(q)`` (lowest class index
 on ties) with ``p(q) = mean_t p_t(q)`` and ``p_t(q) = counts / max(n, 1)`` of the leaf of

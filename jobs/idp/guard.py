@@ -1,6 +1,6 @@
 """Label-only answers that are eps-iDP with respect to the current training set.
 
-LUCID's rule (papers/NOTES.md §1): a query whose margin exceeds the verified
+LUCID's rule (docs/PAPERS.md §1): a query whose margin exceeds the verified
 bound beta for its predicted class is answered with the label, because no
 leave-one-out model could answer differently there; every other query is
 answered by the exponential mechanism. Without a sound bound (after a change,

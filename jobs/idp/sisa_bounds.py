@@ -30,7 +30,7 @@ Deleting a record changes one shard's network only (to that shard's N_{-x}),
 so with per-shard bounds ``beta[s, c]`` (:func:`jobs.idp.bab.compute_bounds` on
 each shard's LOO set) two rules say when a vote is certain (0-iDP):
 
-* :func:`jobs.idp.guard.sisa_certain` (DESIGN.md "Beyond LUCID, for SISA"):
+* :func:`jobs.idp.guard.sisa_certain` (docs/DESIGN.md "Beyond LUCID, for SISA"):
   certain iff no single fragile shard (margin <= its bound), moving its vote
   anywhere, changes the winner;
 * the naive rule (:func:`naive_certain`): certain only if EVERY shard is above

@@ -103,14 +103,13 @@ def jsonable_float(v: float | None) -> float | str | None:
 
 
 def _highspy() -> Any:
-    """The HiGHS module; a clear ModuleNotFoundError when the optional solver is missing."""
+    """The HiGHS module; a clear ModuleNotFoundError where an install left it out."""
     try:
         import highspy
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            "LUCID's MILP bounds need the HiGHS solver, an optional dependency: "
-            "pip install 'obliviate[solvers]' (or highspy); the sidecar's own guards "
-            "(the DaRE forest guard, the SISA vote rule) need no solver") from None
+            "LUCID's MILP bounds need the HiGHS solver (highspy, a dependency of obliviate "
+            "that this environment lacks): pip install highspy") from None
     return highspy
 
 

@@ -1,6 +1,6 @@
 """One network that forgets by a Stackelberg game (Liu et al.): APPROXIMATE unlearning.
 
-Guarantee: APPROXIMATE (DESIGN.md, "Guarantees"). After a deletion the served
+Guarantee: APPROXIMATE (docs/DESIGN.md, "Guarantees"). After a deletion the served
 network is NOT the network a retrain without the records would give, and nothing
 here bounds how far it is. What it offers instead is measured and reported: every
 :meth:`GameUnlearningNet.delete` returns the frozen attacker's advantage on the
@@ -9,7 +9,7 @@ retrains from scratch and reports the gap (``exact`` is ``False`` as soon as any
 update has been applied), and :func:`jobs.eval.evaluate_unlearning` measures
 accuracy, membership inference and a retrained attacker against the result.
 
-The method (papers/NOTES.md section 4)
+The method (docs/PAPERS.md §4)
 --------------------------------------
 ``fit`` trains one network ``M_o`` normally (Adam, keyed mini-batches, the
 deterministic loop of :mod:`jobs.learners.nets`). It also prepares, once, what

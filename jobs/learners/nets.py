@@ -3,7 +3,7 @@
 Used by :mod:`jobs.learners.sisa` (and meant for anyone who needs to reproduce
 one of its shard models, e.g. the guard's leave-one-out networks).
 
-What makes training a pure function of the set {(id, x, y)} (docs: DESIGN.md,
+What makes training a pure function of the set {(id, x, y)} (docs/DESIGN.md,
 "Training as a function of the SET of records"):
 
 * initialisation comes from a seed alone (:func:`init_net`, a CPU generator,

@@ -1,6 +1,6 @@
 """SISA: a sharded, sliced ensemble of small torch networks that forgets exactly.
 
-Guarantee: EXACT, and checkable bit for bit (DESIGN.md, "Guarantees").
+Guarantee: EXACT, and checkable bit for bit (docs/DESIGN.md, "Guarantees").
 
 The training set
 ----------------
@@ -197,10 +197,15 @@ _NO_SLICES = np.zeros(0, dtype=np.int64)
 # Stage r of a sliced "loo" shard numbers its epochs from r * STAGE_EPOCH_STRIDE, so that
 # every stage's batches are keyed apart (stage 0 of a one-slice shard: from 0, as before).
 STAGE_EPOCH_STRIDE = 1 << 20
-# Plain SGD on inputs in [0, 1]^d needs a rate about 50x Adam's: with 0.01 the sidecar's
-# 32-unit shards stayed at the majority class on census-like tables (README, "Learners").
-LOO_DEFAULT_LR = 0.5
-ADAM_DEFAULT_LR = 1e-2
+# Defaults per schedule (``None`` in the constructor). Plain SGD on inputs in [0, 1]^d needs
+# a rate about 20-50x Adam's: with 0.01 small shards stayed at the majority class on
+# census-like tables. The "loo" defaults are a network for tables: two hidden layers of 64,
+# 40 epochs and at least 8,000 steps per stage, so that a shard of a fifth of the records
+# learns what one shard does (bench_sisa.py's table rows; README, "Learners").
+SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "loo": {"hidden": (64, 64), "epochs_per_slice": 40, "min_steps": 8000, "lr": 0.2},
+    "adam": {"hidden": (64,), "epochs_per_slice": 20, "min_steps": 0, "lr": 1e-2},
+}
 
 
 class SISAEnsemble(Learner, BaseEstimator):
@@ -223,22 +228,25 @@ class SISAEnsemble(Learner, BaseEstimator):
     model : {"mlp", "cnn"}
         ``"mlp"`` for tables in [0, 1]^d; ``"cnn"`` for square one-channel
         images given as flat rows (e.g. scikit-learn's 8x8 digits, d = 64).
-    hidden : tuple of int
-        Hidden widths of the MLP, or of the CNN's fully connected head.
-    epochs_per_slice : int
+    hidden : tuple of int or None
+        Hidden widths of the MLP, or of the CNN's fully connected head. ``None``:
+        ``(64, 64)`` under ``schedule="loo"``, ``(64,)`` under ``"adam"``.
+    epochs_per_slice : int or None
         Epochs of each stage (stage r trains on slices 0..r); at least
-        ``ceil(min_steps / B)`` (:func:`jobs.learners.nets.stage_epochs`).
-    min_steps : int
+        ``ceil(min_steps / B)`` (:func:`jobs.learners.nets.stage_epochs`). ``None``:
+        40 (``"loo"``), 20 (``"adam"``).
+    min_steps : int or None
         Floor on the optimiser steps of a stage: a stage of ``n`` records trains
         ``max(epochs_per_slice, ceil(min_steps / B))`` epochs, ``B = ceil(n /
         batch_size)``. Why: accuracy follows steps, and ``S`` shards get ``S`` times
         fewer steps per epoch than one. A function of the stage's live count, like
-        ``B``, so updates stay exact. 0 (default): off. Costs time: a shard's retrain
-        then takes at least ``min_steps`` steps (README, "Learners").
+        ``B``, so updates stay exact. 0: off. ``None``: 8,000 (``"loo"``), 0
+        (``"adam"``). Costs time on small shards: a shard's retrain then takes at
+        least ``min_steps`` steps (README, "Learners").
     batch_size : int
         Target mini-batch size; batches per epoch ``B = ceil(n / batch_size)``.
     lr : float or None
-        Learning rate: of plain SGD (``schedule="loo"``; ``None`` -> 0.5) or of
+        Learning rate: of plain SGD (``schedule="loo"``; ``None`` -> 0.2) or of
         Adam (``schedule="adam"``, a fresh optimiser per stage; ``None`` -> 0.01).
         The two live on different scales: an Adam-sized rate (0.01) given to the
         SGD schedule barely moves inputs in [0, 1]^d, and small shards then vote
@@ -276,9 +284,9 @@ class SISAEnsemble(Learner, BaseEstimator):
         n_shards: int = 5,
         n_slices: int = 1,
         model: str = "mlp",
-        hidden: Sequence[int] = (64,),
-        epochs_per_slice: int = 20,
-        min_steps: int = 0,
+        hidden: Sequence[int] | None = None,
+        epochs_per_slice: int | None = None,
+        min_steps: int | None = None,
         batch_size: int = 32,
         lr: float | None = None,
         weight_decay: float = 1e-5,
@@ -331,7 +339,6 @@ class SISAEnsemble(Learner, BaseEstimator):
         prob = float(self.shard_prob)
         if not 0 < prob <= 1:
             raise ValueError(f"shard_prob must lie in (0, 1], got {self.shard_prob!r}")
-        hidden = tuple(pos_int("hidden[*]", h) for h in self.hidden)
         n_slices = pos_int("n_slices", self.n_slices)
         if self.schedule not in ("auto", "loo", "adam"):
             raise ValueError(f"schedule must be 'auto', 'loo' or 'adam', got {self.schedule!r}")
@@ -340,15 +347,17 @@ class SISAEnsemble(Learner, BaseEstimator):
             schedule = "loo" if self.model == "mlp" and n_slices == 1 else "adam"
         if schedule == "loo" and self.model != "mlp":
             raise ValueError("schedule='loo' needs model='mlp'")
-        lr = float(self.lr if self.lr is not None
-                   else LOO_DEFAULT_LR if schedule == "loo" else ADAM_DEFAULT_LR)
+        dflt = SCHEDULE_DEFAULTS[schedule]
+        hidden = tuple(pos_int("hidden[*]", h)
+                       for h in (dflt["hidden"] if self.hidden is None else self.hidden))
+        lr = float(self.lr if self.lr is not None else dflt["lr"])
         if not np.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         wd = float(self.weight_decay)
         if not np.isfinite(wd) or wd < 0:
             raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
         threads = None if self.cpu_threads is None else pos_int("cpu_threads", self.cpu_threads)
-        min_steps = self.min_steps
+        min_steps = dflt["min_steps"] if self.min_steps is None else self.min_steps
         if isinstance(min_steps, bool) or not isinstance(min_steps, int | np.integer) \
                 or min_steps < 0:
             raise ValueError(f"min_steps must be an integer >= 0, got {min_steps!r}")
@@ -357,7 +366,9 @@ class SISAEnsemble(Learner, BaseEstimator):
             "n_slices": n_slices,
             "model": self.model,
             "hidden": list(hidden),
-            "epochs_per_slice": pos_int("epochs_per_slice", self.epochs_per_slice),
+            "epochs_per_slice": pos_int("epochs_per_slice", dflt["epochs_per_slice"]
+                                        if self.epochs_per_slice is None
+                                        else self.epochs_per_slice),
             "min_steps": int(min_steps),
             "batch_size": pos_int("batch_size", self.batch_size),
             "lr": lr,
@@ -1002,7 +1013,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         self._check_fitted()
         p = Path(path)
         params = self.get_params(deep=False)
-        params["hidden"] = list(params["hidden"])
+        if params["hidden"] is not None:
+            params["hidden"] = list(params["hidden"])
         if params["classes"] is not None:
             params["classes"] = np.asarray(list(params["classes"])).tolist()
         meta = {
@@ -1036,7 +1048,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         meta = read_bundle_meta(p, FORMAT, "SISA")
         state = torch.load(read_bundle_payload(p, _STATE), map_location="cpu", weights_only=True)
         params = dict(meta["params"])
-        params["hidden"] = tuple(params["hidden"])
+        if params["hidden"] is not None:
+            params["hidden"] = tuple(params["hidden"])
         config = dict(meta["config"])
         if "schedule" not in config:  # bundles written before schedules existed: Adam
             config.update(schedule="adam", weight_decay=0.0)

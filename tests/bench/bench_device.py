@@ -42,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from jobs.learners.loo import train_loo, train_single  # noqa: E402
 from jobs.learners.loo_mlp import LeaveOneOutMLP  # noqa: E402
 from jobs.learners.sisa import SISAEnsemble  # noqa: E402
+from jobs.served_model import DEFAULT_PARAMS  # noqa: E402
 from ledger.census import census_like  # noqa: E402
+
+SIDECAR_SISA = DEFAULT_PARAMS["sisa"]  # the served ensemble's network
 
 NET = {"hidden": (32,), "epochs": 20, "batch_size": 32, "lr": 0.1, "weight_decay": 1e-5}
 
@@ -107,8 +110,7 @@ def sisa_row() -> str:
     out = {}
     for dev in ("cuda", "cpu"):
         t0 = time.perf_counter()
-        ens = SISAEnsemble(n_shards=5, hidden=(32,), epochs_per_slice=20, device=dev,
-                           random_state=3).fit(ids, X, y)
+        ens = SISAEnsemble(**{**SIDECAR_SISA, "device": dev, "random_state": 3}).fit(ids, X, y)
         fit_s = time.perf_counter() - t0
         rep = ens.delete([ids[7]])
         out[dev] = (fit_s, rep.seconds, ens.verify().exact)

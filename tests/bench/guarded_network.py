@@ -26,7 +26,7 @@ binding exists whose hashes are those of the served LOO set and the served
 network; otherwise it is in *noise-all* mode (every query noised). A report
 for a different LOO set is not adopted (noise-all stays).
 
-Deletion, the fast path (papers/NOTES.md §1, "Connection to unlearning"):
+Deletion, the fast path (docs/PAPERS.md §1, "Connection to unlearning"):
 
 1. :meth:`GuardedNetwork.swap_in_loo` makes N_{-x} the served model at once --
    it IS the exactly-unlearned model (same keyed schedule with x masked) --
@@ -128,7 +128,7 @@ class GuardedNetwork:
         The exponential mechanism's epsilon for uncertain queries.
     memo_size
         How many noised answers are remembered (LRU); size it to the
-        attacker's memory (papers/NOTES.md §1).
+        attacker's memory (docs/PAPERS.md §1).
     random_state
         Seed of the mechanism's generator (tests, benchmarks); None = fresh entropy.
     """

@@ -36,6 +36,7 @@ KW = dict(
     model="mlp",
     hidden=(8,),
     epochs_per_slice=30,
+    min_steps=0,
     batch_size=4,
     lr=0.1,
     weight_decay=1e-5,
