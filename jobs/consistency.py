@@ -37,7 +37,9 @@ from sqlalchemy import select
 from jobs.registry import KEYS, MANIFEST_FILE, POINTER, VERSIONS, Registry
 from jobs.retention import manifest_sha256
 from ledger.config import Settings
-from ledger.store import EVENTS, Ledger, Problem
+from ledger.log_check import Problem
+from ledger.store import Ledger
+from ledger.tables import EVENTS
 
 # events that publish the version they name (the pointer moved in their transaction)
 PUBLICATIONS = ("applied", "verified", "model_trained", "guard_refreshed", "seeds_rotated",

@@ -20,7 +20,8 @@ from ledger import audit
 
 if TYPE_CHECKING:
     from ledger.config import Settings
-    from ledger.store import Ledger, Problem
+    from ledger.log_check import Problem
+    from ledger.store import Ledger
 
 # a check of tables other packages own (the model registry's: jobs.consistency), which
 # the assembled command line (service.cli) hands to `ledger verify`

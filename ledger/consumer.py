@@ -45,7 +45,8 @@ from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from ledger import metrics
-from ledger.store import IncomingMessage, IntakeResult, Ledger, message_bytes
+from ledger.intake import IncomingMessage, IntakeResult, message_bytes
+from ledger.store import Ledger
 
 log = logging.getLogger("obliviate.consumer")
 

@@ -14,20 +14,20 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import numpy as np
 from sqlalchemy import Connection, case, delete, func, insert, select, text, update
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session
 
 from ledger import merkle, metrics, migrations
+from ledger.appender import ChainAppender
 from ledger.chain import (
     GENESIS_HASH,
     as_utc,
-    canonical_json,
     event_hash,
     event_leaf,
     iso,
@@ -35,7 +35,6 @@ from ledger.chain import (
     utc_now,
 )
 from ledger.db import (
-    among,
     insert_rows,
     make_engine,
     pg_vacuum_full,
@@ -46,30 +45,37 @@ from ledger.db import (
     xid_precedes,
 )
 from ledger.heads import HeadSigner, log_id, verify_head
+from ledger.intake import (
+    BatchIntake,
+    IncomingMessage,
+    IntakeResult,
+    RejectHook,
+    Unstorable,
+    caused_by_input,
+    first_line,
+    message_bytes,
+    parse_message,
+)
+from ledger.log_check import LogFacts, Problem, VerifyResult
 from ledger.models import (
     REQUEST_STATUSES,
     Checkpoint,
     DatasetSchema,
-    Event,
-    PurgeMaintenance,
-    RecordPayload,
     Request,
-    SignedHead,
-    SourceOffset,
-    TrainingRecord,
+)
+from ledger.tables import (
+    CHECKPOINTS,
+    EVENTS,
+    HEADS,
+    LOOKUP_CHUNK,
+    MAINTENANCE,
+    OFFSETS,
+    PAYLOADS,
+    RECORDS,
+    REQUESTS,
 )
 from ledger.transform import InputTransform
-from ledger.validation import InvalidRequest, RequestMessage, parse_request
-
-EVENTS = Event.__table__
-REQUESTS = Request.__table__
-RECORDS = TrainingRecord.__table__
-PAYLOADS = RecordPayload.__table__
-MAINTENANCE = PurgeMaintenance.__table__
-CHECKPOINTS = Checkpoint.__table__
-HEADS = SignedHead.__table__
-OFFSETS = SourceOffset.__table__
-_CHUNK = 500  # rows per IN (...) lookup, well under every backend's parameter limit
+from ledger.validation import InvalidRequest, RequestMessage
 
 log = logging.getLogger("obliviate.ledger")
 
@@ -85,72 +91,6 @@ _MAINTENANCE_LOCK_KEY = 0x0B11_71A7F  # PostgreSQL advisory lock: one maintenanc
 
 
 @dataclass(frozen=True)
-class IncomingMessage:
-    """A raw request as it arrived, with where it came from (a Kafka value may be null)."""
-
-    value: bytes | str | dict[str, Any] | None
-    source: Literal["kafka", "http", "cli"] = "http"
-    topic: str | None = None
-    partition: int | None = None
-    offset: int | None = None
-
-    def source_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"kind": self.source}
-        if self.topic is not None:
-            info.update(topic=self.topic, partition=self.partition, offset=self.offset)
-        return info
-
-
-@dataclass(frozen=True)
-class IntakeResult:
-    """What happened to one incoming message."""
-
-    status: Literal["accepted", "duplicate", "rejected", "redelivered"]
-    request_id: str | None
-    reason: str | None = None
-    record_ids: tuple[str, ...] = ()
-    seq: int | None = None
-    op: str | None = None
-
-    @property
-    def http_status(self) -> int:
-        return {"accepted": 202, "duplicate": 200, "rejected": 422, "redelivered": 200}[self.status]
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["record_ids"] = list(self.record_ids)
-        return d
-
-
-@dataclass
-class Problem:
-    """One thing `verify` found wrong, named precisely enough to go and look."""
-
-    where: str
-    message: str
-    seq: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.message}"
-
-
-@dataclass
-class VerifyResult:
-    ok: bool
-    events: int
-    checkpoints: int
-    records: int
-    problems: list[Problem] = field(default_factory=list)
-    heads: int = 0  # signed tree heads
-    notes: list[str] = field(default_factory=list)  # what verify could not check, and why
-
-    @property
-    def first_bad_seq(self) -> int | None:
-        seqs = [p.seq for p in self.problems if p.seq is not None]
-        return min(seqs) if seqs else None
-
-
-@dataclass(frozen=True)
 class LiveRecords:
     """The training set as the ledger holds it now (records neither pending nor purged)."""
 
@@ -158,9 +98,6 @@ class LiveRecords:
     subject_ids: np.ndarray
     X: np.ndarray
     y: np.ndarray
-
-
-RejectHook = Callable[[list[tuple[IncomingMessage, IntakeResult]]], None]
 
 
 class Ledger:
@@ -269,7 +206,7 @@ class Ledger:
                 insert_rows(conn, RECORDS, rows[i:i + 50_000])
                 insert_rows(conn, PAYLOADS, payloads[i:i + 50_000])
             fingerprints = sorted(bytes.fromhex(r["record_hash"]) for r in rows)
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             seq = appender.append("records_loaded", None, {
                 "name": name, "count": n, "n_features": X.shape[1], "classes": classes,
                 "records_root": merkle.root([merkle.leaf_hash(f) for f in fingerprints]).hex(),
@@ -310,9 +247,9 @@ class Ledger:
         ids = [str(r) for r in record_ids]
         found: dict[str, Any] = {}
         with self.engine.connect() as conn:
-            for i in range(0, len(ids), _CHUNK):
+            for i in range(0, len(ids), LOOKUP_CHUNK):
                 for r in conn.execute(select(PAYLOADS)
-                                      .where(PAYLOADS.c.record_id.in_(ids[i:i + _CHUNK]))):
+                                      .where(PAYLOADS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK]))):
                     found[r.record_id] = r
         missing = [r for r in ids if r not in found or found[r].features is None]
         if missing:
@@ -341,10 +278,10 @@ class Ledger:
         ids = [str(r) for r in record_ids]
         fps: list[bytes] = []
         with self.engine.connect() as conn:
-            for i in range(0, len(ids), _CHUNK):
+            for i in range(0, len(ids), LOOKUP_CHUNK):
                 fps.extend(bytes.fromhex(h) for h in conn.execute(
                     select(RECORDS.c.record_hash)
-                    .where(RECORDS.c.record_id.in_(ids[i:i + _CHUNK]))).scalars())
+                    .where(RECORDS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK]))).scalars())
         if len(fps) != len(set(ids)):
             raise KeyError(f"{len(set(ids)) - len(fps)} record id(s) are not in the ledger")
         fps.sort()
@@ -356,7 +293,7 @@ class Ledger:
         if kind in REQUEST_STATUSES:
             raise ValueError(f"{kind!r} is a request lifecycle event")
         with writing(self.engine) as conn:
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             seq = appender.append(kind, None, payload, iso(utc_now()), model_version)
             if in_transaction is not None:
                 in_transaction(conn)
@@ -435,7 +372,7 @@ class Ledger:
         propagate, with nothing recorded.
         """
         schema = self.schema()
-        parsed = [_parse(m.value, schema) for m in messages]
+        parsed = [parse_message(m.value, schema) for m in messages]
         results = self._record_batch(messages, parsed, before_commit)
         for (op, status), n in Counter((r.op or "unknown", r.status) for r in results).items():
             metrics.REQUESTS.labels(op=op, status=status).inc(n)
@@ -446,7 +383,7 @@ class Ledger:
                       before_commit: RejectHook | None) -> list[IntakeResult]:
         try:
             return self._write_batch(messages, parsed, before_commit)
-        except _Unstorable as exc:
+        except Unstorable as exc:
             if len(messages) > 1:  # isolate the message: one transaction each
                 log.warning("a batch of %d could not be stored (%s); recording it message "
                             "by message", len(messages), exc.reason)
@@ -468,12 +405,12 @@ class Ledger:
             now = utc_now()  # read under the lock, so event times follow seq order
             now_s = iso(now)
             try:
-                intake = _BatchIntake(self._key, conn, parsed, now, now_s)
+                intake = BatchIntake(self._key, conn, parsed, now, now_s)
                 results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
                 intake.write(conn)
             except Exception as exc:
-                if _caused_by_input(exc, self.engine.dialect.dbapi):
-                    raise _Unstorable(_first_line(exc)) from exc
+                if caused_by_input(exc, self.engine.dialect.dbapi):
+                    raise Unstorable(first_line(exc)) from exc
                 raise
             self._maybe_checkpoint(conn, intake.appender.seq)
             rejected = [(m, r) for m, r in zip(messages, results, strict=True)
@@ -506,7 +443,7 @@ class Ledger:
             if not rows:
                 return []
             now_s = iso(now)
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             for r in rows:
                 payload = {"worker": worker}
                 if r.status == "claimed":
@@ -536,7 +473,7 @@ class Ledger:
         with writing(self.engine) as conn:
             now = utc_now()
             reqs = self._requests_in_state(conn, request_ids, "claimed", "applied")
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             for r in reqs:
                 if r.op == "delete":
                     fps, n = self._purge(conn, r.record_ids, r.request_id, now)
@@ -745,7 +682,7 @@ class Ledger:
             reqs = self._requests_in_state(conn, request_ids, "applied", "verified",
                                            skip_settled)
             request_ids = [r.request_id for r in reqs]
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             now_s = iso(utc_now())
             for rid in request_ids:
                 appender.append("verified", rid, detail or {}, now_s, model_version)
@@ -758,7 +695,7 @@ class Ledger:
     def mark_failed(self, request_id: str, reason: str) -> None:
         with writing(self.engine) as conn:
             self._requests_in_state(conn, [request_id], "claimed", "failed")
-            appender = _Appender(conn)
+            appender = ChainAppender(conn)
             appender.append("failed", request_id, {"reason": reason}, iso(utc_now()))
             self._set_status(conn, [request_id], "failed")
             appender.flush(conn)
@@ -895,7 +832,7 @@ class Ledger:
         and hold the requests and records to what the events say happened to them."""
         problems: list[Problem] = []
         notes: list[str] = []
-        facts = _LogFacts()
+        facts = LogFacts()
         with self.engine.connect() as conn:
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
             heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
@@ -1038,9 +975,9 @@ class Ledger:
     @staticmethod
     def _existing_records(conn: Connection, ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
-        for i in range(0, len(ids), _CHUNK):
+        for i in range(0, len(ids), LOOKUP_CHUNK):
             found.update(conn.execute(select(RECORDS.c.record_id)
-                                      .where(RECORDS.c.record_id.in_(ids[i:i + _CHUNK])))
+                                      .where(RECORDS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK])))
                          .scalars())
         return found
 
@@ -1234,362 +1171,10 @@ def _parse_time(ts: str) -> datetime:
     return as_utc(datetime.fromisoformat(ts))
 
 
-# request lifecycle moves `verify` accepts: (kind before, kind after)
-_LIFECYCLE = frozenset({(None, "received"), ("received", "claimed"), ("claimed", "claimed"),
-                        ("claimed", "applied"), ("claimed", "failed"), ("applied", "verified")})
-
-
-class _LogFacts:
-    """What the events say happened to requests and records, gathered in `verify`'s one
-    pass over the log, to hold the working tables to it."""
-
-    def __init__(self) -> None:
-        self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
-        self.first: dict[str, int] = {}  # request -> seq of its first lifecycle event
-        self.received: dict[str, int] = {}  # request -> seq of its `received` event
-        self.purged: dict[str, list[tuple[str, str, int]]] = {}  # record -> (request, fp, seq)
-        self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
-        self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
-        self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
-        self.seen: set[str] = set()  # records in training_records
-
-    def see(self, e: Any, problems: list[Problem]) -> None:
-        rid = e.request_id
-        if rid and e.kind in REQUEST_STATUSES:
-            before = self.kind.get(rid)
-            if (before, e.kind) not in _LIFECYCLE:
-                problems.append(Problem(f"event {e.seq}", f"{e.kind!r} of request {rid} cannot "
-                                        f"follow {before!r} (forged, or events removed)", e.seq))
-            self.kind[rid] = e.kind
-            self.first.setdefault(rid, e.seq)
-            if e.kind == "received":
-                self.received.setdefault(rid, e.seq)
-        if e.kind not in ("received", "applied", "records_loaded"):
-            return
-        try:
-            payload = json.loads(e.payload)
-            if e.kind == "received":
-                for rec, fp in (payload.get("record_hashes") or {}).items():
-                    self.added[rec] = (rid, fp, e.seq)
-            elif e.kind == "applied":
-                for rec, fp in (payload.get("purged_record_hashes") or {}).items():
-                    self.purged.setdefault(rec, []).append((rid, fp, e.seq))
-            else:
-                self.loaded[e.created_at] = (int(payload["count"]), payload["records_root"],
-                                             e.seq)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            problems.append(Problem(f"event {e.seq}", f"{e.kind!r} payload is not what the "
-                                    "ledger writes", e.seq))
-
-    def check_request(self, r: Any) -> list[Problem]:
-        seq = self.received.get(r.request_id)
-        if seq is None:
-            return [Problem(f"request {r.request_id}", "has no `received` event: the row was "
-                            "not written by intake")]
-        if seq != r.received_seq:
-            return [Problem(f"request {r.request_id}", f"says it was received at event "
-                            f"{r.received_seq}, its `received` event is {seq}")]
-        return []
-
-    def requests_without_rows(self, rows: dict[str, str]) -> list[Problem]:
-        return [Problem(f"request {rid}", f"has lifecycle events (the first is event {seq}) "
-                        "but no request row (deleted?)")
-                for rid, seq in sorted(self.first.items(), key=lambda kv: kv[1])
-                if rid not in rows]
-
-    def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
-        where = f"record {rec.record_id}"
-        out = []
-        self.seen.add(rec.record_id)
-        by = self.purged.get(rec.record_id, [])
-        if rec.state == "purged":
-            if not by:
-                out.append(Problem(where, "is purged, but no applied deletion lists it (a "
-                                          "purge the log does not show)"))
-            elif rec.record_hash not in {fp for _, fp, _ in by}:
-                out.append(Problem(where, f"its fingerprint is not the one the deletion "
-                                          f"{by[0][0]} lists for it at event {by[0][2]} "
-                                          "(swapped)"))
-            elif rec.purged_by not in {req for req, _, _ in by}:
-                out.append(Problem(where, f"says {rec.purged_by!r} purged it, but only "
-                                          f"{', '.join(sorted({q for q, _, _ in by}))} list it"))
-        elif by:
-            out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
-                                      f"(event {by[0][2]}): its data was restored"))
-        if rec.added_by is None:
-            key = "-" if rec.added_at is None else iso(rec.added_at)
-            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
-            return out
-        added = self.added.get(rec.record_id)
-        if added is None or added[0] != rec.added_by:
-            out.append(Problem(where, f"says {rec.added_by!r} added it, but that request's "
-                                      "`received` event does not list it"))
-            return out
-        if added[1] != rec.record_hash:
-            out.append(Problem(where, f"its fingerprint is not the one its addition lists "
-                                      f"(event {added[2]})"))
-        applied = status_of.get(rec.added_by) in ("applied", "verified")
-        if applied == (rec.state == "pending"):
-            out.append(Problem(where, f"is {rec.state} while its addition {rec.added_by} is "
-                                      f"{status_of.get(rec.added_by)!r}"))
-        return out
-
-    def check_loaded(self) -> list[Problem]:
-        """The records not added by a request hold the fingerprints a `records_loaded`
-        event committed to (its Merkle root over them), as many as it says."""
-        out = []
-        for at, fps in sorted(self.loaded_fps.items()):
-            ev = self.loaded.get(at)
-            if ev is None:
-                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) that no "
-                                   "event announces (inserted behind the ledger's back)"))
-                continue
-            count, root, seq = ev
-            fps.sort()
-            if count != len(fps) or merkle.root([merkle.leaf_hash(f) for f in fps]).hex() != root:
-                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) whose "
-                                   f"fingerprints do not give the root event {seq} committed "
-                                   f"to over {count} (records swapped, added or removed)"))
-        for at, (count, _, seq) in sorted(self.loaded.items()):
-            if at not in self.loaded_fps:
-                out.append(Problem(f"records loaded at {at}", f"event {seq} loaded {count} "
-                                   "record(s); none of them is in training_records"))
-        for rec, by in sorted(self.purged.items()):
-            if rec not in self.seen:
-                out.append(Problem(f"record {rec}", f"the deletion {by[0][0]} purged it (event "
-                                   f"{by[0][2]}), but training_records has no row for it"))
-        return out
-
-
 def _event_dict(row: Any) -> dict[str, Any]:
     return {"seq": row.seq, "request_id": row.request_id, "kind": row.kind,
             "payload": json.loads(row.payload), "model_version": row.model_version,
             "created_at": row.created_at, "prev_hash": row.prev_hash, "hash": row.hash}
-
-
-class _Appender:
-    """Extends the hash chain from its current tail inside one locked transaction."""
-
-    def __init__(self, conn: Connection) -> None:
-        tail = conn.execute(select(EVENTS.c.seq, EVENTS.c.hash)
-                            .order_by(EVENTS.c.seq.desc()).limit(1)).first()
-        self.seq, self.prev = (tail.seq, tail.hash) if tail else (0, GENESIS_HASH)
-        self.rows: list[dict[str, Any]] = []
-
-    def append(self, kind: str, request_id: str | None, payload: dict[str, Any],
-               created_at: str, model_version: str | None = None) -> int:
-        self.seq += 1
-        text = canonical_json(payload)
-        h = event_hash(self.seq, request_id, kind, text, model_version, created_at, self.prev)
-        self.rows.append({"seq": self.seq, "request_id": request_id, "kind": kind,
-                          "payload": text, "model_version": model_version,
-                          "created_at": created_at, "prev_hash": self.prev, "hash": h})
-        self.prev = h
-        return self.seq
-
-    def flush(self, conn: Connection) -> None:
-        if self.rows:
-            insert_rows(conn, EVENTS, self.rows)
-            for kind, n in Counter(r["kind"] for r in self.rows).items():
-                metrics.LEDGER_EVENTS.labels(kind=kind).inc(n)
-            self.rows = []
-
-
-class _BatchIntake:
-    """The database half of validating one batch: duplicates, unknown ids, expansion."""
-
-    def __init__(self, hmac_key: bytes, conn: Connection,
-                 parsed: Sequence[RequestMessage | InvalidRequest], now: datetime,
-                 now_s: str) -> None:
-        self.key, self.now, self.now_s = hmac_key, now, now_s
-        self.appender = _Appender(conn)
-        self.request_rows: list[dict[str, Any]] = []
-        self.record_rows: list[dict[str, Any]] = []
-        self.payload_rows: list[dict[str, Any]] = []
-        self.duplicates: list[str] = []
-        self.offsets: dict[tuple[str, int], int] = {}
-        self.next_offset: dict[tuple[str, int], int] = {}
-        valid = [p for p in parsed if isinstance(p, RequestMessage)]
-        ids = list({p.request_id for p in valid})
-        self.seen: set[str] = set()
-        for i in range(0, len(ids), _CHUNK):
-            self.seen.update(conn.execute(select(REQUESTS.c.request_id).where(
-                among(conn, REQUESTS.c.request_id, ids[i:i + _CHUNK]))).scalars())
-        # record id -> (subject, state) for every record the batch names or expands to
-        self.records: dict[str, tuple[str | None, str]] = {}
-        rec_ids = list({r for p in valid for r in (p.record_ids or ())})
-        subjects = list({p.subject_id for p in valid if p.op == "delete" and p.subject_id})
-        cols = (RECORDS.c.record_id, RECORDS.c.subject_id, RECORDS.c.state)
-        for i in range(0, len(rec_ids), _CHUNK):
-            for r in conn.execute(select(*cols).where(
-                    among(conn, RECORDS.c.record_id, rec_ids[i:i + _CHUNK]))):
-                self.records[r.record_id] = (r.subject_id, r.state)
-        self.by_subject: dict[str, list[str]] = {}
-        for i in range(0, len(subjects), _CHUNK):
-            for r in conn.execute(select(*cols).where(
-                    among(conn, RECORDS.c.subject_id, subjects[i:i + _CHUNK]))):
-                self.records[r.record_id] = (r.subject_id, r.state)
-                self.by_subject.setdefault(r.subject_id, []).append(r.record_id)
-        self._load_offsets(conn)
-
-    def _load_offsets(self, conn: Connection) -> None:
-        for r in conn.execute(select(OFFSETS)):
-            self.offsets[(r.topic, r.partition)] = r.next_offset
-
-    def handle(self, msg: IncomingMessage, p: RequestMessage | InvalidRequest) -> IntakeResult:
-        if msg.topic is not None:
-            key = (msg.topic, int(msg.partition or 0))
-            if msg.offset is not None and msg.offset < self.offsets.get(key, 0):
-                return IntakeResult("redelivered", getattr(p, "request_id", None))
-            if msg.offset is not None:
-                self.next_offset[key] = max(self.next_offset.get(key, 0), msg.offset + 1)
-        if isinstance(p, InvalidRequest):
-            return self._reject(msg, p.request_id, p.reason, None)
-        if p.request_id in self.seen:
-            self.duplicates.append(p.request_id)
-            return IntakeResult("duplicate", p.request_id, "request_id already recorded",
-                                op=p.op)
-        try:
-            record_ids, expanded = self._resolve(p)
-        except InvalidRequest as exc:
-            return self._reject(msg, p.request_id, exc.reason, p.op)
-        self.seen.add(p.request_id)
-        payload: dict[str, Any] = {
-            "op": p.op, "subject_id": p.subject_id, "record_ids": list(record_ids),
-            "expanded_from_subject": expanded, "requested_at": p.requested_at,
-            "source": msg.source_info(),
-        }
-        if p.op == "add":
-            hashes = {}
-            for r in p.records:
-                fp = record_fingerprint(self.key, r.record_id, p.subject_id,
-                                        r.features, r.label)
-                hashes[r.record_id] = fp
-                self.record_rows.append({
-                    "record_id": r.record_id, "subject_id": p.subject_id, "record_hash": fp,
-                    "state": "pending", "added_by": p.request_id})
-                self.payload_rows.append({"record_id": r.record_id, "features": r.features,
-                                          "label": r.label})
-                self.records[r.record_id] = (p.subject_id, "pending")
-            payload["record_hashes"] = hashes
-        seq = self.appender.append("received", p.request_id, payload, self.now_s)
-        self.request_rows.append({
-            "request_id": p.request_id, "op": p.op, "subject_id": p.subject_id,
-            "record_ids": list(record_ids), "expanded_from_subject": expanded,
-            "requested_at": p.requested_at, "source": msg.source, "source_topic": msg.topic,
-            "source_partition": msg.partition, "source_offset": msg.offset,
-            "received_at": self.now, "received_seq": seq, "status": "received",
-            "duplicate_count": 0})
-        return IntakeResult("accepted", p.request_id, None, tuple(record_ids), seq, p.op)
-
-    def _resolve(self, p: RequestMessage) -> tuple[tuple[str, ...], bool]:
-        """The records a request names, checked against the store; subjects expand here."""
-        if p.op == "add":
-            clash = [r for r in p.record_ids or () if r in self.records]
-            if clash:
-                raise InvalidRequest(f"record(s) already exist: {_few(clash)}")
-            return tuple(p.record_ids or ()), False
-        if p.record_ids is None:
-            ids = sorted(r for r in self.by_subject.get(p.subject_id or "", [])
-                         if self.records[r][1] != "purged")
-            if not ids:
-                known = p.subject_id in self.by_subject
-                raise InvalidRequest(f"subject {p.subject_id!r} has no records left to delete"
-                                     if known else f"unknown subject {p.subject_id!r}")
-            return tuple(ids), True
-        unknown = [r for r in p.record_ids if r not in self.records]
-        if unknown:
-            raise InvalidRequest(f"unknown record(s): {_few(unknown)}")
-        gone = [r for r in p.record_ids if self.records[r][1] == "purged"]
-        if gone:
-            raise InvalidRequest(f"record(s) already deleted: {_few(gone)}")
-        if p.subject_id is not None:
-            foreign = [r for r in p.record_ids if self.records[r][0] != p.subject_id]
-            if foreign:
-                raise InvalidRequest(f"record(s) not owned by subject {p.subject_id!r}: "
-                                     f"{_few(foreign)}")
-        return p.record_ids, False
-
-    def _reject(self, msg: IncomingMessage, request_id: str | None, reason: str,
-                op: str | None) -> IntakeResult:
-        raw = message_bytes(msg.value)
-        # The raw message stays out of the immutable log (it may hold personal data):
-        # its digest is enough to match it with the dead-letter copy.
-        seq = self.appender.append("rejected", request_id, {
-            "reason": reason, "source": msg.source_info(),
-            "message_sha256": hashlib.sha256(raw).hexdigest(), "message_bytes": len(raw),
-        }, self.now_s)
-        return IntakeResult("rejected", request_id, reason, (), seq, op)
-
-    def write(self, conn: Connection) -> None:
-        insert_rows(conn, RECORDS, self.record_rows)
-        insert_rows(conn, PAYLOADS, self.payload_rows)
-        insert_rows(conn, REQUESTS, self.request_rows)
-        self.appender.flush(conn)
-        for rid, n in Counter(self.duplicates).items():
-            conn.execute(update(REQUESTS).where(REQUESTS.c.request_id == rid)
-                         .values(duplicate_count=REQUESTS.c.duplicate_count + n))
-        for (topic, partition), nxt in self.next_offset.items():
-            if (topic, partition) in self.offsets:
-                conn.execute(update(OFFSETS).where(OFFSETS.c.topic == topic,
-                                                   OFFSETS.c.partition == partition)
-                             .values(next_offset=nxt))
-            else:
-                conn.execute(insert(OFFSETS), {"topic": topic, "partition": partition,
-                                               "next_offset": nxt})
-
-
-def message_bytes(value: bytes | str | dict[str, Any] | None) -> bytes:
-    """The bytes a rejected message's digest is taken over (a null value: none)."""
-    if value is None:
-        return b""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    if isinstance(value, dict):
-        try:
-            value = canonical_json(value)
-        except (ValueError, TypeError, RecursionError):  # NaN, a huge int, a set...
-            value = object.__repr__(value)
-    return str(value).encode("utf-8", "surrogatepass")
-
-
-def _parse(value: Any, schema: DatasetSchema | None) -> RequestMessage | InvalidRequest:
-    try:
-        return parse_request(value, schema)
-    except InvalidRequest as exc:
-        return exc
-    except Exception as exc:  # noqa: BLE001 - a validator bug must not stop intake
-        log.exception("validation failed on a message; rejecting it")
-        return InvalidRequest(f"could not be validated: {_first_line(exc)}")
-
-
-class _Unstorable(Exception):
-    """The database refused a batch for a reason of a message's making."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _caused_by_input(exc: BaseException, dbapi: Any) -> bool:
-    """Whether storing failed on what a message holds, not on the database being down.
-
-    `dbapi` is the driver module: rows go in by COPY on PostgreSQL, whose errors come
-    straight from psycopg rather than wrapped by SQLAlchemy.
-    """
-    if isinstance(exc, DBAPIError):  # OperationalError, InterfaceError...: the database
-        return isinstance(exc, DataError | IntegrityError)
-    if dbapi is not None and isinstance(exc, dbapi.Error):
-        return isinstance(exc, dbapi.DataError | dbapi.IntegrityError)
-    return isinstance(exc, StatementError | ValueError | TypeError | ArithmeticError
-                      | RecursionError)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The class and first line of an error: no DETAIL or CONTEXT, which quote values."""
-    inner = getattr(exc, "orig", None) or exc
-    text = (str(inner).strip().splitlines() or [""])[0][:200]
-    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def _snapshot_holders(conn: Connection) -> str:
@@ -1604,8 +1189,3 @@ def _snapshot_holders(conn: Connection) -> str:
     found += [f"prepared transaction {g}" for g in conn.execute(text(
         "SELECT gid FROM pg_prepared_xacts")).scalars()]
     return "; ".join(found) or "none visible to this role"
-
-
-def _few(ids: Sequence[str], n: int = 5) -> str:
-    shown = ", ".join(repr(i) for i in ids[:n])
-    return shown + (f" and {len(ids) - n} more" if len(ids) > n else "")

@@ -10,7 +10,8 @@ from sqlalchemy import text
 
 from ledger import merkle
 from ledger.chain import event_leaf
-from ledger.store import IncomingMessage, Ledger
+from ledger.intake import IncomingMessage
+from ledger.store import Ledger
 from tests.conftest import HMAC_KEY, seed
 
 

@@ -45,8 +45,9 @@ from starlette.testclient import TestClient
 
 from ledger import validation
 from ledger.consumer import DEAD_LETTER_MAX_BYTES, RequestConsumer, ensure_topics
+from ledger.intake import IncomingMessage, IntakeResult
 from ledger.local_broker import LocalBroker, free_port
-from ledger.store import IncomingMessage, IntakeResult, Ledger
+from ledger.store import Ledger
 from service.http_api import MAX_BODY_BYTES, AppContext, BodyLimit, build_app
 from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed
 
@@ -327,7 +328,7 @@ def test_every_text_column_intake_writes_holds_what_validation_lets_through() ->
     intake can put there: validated ids and times, or values the ledger makes itself."""
     from ledger.chain import iso, utc_now
     from ledger.models import REQUEST_STATUSES
-    from ledger.store import EVENTS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
+    from ledger.tables import EVENTS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
 
     ident, kafka_topic = validation.MAX_ID_LENGTH, 249  # Kafka refuses longer topic names
     longest = {
@@ -369,16 +370,16 @@ def test_a_batch_the_database_refuses_is_recorded_message_by_message(
             poison = POISON["long-requested-at"][0]
             reason = "could not be stored: StringDataRightTruncation: value too long"
         else:
-            import ledger.store as store
+            import ledger.intake as intake
 
-            real = store.record_fingerprint
+            real = intake.record_fingerprint
 
             def fingerprint(key: bytes, record_id: str, *args: Any) -> str:
                 if record_id == "n-refused":
                     raise ValueError("refused by the test")
                 return real(key, record_id, *args)
 
-            monkeypatch.setattr(store, "record_fingerprint", fingerprint)
+            monkeypatch.setattr(intake, "record_fingerprint", fingerprint)
             poison = _add_text(rid="refused")
             reason = "could not be stored: ValueError: refused by the test"
         topic, dead = new_topics(broker)

@@ -22,7 +22,8 @@ from jobs.worker import Worker, WorkerConfig
 from ledger import audit, merkle
 from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
 from ledger.heads import HeadSigner, parse_public_key, verify_head
-from ledger.store import CHECKPOINTS, EVENTS, HEADS, PAYLOADS, RECORDS, REQUESTS, Ledger
+from ledger.store import Ledger
+from ledger.tables import CHECKPOINTS, EVENTS, HEADS, PAYLOADS, RECORDS, REQUESTS
 from service.cli import main
 from tests.conftest import HMAC_KEY, seed
 

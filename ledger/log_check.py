@@ -1,0 +1,166 @@
+"""What `Ledger.verify` reports, and the facts it gathers from the log to hold the working
+tables to."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger import merkle
+from ledger.chain import iso
+from ledger.models import REQUEST_STATUSES
+
+# request lifecycle moves `verify` accepts: (kind before, kind after)
+_LIFECYCLE = frozenset({(None, "received"), ("received", "claimed"), ("claimed", "claimed"),
+                        ("claimed", "applied"), ("claimed", "failed"), ("applied", "verified")})
+
+
+@dataclass
+class Problem:
+    """One thing `verify` found wrong, named precisely enough to go and look."""
+
+    where: str
+    message: str
+    seq: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    events: int
+    checkpoints: int
+    records: int
+    problems: list[Problem] = field(default_factory=list)
+    heads: int = 0  # signed tree heads
+    notes: list[str] = field(default_factory=list)  # what verify could not check, and why
+
+    @property
+    def first_bad_seq(self) -> int | None:
+        seqs = [p.seq for p in self.problems if p.seq is not None]
+        return min(seqs) if seqs else None
+
+
+class LogFacts:
+    """What the events say happened to requests and records, gathered in `verify`'s one
+    pass over the log, to hold the working tables to it."""
+
+    def __init__(self) -> None:
+        self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
+        self.first: dict[str, int] = {}  # request -> seq of its first lifecycle event
+        self.received: dict[str, int] = {}  # request -> seq of its `received` event
+        self.purged: dict[str, list[tuple[str, str, int]]] = {}  # record -> (request, fp, seq)
+        self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
+        self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
+        self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
+        self.seen: set[str] = set()  # records in training_records
+
+    def see(self, e: Any, problems: list[Problem]) -> None:
+        rid = e.request_id
+        if rid and e.kind in REQUEST_STATUSES:
+            before = self.kind.get(rid)
+            if (before, e.kind) not in _LIFECYCLE:
+                problems.append(Problem(f"event {e.seq}", f"{e.kind!r} of request {rid} cannot "
+                                        f"follow {before!r} (forged, or events removed)", e.seq))
+            self.kind[rid] = e.kind
+            self.first.setdefault(rid, e.seq)
+            if e.kind == "received":
+                self.received.setdefault(rid, e.seq)
+        if e.kind not in ("received", "applied", "records_loaded"):
+            return
+        try:
+            payload = json.loads(e.payload)
+            if e.kind == "received":
+                for rec, fp in (payload.get("record_hashes") or {}).items():
+                    self.added[rec] = (rid, fp, e.seq)
+            elif e.kind == "applied":
+                for rec, fp in (payload.get("purged_record_hashes") or {}).items():
+                    self.purged.setdefault(rec, []).append((rid, fp, e.seq))
+            else:
+                self.loaded[e.created_at] = (int(payload["count"]), payload["records_root"],
+                                             e.seq)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            problems.append(Problem(f"event {e.seq}", f"{e.kind!r} payload is not what the "
+                                    "ledger writes", e.seq))
+
+    def check_request(self, r: Any) -> list[Problem]:
+        seq = self.received.get(r.request_id)
+        if seq is None:
+            return [Problem(f"request {r.request_id}", "has no `received` event: the row was "
+                            "not written by intake")]
+        if seq != r.received_seq:
+            return [Problem(f"request {r.request_id}", f"says it was received at event "
+                            f"{r.received_seq}, its `received` event is {seq}")]
+        return []
+
+    def requests_without_rows(self, rows: dict[str, str]) -> list[Problem]:
+        return [Problem(f"request {rid}", f"has lifecycle events (the first is event {seq}) "
+                        "but no request row (deleted?)")
+                for rid, seq in sorted(self.first.items(), key=lambda kv: kv[1])
+                if rid not in rows]
+
+    def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
+        where = f"record {rec.record_id}"
+        out = []
+        self.seen.add(rec.record_id)
+        by = self.purged.get(rec.record_id, [])
+        if rec.state == "purged":
+            if not by:
+                out.append(Problem(where, "is purged, but no applied deletion lists it (a "
+                                          "purge the log does not show)"))
+            elif rec.record_hash not in {fp for _, fp, _ in by}:
+                out.append(Problem(where, f"its fingerprint is not the one the deletion "
+                                          f"{by[0][0]} lists for it at event {by[0][2]} "
+                                          "(swapped)"))
+            elif rec.purged_by not in {req for req, _, _ in by}:
+                out.append(Problem(where, f"says {rec.purged_by!r} purged it, but only "
+                                          f"{', '.join(sorted({q for q, _, _ in by}))} list it"))
+        elif by:
+            out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
+                                      f"(event {by[0][2]}): its data was restored"))
+        if rec.added_by is None:
+            key = "-" if rec.added_at is None else iso(rec.added_at)
+            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
+            return out
+        added = self.added.get(rec.record_id)
+        if added is None or added[0] != rec.added_by:
+            out.append(Problem(where, f"says {rec.added_by!r} added it, but that request's "
+                                      "`received` event does not list it"))
+            return out
+        if added[1] != rec.record_hash:
+            out.append(Problem(where, f"its fingerprint is not the one its addition lists "
+                                      f"(event {added[2]})"))
+        applied = status_of.get(rec.added_by) in ("applied", "verified")
+        if applied == (rec.state == "pending"):
+            out.append(Problem(where, f"is {rec.state} while its addition {rec.added_by} is "
+                                      f"{status_of.get(rec.added_by)!r}"))
+        return out
+
+    def check_loaded(self) -> list[Problem]:
+        """The records not added by a request hold the fingerprints a `records_loaded`
+        event committed to (its Merkle root over them), as many as it says."""
+        out = []
+        for at, fps in sorted(self.loaded_fps.items()):
+            ev = self.loaded.get(at)
+            if ev is None:
+                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) that no "
+                                   "event announces (inserted behind the ledger's back)"))
+                continue
+            count, root, seq = ev
+            fps.sort()
+            if count != len(fps) or merkle.root([merkle.leaf_hash(f) for f in fps]).hex() != root:
+                out.append(Problem(f"records loaded at {at}", f"{len(fps)} record(s) whose "
+                                   f"fingerprints do not give the root event {seq} committed "
+                                   f"to over {count} (records swapped, added or removed)"))
+        for at, (count, _, seq) in sorted(self.loaded.items()):
+            if at not in self.loaded_fps:
+                out.append(Problem(f"records loaded at {at}", f"event {seq} loaded {count} "
+                                   "record(s); none of them is in training_records"))
+        for rec, by in sorted(self.purged.items()):
+            if rec not in self.seen:
+                out.append(Problem(f"record {rec}", f"the deletion {by[0][0]} purged it (event "
+                                   f"{by[0][2]}), but training_records has no row for it"))
+        return out

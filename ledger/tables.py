@@ -1,0 +1,24 @@
+"""The ledger's tables as SQLAlchemy Core objects, for the modules that write them in bulk."""
+
+from __future__ import annotations
+
+from ledger.models import (
+    Checkpoint,
+    Event,
+    PurgeMaintenance,
+    RecordPayload,
+    Request,
+    SignedHead,
+    SourceOffset,
+    TrainingRecord,
+)
+
+EVENTS = Event.__table__
+REQUESTS = Request.__table__
+RECORDS = TrainingRecord.__table__
+PAYLOADS = RecordPayload.__table__
+MAINTENANCE = PurgeMaintenance.__table__
+CHECKPOINTS = Checkpoint.__table__
+HEADS = SignedHead.__table__
+OFFSETS = SourceOffset.__table__
+LOOKUP_CHUNK = 500  # rows per IN (...) lookup, well under every backend's parameter limit
