@@ -624,8 +624,10 @@ def _guard_owed(man: dict[str, Any]) -> bool:
 
 def _guard_coarse(guard: dict[str, Any]) -> bool:
     """A guard record (as in a manifest) that is sound but that an update ran out of time
-    refining: a refit certifies more answers."""
-    return bool(guard["ready"]) and (guard.get("bound") or {}).get("complete") is False
+    refining: a refit certifies more answers (not one whose LOO set the guard job will not
+    train: `skipped`)."""
+    bound = guard.get("bound") or {}
+    return bool(guard["ready"]) and bound.get("complete") is False and not bound.get("skipped")
 
 
 @dataclass

@@ -221,6 +221,9 @@ def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 30
                   f"{len(bound['shards'])} shards bounded")
         if bound["complete"] and _await_served(base_url, cur.version):
             for row in bound["shards"]:
+                if row.get("skipped"):
+                    print(f"    shard {row['shard']}: {row['skipped']}")
+                    continue
                 beta = ", ".join(f"{b:.3g}" if isinstance(b, float) else str(b)
                                  for b in row["beta"] or [])
                 print(f"    shard {row['shard']}: beta [{beta}] in {row.get('seconds', 0):.1f} "
@@ -239,6 +242,9 @@ def _await_first_bound(registry: Registry, timeout_s: float = 300.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         cur = registry.current()
+        if cur is not None and (why := cur.manifest["guard"]["bound"].get("skipped")):
+            print(f"guard: {why}; the network answers in noise-all mode")
+            return
         if cur is not None and cur.manifest["guard"].get("mode") == "sound":
             bound = cur.manifest["guard"]["bound"]
             print(f"guard: LOO set of {cur.manifest['training_set']['count']} records trained "
@@ -274,6 +280,9 @@ def _await_network_bound(ledger: Ledger, registry: Registry, base_url: str,
             print(f"  {time.monotonic() - t0:5.1f} s  {state[0]}: LOO set "
                   f"{'trained' if state[1] else 'pending'}, bound "
                   f"{'in' if state[2] else 'pending'}")
+        if bound.get("skipped"):
+            print(f"  {bound['skipped']}")
+            return
         if bound.get("complete") and _await_served(base_url, cur.version):
             beta = ", ".join(f"{b:.3g}" for b in bound["beta"])
             print(f"    beta [{beta}]: LOO set {bound.get('loo_seconds', 0):.1f} s, bound "

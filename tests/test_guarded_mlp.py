@@ -195,6 +195,27 @@ def test_the_bound_is_kept_only_for_its_network_and_sealed(tmp_path: Path) -> No
     assert model.guard_record()["mode"] == "noise-all"
 
 
+def test_a_loo_set_too_large_for_the_cpu_is_not_trained(monkeypatch) -> None:
+    """The guard job does not train a LOO set estimated above LOO_MAX_SECONDS on the CPU
+    (it would hold the exactness check back for hours): the network stays in noise-all
+    mode, sound, the manifest says why, and the worker does not keep refining it."""
+    import jobs.served_model as served
+    from jobs.worker import _guard_coarse
+
+    ids, X, y = _data()
+    model = ServedModel.train("mlp", np.array(ids, dtype=object), X, y,
+                              params={**SMALL, "random_state": 3}, fit_guard=False)
+    monkeypatch.setattr(served, "LOO_MAX_SECONDS", 0.0)
+    model.refresh_guard(bound_s=1.0)
+    rec = model.guard_record()
+    assert model.learner.loo_ is None and model.noise_all and rec["mode"] == "noise-all"
+    assert "LOO set too large" in rec["bound"]["skipped"] and not _guard_coarse(rec)
+    assert not model.certain(X)[1].any()
+    monkeypatch.setattr(served, "LOO_MAX_SECONDS", 600.0)  # within the cap: bounded
+    model.refresh_guard(bound_s=1.0)
+    assert model.guard_complete and "skipped" not in model.guard_record()["bound"]
+
+
 def test_the_worker_swaps_a_deletion_in_and_the_guard_job_bounds_the_rest(
         seeded60: Ledger) -> None:
     ledger = seeded60

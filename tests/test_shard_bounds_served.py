@@ -127,6 +127,31 @@ def test_bounds_are_kept_only_for_the_networks_they_were_computed_on(
     assert not rows[s]["current"]
 
 
+def test_shards_whose_loo_set_is_too_large_stay_fragile(seeded90: Ledger, monkeypatch) -> None:
+    """A shard whose LOO set is estimated above LOO_MAX_SECONDS on the CPU is not bounded:
+    it stays fragile (+inf, sound), the manifest row says why, and the guard counts as
+    complete, so the worker does not start guard jobs for it again and again."""
+    import jobs.served_model as served
+    from jobs.idp.sisa_bounds import shard_loo_work
+    from jobs.worker import _guard_coarse
+
+    X, y = seeded90.record_data([f"r{i:03d}" for i in range(90)])
+    ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
+    model = ShardVoteModel.train("sisa", ids, X, y, params=SISA, fit_guard=False)
+    works = [shard_loo_work(model.learner, s) for s in range(3)]
+    big = int(np.argmax(works))  # only the largest shard is over the cap
+    cap = (max(works) + sorted(works)[-2]) / 2 * served.LOO_SECONDS_PER_UNIT
+    monkeypatch.setattr(served, "LOO_MAX_SECONDS", cap)
+    model.refresh_guard(bound_s=1.0)
+    model.refresh_guard(bound_s=1.0)
+    rec = model.guard_record()
+    rows = rec["bound"]["shards"]
+    assert "LOO set too large" in rows[big]["skipped"] and not rows[big]["current"]
+    assert all(r["current"] for r in rows if r["shard"] != big)
+    assert model.guard_complete and rec["bound"]["complete"] and not _guard_coarse(rec)
+    _assert_sound(model, _queries(model, X))
+
+
 def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards(
         seeded90: Ledger) -> None:
     """A guard job that finishes after an update published a newer version still holds

@@ -55,6 +55,7 @@ from jobs.learners.loo import (
     LOOConfig,
     LOOSet,
     MLPParams,
+    loo_work,
     train_loo,
     train_single,
     train_slots,
@@ -211,6 +212,19 @@ def ensemble_loo_set(ensemble: SISAEnsemble, s: int, *, chunk_size: int = 512,
     return loo
 
 
+def shard_loo_work(ensemble: SISAEnsemble, s: int) -> float:
+    """What :func:`ensemble_loo_set` costs for shard ``s``, in :func:`jobs.learners.loo.loo_work`
+    units (a sliced shard: every stage's records and epochs)."""
+    slices = ensemble.shard_slices(s)
+    widths = [ensemble.n_features_in_, *ensemble.config_["hidden"], len(ensemble.classes_)]
+    work = 0.0
+    for r in range(ensemble.config_["n_slices"]):
+        n = int((slices <= r).sum())
+        if n:
+            work += loo_work(n, ensemble.shard_training_args(s, n, stage=r)["epochs"], widths)
+    return work
+
+
 def _one_slice_loo_set(ensemble: SISAEnsemble, s: int, ids: list[str], X: np.ndarray,
                        y: np.ndarray, chunk_size: int) -> LOOSet:
     kw = ensemble.shard_training_args(s)
@@ -362,4 +376,4 @@ def shard_bounds(ensemble: SISAEnsemble, shards: Sequence[int] | None = None, *,
 
 __all__ = ["ShardBounds", "ShardMismatchError", "ShardedLOO", "compute_shard_bounds",
            "ensemble_loo_set", "naive_certain", "shard_bound_reports", "shard_bounds",
-           "shard_of", "shard_seed", "train_sharded_loo"]
+           "shard_loo_work", "shard_of", "shard_seed", "train_sharded_loo"]

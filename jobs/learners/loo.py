@@ -637,6 +637,14 @@ def train_slots(
     return layout.unpack(flat)
 
 
+def loo_work(n_records: int, epochs: int, widths: Sequence[int]) -> float:
+    """The work of a LOO set of ``n_records`` records: ``n + 1`` networks of
+    ``widths = [d, *hidden, C]`` trained for ``epochs`` on ``n`` records, in weight x
+    record x epoch units (what its time on one CPU core is proportional to)."""
+    params = sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:], strict=True))
+    return float(n_records + 1) * n_records * epochs * params
+
+
 def _jsonable_id(v: object) -> object:
     return v.item() if isinstance(v, np.generic) else v
 
@@ -775,6 +783,7 @@ __all__ = [
     "LOOSet",
     "MLPParams",
     "schedule_keys",
+    "loo_work",
     "train_loo",
     "train_single",
     "train_slots",
