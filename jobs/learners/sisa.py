@@ -1,5 +1,9 @@
 """SISA: a sharded, sliced ensemble of small torch networks that forgets exactly.
 
+The estimator is here (configuration, keyed assignment, fit and updates, prediction);
+how a shard trains is in :mod:`jobs.learners.sisa_training`, its hashes and ``verify``
+in :mod:`jobs.learners.sisa_checks`, saving and loading in :mod:`jobs.learners.sisa_bundle`.
+
 Guarantee: EXACT, and checkable bit for bit (docs/DESIGN.md, "Guarantees").
 
 The training set
@@ -141,13 +145,9 @@ ledger names deleted ids anyway.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import time
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -159,44 +159,25 @@ from jobs.learners.base import (
     Learner,
     UnknownRecordError,
     UpdateReport,
-    VerifyReport,
     as_ids,
     check_features,
     encode_labels,
     ids_to_add,
     ids_to_delete,
-    read_bundle_meta,
-    read_bundle_payload,
     unique_ids,
-    write_bundle,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
-from jobs.learners.loo import MLPParams, schedule_keys, train_single
+from jobs.learners.loo import schedule_keys
 from jobs.learners.nets import (
     build_net,
     deterministic,
-    hash_state,
-    init_net,
-    mlp_state,
-    n_batches,
     resolve_device,
-    stage_epochs,
-    state_to_cpu,
-    states_equal,
     torch_threads,
-    train_stage,
 )
+from jobs.learners.sisa_bundle import EnsembleBundle
+from jobs.learners.sisa_checks import EnsembleChecks
+from jobs.learners.sisa_training import _NO_KEYS, _NO_SLICES, ShardTraining, State, Tombstones
 
-FORMAT = "obliviate.sisa/1"
-_STATE = "state.pt"
-
-State = dict[str, torch.Tensor]
-Tombstones = dict[int, np.ndarray]  # shard -> sorted uint64 schedule keys (non-empty only)
-_NO_KEYS = np.zeros(0, dtype=np.uint64)
-_NO_SLICES = np.zeros(0, dtype=np.int64)
-# Stage r of a sliced "loo" shard numbers its epochs from r * STAGE_EPOCH_STRIDE, so that
-# every stage's batches are keyed apart (stage 0 of a one-slice shard: from 0, as before).
-STAGE_EPOCH_STRIDE = 1 << 20
 # Defaults per schedule (``None`` in the constructor). Plain SGD on inputs in [0, 1]^d needs
 # a rate about 20-50x Adam's: with 0.01 small shards stayed at the majority class on
 # census-like tables. The "loo" defaults are a network for tables: two hidden layers of 64,
@@ -208,7 +189,7 @@ SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class SISAEnsemble(Learner, BaseEstimator):
+class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseEstimator):
     """Sharded, isolated, sliced, aggregated ensemble of small networks (Bourtoule et al.).
 
     Parameters
@@ -426,173 +407,6 @@ class SISAEnsemble(Learner, BaseEstimator):
 
     def _init_seed(self, s: int) -> int:
         return prf_u64(self.seed_, "init", s)
-
-    # ------------------------------------------------------------------ training
-
-    def _new_net(self) -> torch.nn.Module:
-        return build_net(
-            self.config_["model"],
-            self.n_features_in_,
-            len(self.classes_),
-            self.config_["hidden"],
-        )
-
-    def _train_shard(
-        self,
-        s: int,
-        data: dict[str, np.ndarray],
-        tombstones: Tombstones,
-        tomb_slices: Tombstones,
-        from_slice: int,
-        start: State | None,
-    ) -> list[State]:
-        """Checkpoints of stages ``from_slice .. R-1`` of shard ``s`` on ``data``.
-
-        ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
-        ``from_slice == 0``: the shard starts from its seed-only initialisation).
-        ``data`` holds the live records' arrays sorted by id; ``tombstones`` the
-        deleted records' keys per shard and ``tomb_slices`` their slices, aligned
-        (``schedule="loo"`` only). This one function serves fit, delete, add and verify:
-        the same kernels and shapes.
-        """
-        cfg = self.config_
-        if cfg["schedule"] == "loo":
-            return self._train_shard_loo(s, data, tombstones, tomb_slices, from_slice, start)
-        net = self._new_net()
-        if from_slice == 0:
-            init_net(net, self._init_seed(s))
-        else:
-            assert start is not None
-            net.load_state_dict(start)
-        net.to(self.device_)
-        rows = np.flatnonzero(data["member"][:, s])
-        Xs = torch.from_numpy(data["X"][rows]).to(self.device_)
-        ys = torch.from_numpy(data["y"][rows]).to(self.device_)
-        keys = data["keys"][rows]
-        slices = data["slice"][rows]
-        out: list[State] = []
-        with self._threads():
-            for r in range(from_slice, self._R):
-                sel = np.flatnonzero(slices <= r)
-                if len(sel):
-                    idx = torch.from_numpy(sel).to(self.device_)
-                    train_stage(
-                        net,
-                        Xs.index_select(0, idx),
-                        ys.index_select(0, idx),
-                        keys[sel],
-                        seed=self.seed_,
-                        stage_key=(s, r),
-                        epochs=self._epochs(len(sel)),
-                        batch_size=cfg["batch_size"],
-                        lr=cfg["lr"],
-                        kernel=cfg["kernel"],
-                    )
-                out.append(state_to_cpu(net))
-        return out
-
-    def _epochs(self, n_records: int) -> int:
-        """Epochs of a stage of ``n_records`` live records (the ``min_steps`` floor)."""
-        cfg = self.config_
-        return stage_epochs(n_records, cfg["batch_size"], cfg["epochs_per_slice"],
-                            cfg.get("min_steps", 0))
-
-    def _loo_args(self, s: int, n_records: int, tombstones: Tombstones,
-                  tomb_slices: Tombstones, stage: int) -> dict[str, Any]:
-        cfg = self.config_
-        keys = tombstones.get(s, _NO_KEYS)
-        in_stage = tomb_slices.get(s, np.zeros(len(keys), dtype=np.int64)) <= stage
-        return {
-            "n_classes": len(self.classes_),
-            "hidden": tuple(cfg["hidden"]),
-            "epochs": self._epochs(n_records),
-            "batch_size": cfg["batch_size"],
-            "lr": cfg["lr"],
-            "weight_decay": cfg["weight_decay"],
-            "seed": self._init_seed(s),
-            "n_batches": n_batches(n_records, cfg["batch_size"]),
-            "tombstones": keys[in_stage].tolist(),
-            "device": self.device_,
-            "kernel": cfg["kernel"],
-        }
-
-    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray], tombstones: Tombstones,
-                         tomb_slices: Tombstones, from_slice: int,
-                         start: State | None) -> list[State]:
-        """Stages ``from_slice .. R-1`` of shard ``s``, each a
-        :func:`jobs.learners.loo.train_single` run (schedule ``"loo"``) on the live records of
-        slices ``0..r`` and the tombstones of those slices, continuing from the stage before."""
-        rows = np.flatnonzero(data["member"][:, s])
-        slices = data["slice"][rows]
-        params = None
-        if from_slice > 0:
-            assert start is not None
-            params = MLPParams.from_state(start)
-        out: list[State] = []
-        for r in range(from_slice, self._R):
-            sel = rows[slices <= r]
-            params = train_single(
-                data["X"][sel], data["y"][sel], data["ids"][sel].tolist(),
-                init=params, first_epoch=r * STAGE_EPOCH_STRIDE,
-                **self._loo_args(s, len(sel), tombstones, tomb_slices, r))
-            out.append(mlp_state(params.weights, params.biases))
-        return out
-
-    def shard_training_args(self, s: int, n_records: int | None = None,
-                            stage: int | None = None) -> dict[str, Any]:
-        """Keyword arguments of :func:`jobs.learners.loo.train_loo` / ``train_single`` /
-        ``train_slots`` that reproduce stage ``stage`` (default: the last) of shard ``s``
-        (schedule ``"loo"`` only), for ``n_records`` live records in the stage (default:
-        the shard's current count in slices ``0..stage``; ``n_records`` only sets
-        ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor).
-
-        One slice: ``train_loo(*self.shard_records(s), **self.shard_training_args(s))``
-        gives the served shard network as its ``N`` bit for bit (same device type, torch
-        build, CPU capability and thread count); with ``n_records = n_s - 1`` its
-        ``N_{-x}`` are the shard models after ``delete([x])``. Sliced: stage ``r`` runs on
-        the records of slices ``0..r`` (:meth:`shard_slices`), from the checkpoint of
-        stage ``r - 1``, with ``first_epoch`` set here.
-        """
-        self._check_fitted()
-        if self.config_.get("schedule") != "loo":
-            raise ValueError("only schedule='loo' shards are LOO-schedule networks "
-                             f"(this ensemble trains with {self.config_.get('schedule')!r})")
-        if not 0 <= int(s) < self._S:
-            raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
-        r = self._R - 1 if stage is None else int(stage)
-        if not 0 <= r < self._R:
-            raise ValueError(f"stage {stage} out of range 0..{self._R - 1}")
-        n = (int((self.shard_slices(int(s)) <= r).sum()) if n_records is None
-             else int(n_records))
-        args = self._loo_args(int(s), n, self.tombstones_, self.tombstone_slices_, r)
-        if self._R > 1:
-            args["first_epoch"] = r * STAGE_EPOCH_STRIDE
-        return args
-
-    def shard_slices(self, s: int) -> np.ndarray:
-        """The slice of each of shard ``s``'s live records, in :meth:`shard_records` order."""
-        self._check_fitted()
-        return self.slice_of_[self.member_[:, int(s)]].copy()
-
-    def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
-        self._check_fitted()
-        rows = np.flatnonzero(self.member_[:, int(s)])
-        return self.record_ids_[rows].tolist(), self.X_[rows].copy(), self.y_[rows].copy()
-
-    def shard_state(self, s: int) -> State:
-        """A CPU copy of shard ``s``'s served weights (state dict)."""
-        self._check_fitted()
-        return state_to_cpu(self._nets[int(s)])
-
-    def _serving_net(self, state: State) -> torch.nn.Module:
-        net = self._new_net()
-        net.load_state_dict(state)
-        net.to(self.device_)
-        net.eval()
-        for p in net.parameters():
-            p.requires_grad_(False)
-        return net
 
     def _data(self) -> dict[str, np.ndarray]:
         return {
@@ -893,98 +707,6 @@ class SISAEnsemble(Learner, BaseEstimator):
         p /= p.sum(axis=2, keepdims=True)
         return p.mean(axis=0)
 
-    # ------------------------------------------------------------------ hashes
-
-    def _header(self) -> bytes:
-        head = {
-            "format": FORMAT,
-            "classes": [str(c) for c in self.classes_.tolist()],
-            "n_features": self.n_features_in_,
-            "model": self.config_["model"],
-            "hidden": self.config_["hidden"],
-            "aggregation": self.config_["aggregation"],
-            "n_shards": self._S,
-        }
-        if self.config_.get("sampling", "partition") != "partition":
-            head.update(sampling=self.config_["sampling"], shard_prob=self.config_["shard_prob"])
-        return json.dumps(head, sort_keys=True).encode()
-
-    def _hash_of(self, finals: list[State], active: np.ndarray) -> str:
-        h = hashlib.sha256(self._header())
-        for s, st in enumerate(finals):
-            h.update(f"|shard {s} active={bool(active[s])}|".encode())
-            h.update(hash_state(st).encode())
-        return h.hexdigest()
-
-    def content_hash(self) -> str:
-        """SHA-256 over the served shard weights (bit for bit), active mask, classes, config."""
-        self._check_fitted()
-        return self._hash_of([state_to_cpu(n) for n in self._nets], self.active_shards_)
-
-    def shard_hash(self, s: int) -> str:
-        """Hash of shard ``s``'s served weights."""
-        self._check_fitted()
-        return hash_state(state_to_cpu(self._nets[s]))
-
-    def checkpoint_hash(self, s: int, r: int) -> str:
-        """Hash of shard ``s``'s checkpoint after stage ``r``."""
-        self._check_fitted()
-        return hash_state(self.checkpoints_[s][r])
-
-    # ------------------------------------------------------------------ verification
-
-    def _assignment_errors(self) -> int:
-        """Live records whose stored shard/slice differ from the keyed rule (should be 0)."""
-        member = self._keyed_members(self.record_ids_)
-        sl = self._slices_for(self.record_ids_, self.added_)
-        return int((member != self.member_).any(axis=1).sum() + (sl != self.slice_of_).sum())
-
-    def _verify_shards(self, shards: list[int]) -> tuple[list[State], dict[str, Any]]:
-        data = self._data()
-        fresh_finals: list[State] = []
-        mismatched: list[list[int]] = []
-        served_mismatch: list[int] = []
-        for s in shards:
-            fresh = self._train_shard(s, data, self.tombstones_, self.tombstone_slices_, 0,
-                                      None)
-            fresh_finals.append(fresh[-1])
-            for r in range(self._R):
-                if not states_equal(fresh[r], self.checkpoints_[s][r]):
-                    mismatched.append([s, r])
-            if not states_equal(state_to_cpu(self._nets[s]), self.checkpoints_[s][-1]):
-                served_mismatch.append(s)
-        detail = {
-            "definition": "every shard re-initialised from the seed and all slices retrained "
-            "on the live records with their recorded origin-based slices (and the "
-            "deleted records' schedule keys as masked tombstones, schedule 'loo')",
-            "n_tombstones": sum(len(keys) for keys in self.tombstones_.values()),
-            "shards_checked": list(shards),
-            "checkpoints_checked": len(shards) * self._R,
-            "mismatched_checkpoints": mismatched,
-            "served_differs_from_checkpoint": served_mismatch,
-            "assignment_errors": self._assignment_errors(),
-            "n_records": len(self.record_ids_),
-            "platform": self._platform(),
-        }
-        return fresh_finals, detail
-
-    def verify(self) -> VerifyReport:
-        """Retrain every shard from scratch on the live records and compare bit for bit."""
-        self._check_fitted()
-        t0 = time.perf_counter()
-        finals, detail = self._verify_shards(list(range(self._S)))
-        return _verify_report(self.content_hash(), self._hash_of(finals, self.active_shards_),
-                              detail, t0)
-
-    def verify_shard(self, s: int) -> VerifyReport:
-        """Retrain only shard ``s`` from scratch and compare its checkpoints and weights."""
-        self._check_fitted()
-        if not 0 <= int(s) < self._S:
-            raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
-        t0 = time.perf_counter()
-        finals, detail = self._verify_shards([int(s)])
-        return _verify_report(self.shard_hash(int(s)), hash_state(finals[0]), detail, t0)
-
     def _live_rows(self, ids: Any) -> np.ndarray:
         self._check_fitted()
         rids = as_ids(ids)
@@ -1006,97 +728,8 @@ class SISAEnsemble(Learner, BaseEstimator):
         """(n, S) booleans: the shards each live record belongs to."""
         return self.member_[self._live_rows(ids)].copy()
 
-    # ------------------------------------------------------------------ persistence
 
-    def save(self, path: str | Path) -> None:
-        """Write ``path/meta.json`` (JSON) and ``path/state.pt`` (tensors only)."""
-        self._check_fitted()
-        p = Path(path)
-        params = self.get_params(deep=False)
-        if params["hidden"] is not None:
-            params["hidden"] = list(params["hidden"])
-        if params["classes"] is not None:
-            params["classes"] = np.asarray(list(params["classes"])).tolist()
-        meta = {
-            "format": FORMAT,
-            "params": params,
-            "config": self.config_,
-            "seed": str(self.seed_),
-            "classes": self.classes_.tolist(),
-            "classes_dtype": self.classes_.dtype.str,
-            "n_features": self.n_features_in_,
-            "record_ids": self.record_ids_.tolist(),
-            "tombstone_keys": {str(s): keys.tolist()
-                               for s, keys in sorted(self.tombstones_.items())},
-            "tombstone_slices": {str(s): sl.tolist()
-                                 for s, sl in sorted(self.tombstone_slices_.items())},
-            "platform": self.platform_,
-            "content_hash": self.content_hash(),
-        }
-        state = {
-            "X": torch.from_numpy(self.X_),
-            "y": torch.from_numpy(self.y_),
-            "added": torch.from_numpy(self.added_),
-            "checkpoints": self.checkpoints_,
-        }
-        write_bundle(p, meta, _STATE, lambda fh: torch.save(state, fh))
 
-    @classmethod
-    def load(cls, path: str | Path) -> SISAEnsemble:
-        """Read a bundle written by :meth:`save`; checks the content hash."""
-        p = Path(path)
-        meta = read_bundle_meta(p, FORMAT, "SISA")
-        state = torch.load(read_bundle_payload(p, _STATE), map_location="cpu", weights_only=True)
-        params = dict(meta["params"])
-        if params["hidden"] is not None:
-            params["hidden"] = tuple(params["hidden"])
-        config = dict(meta["config"])
-        if "schedule" not in config:  # bundles written before schedules existed: Adam
-            config.update(schedule="adam", weight_decay=0.0)
-            params.update(schedule="adam", weight_decay=0.0)
-        config.setdefault("min_steps", 0)  # bundles written before the step floor
-        config.setdefault("kernel", "torch")  # ... and before the compiled training loops
-        params.setdefault("min_steps", 0)
-        if params["classes"] is not None:
-            params["classes"] = tuple(params["classes"])
-        self = cls(**params)
-        self.config_ = config
-        self.seed_ = int(meta["seed"])
-        self.classes_ = np.asarray(meta["classes"], dtype=np.dtype(meta["classes_dtype"]))
-        self.n_features_in_ = int(meta["n_features"])
-        self.device_ = resolve_device(self.device)
-        self.platform_ = meta["platform"]
-        now = self._platform()
-        if now != self.platform_:
-            warnings.warn(
-                f"SISA bundle trained on {self.platform_}, loaded on {now}: further updates "
-                "would mix platforms and verify() may report a bit-level mismatch",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        ids = as_ids(meta["record_ids"])
-        added = state["added"].numpy().astype(bool)
-        data = self._make_data(ids, state["X"].numpy(), state["y"].numpy(), added)
-        ckpts = [
-            [{k: v.contiguous() for k, v in st.items()} for st in shard]
-            for shard in state["checkpoints"]
-        ]
-        if len(ckpts) != self._S or any(len(c) != self._R for c in ckpts):
-            raise ValueError(f"{p}: checkpoint layout does not match n_shards x n_slices")
-        if "tombstones" in meta:  # older bundles kept deleted ids: keep only their keys
-            tombstones, tomb_slices = self._tombstone_keys(as_ids(meta["tombstones"]))
-        else:
-            tombstones = {int(s): np.asarray(keys, dtype=np.uint64)
-                          for s, keys in meta.get("tombstone_keys", {}).items()}
-            # bundles from before sliced "loo" shards: one slice, every tombstone in slice 0
-            saved = meta.get("tombstone_slices", {})
-            tomb_slices = {s: np.asarray(saved.get(str(s), np.zeros(len(keys))),
-                                         dtype=np.int64)
-                           for s, keys in tombstones.items()}
-        self._commit(data, tombstones, tomb_slices, ckpts)
-        if self.content_hash() != meta["content_hash"]:
-            raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
-        return self
 
 
 def _earliest_slices(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
@@ -1106,12 +739,3 @@ def _earliest_slices(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
         for s in np.flatnonzero(row).tolist():
             out[s] = min(r, out.get(s, r))
     return out
-
-
-def _verify_report(served: str, retrained: str, detail: dict[str, Any],
-                   t0: float) -> VerifyReport:
-    """Exact only if the hashes agree AND every checkpoint and slice assignment did."""
-    exact = (served == retrained and not detail["mismatched_checkpoints"]
-             and not detail["served_differs_from_checkpoint"]
-             and detail["assignment_errors"] == 0)
-    return VerifyReport(exact, served, retrained, time.perf_counter() - t0, detail)
