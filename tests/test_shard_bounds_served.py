@@ -139,15 +139,18 @@ def test_shards_whose_loo_set_is_too_large_stay_fragile(seeded90: Ledger, monkey
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
     model = ShardVoteModel.train("sisa", ids, X, y, params=SISA, fit_guard=False)
     works = [shard_loo_work(model.learner, s) for s in range(3)]
-    big = int(np.argmax(works))  # only the largest shard is over the cap
-    cap = (max(works) + sorted(works)[-2]) / 2 * served.LOO_SECONDS_PER_UNIT
-    monkeypatch.setattr(served, "LOO_MAX_SECONDS", cap)
-    model.refresh_guard(bound_s=1.0)
-    model.refresh_guard(bound_s=1.0)
+    big = {s for s, w in enumerate(works) if w == max(works)}  # over the cap, just
+    monkeypatch.setattr(served, "LOO_MAX_SECONDS",
+                        max(works) * (1 - 1e-9) * served.LOO_SECONDS_PER_UNIT)
+    for _ in range(3):  # about a second's worth of shards per call, at least one
+        model.refresh_guard(bound_s=1.0)
     rec = model.guard_record()
     rows = rec["bound"]["shards"]
-    assert "LOO set too large" in rows[big]["skipped"] and not rows[big]["current"]
-    assert all(r["current"] for r in rows if r["shard"] != big)
+    for r in rows:
+        if r["shard"] in big:
+            assert "LOO set too large" in r["skipped"] and not r["current"]
+        else:
+            assert r["current"] and "skipped" not in r
     assert model.guard_complete and rec["bound"]["complete"] and not _guard_coarse(rec)
     _assert_sound(model, _queries(model, X))
 

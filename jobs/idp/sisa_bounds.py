@@ -261,15 +261,13 @@ def _sliced_loo_set(ensemble: SISAEnsemble, s: int, ids: list[str], X: np.ndarra
     for r in range(R):
         sel = np.flatnonzero(slices <= r)
         kw = ensemble.shard_training_args(s, len(sel), stage=r)
-        kw_loo = ensemble.shard_training_args(s, len(sel) - 1, stage=r)
-        if len(sel) == 0:
-            base = train_single(X[sel], y[sel], rid[sel].tolist(), init=base, **kw)
-            continue
-        Ws, bs = train_slots(X[sel], y[sel], rid[sel].tolist(), rid[sel].tolist(),
-                             init=[own[j] if slices[j] < r else base for j in sel],
-                             chunk_size=chunk_size, **kw_loo)
-        for i, j in enumerate(sel):
-            own[j] = MLPParams([W[i] for W in Ws], [b[i] for b in bs])
+        if len(sel):
+            Ws, bs = train_slots(X[sel], y[sel], rid[sel].tolist(), rid[sel].tolist(),
+                                 init=[own[j] if slices[j] < r else base for j in sel],
+                                 chunk_size=chunk_size,
+                                 **ensemble.shard_training_args(s, len(sel) - 1, stage=r))
+            for i, j in enumerate(sel):
+                own[j] = MLPParams([W[i] for W in Ws], [b[i] for b in bs])
         base = train_single(X[sel], y[sel], rid[sel].tolist(), init=base, **kw)
     assert base is not None
     nets = [base, *own]

@@ -211,6 +211,16 @@ def ids_to_add(ids: Any, live: Container[str]) -> np.ndarray:
     return rids
 
 
+def records_to_add(ids: Any, X: Any, y: Any, live: Container[str], n_features: int,
+                   classes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What an add of the network learners may take: new unique ids, finite float32
+    features of the model's width, labels as indices of its classes (else an error, and
+    nothing changed)."""
+    rids = ids_to_add(ids, live)
+    Xa = check_features(X, len(rids), n_features, dtype=np.float32)
+    return rids, Xa, encode_labels(y, classes, len(rids))
+
+
 META_FILE = "meta.json"
 
 

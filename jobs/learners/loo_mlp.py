@@ -51,10 +51,10 @@ from jobs.learners.base import (
     VerifyReport,
     check_features,
     encode_labels,
-    ids_to_add,
     ids_to_delete,
     read_bundle_meta,
     read_bundle_payload,
+    records_to_add,
     unique_ids,
     write_bundle,
 )
@@ -194,9 +194,8 @@ class LeaveOneOutMLP(Learner, BaseEstimator):
         tombstone is lifted). The LOO set is dropped until it is trained again."""
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = ids_to_add(ids, self._row)
-        Xa = check_features(X, len(rids), self.n_features_in_, dtype=np.float32)
-        yi = encode_labels(y, self.classes_, len(rids))
+        rids, Xa, yi = records_to_add(ids, X, y, self._row, self.n_features_in_,
+                                      self.classes_)
         if len(rids) == 0:
             return self._report("add", rids, t0, False)
         self.tombstones_ = np.setdiff1d(self.tombstones_,

@@ -162,8 +162,8 @@ from jobs.learners.base import (
     as_ids,
     check_features,
     encode_labels,
-    ids_to_add,
     ids_to_delete,
+    records_to_add,
     unique_ids,
 )
 from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
@@ -604,9 +604,8 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         """
         self._check_fitted()
         t0 = time.perf_counter()
-        rids = ids_to_add(ids, self._row)
-        Xa = check_features(X, len(rids), self.n_features_in_, dtype=np.float32)
-        yi = encode_labels(y, self.classes_, len(rids))
+        rids, Xa, yi = records_to_add(ids, X, y, self._row, self.n_features_in_,
+                                      self.classes_)
         if len(rids) == 0:
             return self._report("add", rids, t0, {}, self._data(), 0.0)
         old = self._data()
@@ -618,16 +617,15 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         )
         new_rows = np.isin(data["ids"], rids)
         from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
-        back, _ = self._tombstone_keys(rids)  # a re-added id's tombstones are lifted
+        # a re-added id's tombstones are lifted, and its shard retrains from the earliest
+        # slice it leaves or joins
+        back, _ = self._tombstone_keys(rids)
         tombstones, tomb_slices = {}, {}
         for s, keys in self.tombstones_.items():
-            stay = ~np.isin(keys, back.get(s, _NO_KEYS))
-            if stay.any():
-                tombstones[s] = keys[stay]
-                tomb_slices[s] = self.tombstone_slices_[s][stay]
-        # a re-added record retrains its shard from the earliest slice it leaves or joins
-        for s, keys in self.tombstones_.items():
             gone = np.isin(keys, back.get(s, _NO_KEYS))
+            if not gone.all():
+                tombstones[s] = keys[~gone]
+                tomb_slices[s] = self.tombstone_slices_[s][~gone]
             if gone.any():
                 r0 = int(self.tombstone_slices_[s][gone].min())
                 from_slice[s] = min(from_slice.get(s, r0), r0)
