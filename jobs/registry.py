@@ -188,8 +188,8 @@ class Registry:
 
     def keyed_versions(self) -> set[str]:
         """Versions of this model name whose sealing key is in the key store."""
-        prefix = self.key_name("")
-        return {n.removeprefix(prefix) for n in self.keys.names("versions", self.name)}
+        names = self.keys.names("versions", self.name)  # none before the ledger's first event
+        return {n.rsplit("/", 1)[-1] for n in names}
 
     def path(self, version: str) -> Path:
         """Where a version's files are: the shared model store, else the running Bento's."""

@@ -94,14 +94,14 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             assert len(applied) == 1 and _seq(applied[0]["model_version"]) <= _seq(served)
 
         ledger = Settings(database_url=sc.database_url, hmac_key_file=str(sc.hmac_key_file),
-                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
-                          ).open_ledger()
+                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+                          key_store_dir=sc.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
         try:
             # that version, from the registry (the sidecar's model store): without the
             # deleted records, with the added one, and exactly what retraining gives
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(VersionStore, "home", property(lambda _: sc.bentoml_home))
-                model = Registry(ledger.engine, "obliviate").load(served)
+                model = Registry(ledger.engine, "obliviate", ledger.keys).load(served)
             held = set(model.learner.record_ids_.tolist())
             assert held.isdisjoint(DELETED) and ADDED in held
             assert held == set(ledger.live_records().record_ids.tolist())
