@@ -182,9 +182,10 @@ class Registry:
     def has_key(self, version: str) -> bool:
         return self.keys.get(self.key_name(version)) is not None
 
-    def key_name(self, version: str) -> str:
-        """Where `version`'s sealing key is kept in the ledger's key store."""
-        return self.keys.name("versions", self.name, version)
+    def key_name(self, version: str, conn: Connection | None = None) -> str:
+        """Where `version`'s sealing key is kept in the ledger's key store (`conn`: the
+        connection the caller holds, if any)."""
+        return self.keys.name("versions", self.name, version, conn=conn)
 
     def keyed_versions(self) -> set[str]:
         """Versions of this model name whose sealing key is in the key store."""
@@ -260,9 +261,9 @@ class Registry:
         self.remove_files(version)
         self.destroy_key(version)
 
-    def destroy_key(self, version: str) -> bool:
+    def destroy_key(self, version: str, conn: Connection | None = None) -> bool:
         """Destroy `version`'s sealing key: every copy of its files becomes unreadable."""
-        return self.keys.delete(self.key_name(version))
+        return self.keys.delete(self.key_name(version, conn))
 
     def remove_files(self, version: str) -> bool:
         """Delete a version's directory from the model store; False if it had none."""

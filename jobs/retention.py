@@ -89,7 +89,7 @@ def _mark_destroyed(registry: Registry, version: str) -> Callable[[Connection], 
             VERSIONS.c.destroyed_at.is_(None)).values(destroyed_at=utc_now()))
         if done.rowcount != 1:
             raise _AlreadyDestroyed(version)
-        registry.destroy_key(version)
+        registry.destroy_key(version, conn)
     return mark
 
 

@@ -138,19 +138,22 @@ class LedgerKeys:
         self.store: KeyStore = store if store is not None else default_key_store()
         self._scope: str | None = None
 
-    def scope(self, conn: Connection | None = None) -> str:
-        """The ledger's identity; KeyStoreError before its first event."""
+    def scope(self, conn: Connection | None = None) -> str | None:
+        """The ledger's identity (None before its first event). Pass the connection the
+        caller holds: on SQLite a second one would wait for the first one's lock."""
         if self._scope is None:
-            self._scope = ledger_scope(conn) if conn is not None else None
-            if self._scope is None:
+            if conn is not None:
+                self._scope = ledger_scope(conn)
+            else:
                 with self.engine.connect() as c:
                     self._scope = ledger_scope(c)
-            if self._scope is None:
-                raise KeyStoreError("the ledger has no event yet: nothing to keep keys for")
         return self._scope
 
     def name(self, kind: str, *parts: str, conn: Connection | None = None) -> str:
-        return "/".join((self.scope(conn), kind, *parts))
+        scope = self.scope(conn)
+        if scope is None:
+            raise KeyStoreError("the ledger has no event yet: nothing to keep keys for")
+        return "/".join((scope, kind, *parts))
 
     def put(self, name: str, key: bytes) -> None:
         self.store.put(name, key)
@@ -163,11 +166,8 @@ class LedgerKeys:
 
     def names(self, kind: str, *parts: str) -> list[str]:
         """The names of this ledger's keys of `kind` (none before its first event)."""
-        try:
-            prefix = self.name(kind, *parts)
-        except KeyStoreError:
-            return []
-        return self.store.names(prefix)
+        scope = self.scope()
+        return [] if scope is None else self.store.names("/".join((scope, kind, *parts)))
 
 
 def ledger_scope(conn: Connection) -> str | None:

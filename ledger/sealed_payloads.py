@@ -29,7 +29,7 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Engine, select
 
 from ledger.keystore import KEY_BYTES, LedgerKeys
 from ledger.tables import LOOKUP_CHUNK, RECORDS, SEALED
@@ -93,13 +93,14 @@ class PayloadSealer:
         """Destroy the keys of these records (those that have one); how many went."""
         return sum(self.keys.delete(self.key_name(r)) for r in record_ids)
 
-    def sweep(self, conn: Connection) -> int:
+    def sweep(self, engine: Engine) -> int:
         """Destroy the keys of purged added records that a crash between the purge and
         the key's destruction kept; how many there were."""
         if not self.keys.names(_KIND):
             return 0
-        purged = conn.execute(select(RECORDS.c.record_id).where(
-            RECORDS.c.state == "purged", RECORDS.c.added_by.is_not(None))).scalars()
+        with engine.connect() as conn:
+            purged = conn.execute(select(RECORDS.c.record_id).where(
+                RECORDS.c.state == "purged", RECORDS.c.added_by.is_not(None))).scalars().all()
         return self.destroy(purged)
 
 

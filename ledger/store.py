@@ -587,8 +587,7 @@ class Ledger:
             outcome, tables = self._sqlite_maintenance(state)
         if outcome != "busy":
             self._record_maintenance(state, outcome)
-            with self.engine.connect() as conn:
-                swept = self.sealer.sweep(conn)
+            swept = self.sealer.sweep(self.engine)
             if swept:
                 log.warning("destroyed %d payload key(s) of purged records that a crash had "
                             "left in the key store", swept)
@@ -851,6 +850,7 @@ class Ledger:
         notes: list[str] = []
         facts = LogFacts()
         with self.engine.connect() as conn:
+            self.keys.scope(conn)  # read here: on SQLite a second connection would wait
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
             heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
             covered = self._check_heads(heads, checkpoints, problems, notes)

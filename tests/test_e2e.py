@@ -115,11 +115,13 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
                     select(RECORDS).where(RECORDS.c.record_id.in_([*DELETED, ADDED])))}
                 left = conn.execute(select(func.count()).select_from(PAYLOADS).where(
                     PAYLOADS.c.record_id.in_(DELETED))).scalar()
-                added_label = conn.execute(select(PAYLOADS.c.label).where(
+                in_clear = conn.execute(select(func.count()).select_from(PAYLOADS).where(
                     PAYLOADS.c.record_id == ADDED)).scalar()
             assert {rows[r].state for r in DELETED} == {"purged"}
             assert left == 0
-            assert rows[ADDED].state == "live" and added_label == 1
+            # the addition is kept sealed under its own key (ledger.sealed_payloads)
+            assert rows[ADDED].state == "live" and in_clear == 0
+            assert ledger.record_data([ADDED])[1].tolist() == [1]
         finally:
             ledger.close()
 
