@@ -79,7 +79,8 @@ def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     # worker touches a table; said on stderr when they changed something
     ledger = open_ledger(args, s)
     config["budget"] = budget_policy(s)  # private mode: every version gets a seed lineage
-    return Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig(**config))
+    registry = Registry(ledger.engine, s.model_name, ledger.keys)
+    return Worker(ledger, registry, WorkerConfig(**config))
 
 
 def parse_params(text: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ published (`applied`, `verified`, `model_trained`, `guard_refreshed`,
 `seeds_rotated` and `rolled_back` carry the version they published, in the
 transaction that moved the pointer) and which were destroyed (`destroyed`, with
 the SHA-256 of the manifest). The registry's tables (`model_pointer`,
-`model_versions`, `version_keys`) are working state that anyone with write
+`model_versions`; the sealing keys in the key store) are working state that anyone with write
 access to the database can edit; :func:`verify_registry` finds where they
 disagree with the log:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from jobs.registry import KEYS, MANIFEST_FILE, POINTER, VERSIONS, Registry
+from jobs.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry
 from jobs.retention import manifest_sha256
 from ledger.config import Settings
 from ledger.log_check import Problem
@@ -72,8 +72,6 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
         rows = {r.version: r for r in conn.execute(
             select(VERSIONS).where(VERSIONS.c.name == registry.name))}
         known = set(conn.execute(select(VERSIONS.c.version)).scalars())  # of every name
-        keyed = set(conn.execute(select(KEYS.c.version).where(KEYS.c.name == registry.name))
-                    .scalars())
         ptr = conn.execute(select(POINTER).where(POINTER.c.name == registry.name)).first()
 
     for version, evs in sorted(announced.items(), key=lambda kv: kv[1][0][0]):
@@ -114,6 +112,7 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
                 problems.append(Problem(where, f"names {ptr.version}, which holds records "
                                         f"{row.superseded_by_deletion} removed on request"))
 
+    keyed = registry.keyed_versions()
     for version, row in sorted(rows.items(), key=lambda kv: kv[1].seq):
         problems.extend(_check_version(registry, version, row, announced.get(version, []),
                                        destroyed.get(version), version in keyed))
@@ -172,8 +171,8 @@ def _check_version(registry: Registry, version: str, row: Any,
             out.append(Problem(where, f"event {seq} destroyed it, but the row says it was not "
                                       "(destroyed_at cleared: it could be served again)"))
         if keyed:
-            out.append(Problem(where, f"event {seq} destroyed it, but version_keys holds a "
-                                      "key for it again"))
+            out.append(Problem(where, f"event {seq} destroyed it, but the key store holds "
+                                      "a key for it again"))
     elif row.destroyed_at is not None:
         out.append(Problem(where, "is marked destroyed, but no `destroyed` event says so"))
     stored = _stored_manifest(registry, version)
@@ -193,4 +192,4 @@ def _stored_manifest(registry: Registry, version: str) -> dict[str, Any] | None:
 
 def registry_check(ledger: Ledger, settings: Settings) -> list[Problem]:
     """`ledger verify`'s check of the configured model name's registry."""
-    return verify_registry(ledger, Registry(ledger.engine, settings.model_name))
+    return verify_registry(ledger, Registry(ledger.engine, settings.model_name, ledger.keys))

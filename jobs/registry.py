@@ -24,7 +24,6 @@ from sqlalchemy import (
     Connection,
     DateTime,
     Engine,
-    delete,
     func,
     insert,
     select,
@@ -37,6 +36,7 @@ from jobs.model_store import VersionStore
 from ledger import migrations
 from ledger.chain import iso, utc_now
 from ledger.db import upsert
+from ledger.keystore import LedgerKeys
 
 if TYPE_CHECKING:  # the learners (torch, numba) load only with a model
     from jobs.served_model import ServedModel
@@ -83,16 +83,6 @@ class VersionCounter(SQLModel, table=True):
     last_seq: int = Field(sa_type=BigInteger)
 
 
-class VersionKey(SQLModel, table=True):
-    """The key a version's files are sealed under (:mod:`jobs.sealing`); deleted with it."""
-
-    __tablename__ = "version_keys"
-
-    name: str = Field(max_length=64, primary_key=True)
-    version: str = Field(max_length=64, primary_key=True)
-    key: str = Field(max_length=64)  # hex
-
-
 class ModelPointer(SQLModel, table=True):
     """The current version of a model name."""
 
@@ -107,7 +97,6 @@ class ModelPointer(SQLModel, table=True):
 MANIFEST_FILE = "manifest.json"
 VERSIONS = ModelVersion.__table__
 POINTER = ModelPointer.__table__
-KEYS = VersionKey.__table__
 COUNTERS = VersionCounter.__table__
 
 
@@ -126,10 +115,14 @@ def version_tag(seq: int) -> str:
 class Registry:
     """Stores, publishes and loads model versions of one model name."""
 
-    def __init__(self, engine: Engine, name: str = "obliviate") -> None:
+    def __init__(self, engine: Engine, name: str = "obliviate",
+                 keys: LedgerKeys | None = None) -> None:
+        """`keys`: the ledger's key store (`Ledger.keys`; default: the store of
+        OBLIVIATE_KEY_STORE_DIR), where each version's sealing key is kept."""
         self.engine = engine
         self.name = name
         self.store = VersionStore(name)
+        self.keys = keys if keys is not None else LedgerKeys(engine)
         migrations.ensure(engine)  # its tables are in the ledger's migrations
 
     # ------------------------------------------------------------------ reading
@@ -180,13 +173,24 @@ class Registry:
 
     def key(self, version: str) -> bytes:
         """The key `version`'s files are sealed under; VersionUnavailable once destroyed."""
-        with self.engine.connect() as conn:
-            key = conn.execute(select(KEYS.c.key).where(KEYS.c.name == self.name,
-                                                        KEYS.c.version == version)).scalar()
+        key = self.keys.get(self.key_name(version))
         if key is None:
-            raise VersionUnavailable(f"{self.name}:{version} has no key: it was destroyed, "
-                                     "or never saved")
-        return bytes.fromhex(key)
+            raise VersionUnavailable(f"{self.name}:{version} has no key in the key store "
+                                     f"{self.keys.store!r}: it was destroyed, or never saved")
+        return key
+
+    def has_key(self, version: str) -> bool:
+        return self.keys.get(self.key_name(version)) is not None
+
+    def key_name(self, version: str, conn: Connection | None = None) -> str:
+        """Where `version`'s sealing key is kept in the ledger's key store (`conn`: the
+        connection the caller holds, if any)."""
+        return self.keys.name("versions", self.name, version, conn=conn)
+
+    def keyed_versions(self) -> set[str]:
+        """Versions of this model name whose sealing key is in the key store."""
+        names = self.keys.names("versions", self.name)  # none before the ledger's first event
+        return {n.rsplit("/", 1)[-1] for n in names}
 
     def path(self, version: str) -> Path:
         """Where a version's files are: the shared model store, else the running Bento's."""
@@ -212,8 +216,7 @@ class Registry:
         """
         version = version_tag(seq)
         key = sealing.new_key()
-        with self.engine.begin() as conn:  # the key first: no sealed file without its key
-            conn.execute(insert(KEYS), {"name": self.name, "version": version, "key": key.hex()})
+        self.keys.put(self.key_name(version), key)  # the key first: no file without its key
 
         def fill(path: Path) -> None:
             with sealing.sealed_with(key):
@@ -256,8 +259,11 @@ class Registry:
     def discard_unpublished(self, version: str) -> None:
         """Remove a saved version that lost its publication race, and its key."""
         self.remove_files(version)
-        with self.engine.begin() as conn:
-            conn.execute(delete(KEYS).where(KEYS.c.name == self.name, KEYS.c.version == version))
+        self.destroy_key(version)
+
+    def destroy_key(self, version: str, conn: Connection | None = None) -> bool:
+        """Destroy `version`'s sealing key: every copy of its files becomes unreadable."""
+        return self.keys.delete(self.key_name(version, conn))
 
     def remove_files(self, version: str) -> bool:
         """Delete a version's directory from the model store; False if it had none."""

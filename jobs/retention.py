@@ -9,12 +9,12 @@ for every serving process to swap away; they check every
 ``OBLIVIATE_REGISTRY_POLL_S``) each one is destroyed:
 
 1. in one ledger transaction: ``destroyed_at`` is set (a compare-and-set, so of
-   several workers exactly one destroys a version), its sealing key is deleted,
-   and a ``destroyed`` event names the version, the SHA-256 of its manifest, its
-   content hash and the version that superseded it;
-2. its directory is removed from the model store;
-3. the ledger's maintenance step runs, so the deleted key leaves the database's
-   pages as well (:meth:`ledger.store.Ledger.purge_maintenance`).
+   several workers exactly one destroys a version) and a ``destroyed`` event
+   names the version, the SHA-256 of its manifest, its content hash and the
+   version that superseded it; its sealing key is destroyed in the key store
+   (:mod:`ledger.keystore`, never in the database) before that transaction
+   commits;
+2. its directory is removed from the model store.
 
 Copies of the files outside the model store (backups, replicas, a Bento built
 earlier) are sealed under the destroyed key and stay unreadable
@@ -31,9 +31,9 @@ import logging
 from collections.abc import Callable
 from datetime import timedelta
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, select, update
 
-from jobs.registry import KEYS, POINTER, VERSIONS, Registry
+from jobs.registry import POINTER, VERSIONS, Registry
 from ledger.chain import canonical_json, iso, utc_now
 from ledger.store import Ledger
 
@@ -71,28 +71,25 @@ def destroy_due(registry: Registry, ledger: Ledger, grace_s: float) -> list[str]
                    "grace_s": grace_s}
         try:
             ledger.record_event("destroyed", payload, row.version,
-                                in_transaction=_mark_destroyed(ledger, registry.name,
-                                                               row.version))
+                                in_transaction=_mark_destroyed(registry, row.version))
         except _AlreadyDestroyed:
             continue
         registry.remove_files(row.version)
         destroyed.append(row.version)
         log.info("destroyed %s (superseded by %s)", row.version, row.superseded_by_deletion)
-    if destroyed:
-        ledger.purge_maintenance(force=True)
     return destroyed
 
 
-def _mark_destroyed(ledger: Ledger, name: str, version: str
-                    ) -> Callable[[Connection], None]:
+def _mark_destroyed(registry: Registry, version: str) -> Callable[[Connection], None]:
+    """Set `destroyed_at` and destroy the key, inside the transaction of the event: should
+    it not commit, the version stays unservable (superseded) and is destroyed again."""
     def mark(conn: Connection) -> None:
         done = conn.execute(update(VERSIONS).where(
-            VERSIONS.c.name == name, VERSIONS.c.version == version,
+            VERSIONS.c.name == registry.name, VERSIONS.c.version == version,
             VERSIONS.c.destroyed_at.is_(None)).values(destroyed_at=utc_now()))
         if done.rowcount != 1:
             raise _AlreadyDestroyed(version)
-        conn.execute(delete(KEYS).where(KEYS.c.name == name, KEYS.c.version == version))
-        ledger.note_purge(conn, [KEYS.name])  # the maintenance rewrites the keys' table too
+        registry.destroy_key(version, conn)
     return mark
 
 
@@ -105,12 +102,12 @@ def sweep(registry: Registry) -> list[str]:
         published = {r.version: r.destroyed_at is not None for r in conn.execute(
             select(VERSIONS.c.version, VERSIONS.c.destroyed_at)
             .where(VERSIONS.c.name == registry.name))}
-        keyed = set(conn.execute(select(KEYS.c.version).where(KEYS.c.name == registry.name))
-                    .scalars())
+    keyed = registry.keyed_versions()
     removed = []
     for version in sorted(set(registry.stored_versions()) | keyed):
         if version in published:
-            if published[version] and registry.remove_files(version):
+            if published[version] and (registry.remove_files(version)
+                                       | (version in keyed and registry.destroy_key(version))):
                 removed.append(version)
         elif _seq(version) <= current:
             registry.discard_unpublished(version)

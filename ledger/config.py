@@ -14,6 +14,8 @@ import secrets
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from ledger.keystore import DEFAULT_DIR as DEFAULT_KEY_STORE_DIR
+from ledger.keystore import DirectoryKeyStore
 from ledger.store import Ledger
 
 STATE_DIR = Path(".obliviate")
@@ -36,6 +38,10 @@ class Settings:
     # the Ed25519 key that signs tree heads (`ledger.heads`): kept out of the database
     ledger_signing_key_hex: str | None = None
     ledger_signing_key_file: str = str(STATE_DIR / "ledger-signing.key")
+    # the keys crypto-shredding rests on (versions' sealing keys, added records' payload
+    # keys) live here, never in the database (`ledger.keystore`): a volume every process
+    # of a deployment shares, backed up apart from the database or not at all
+    key_store_dir: str = DEFAULT_KEY_STORE_DIR
     head_interval_s: float = 60.0  # a head once events are this old (and every checkpoint_every)
     # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
     purge_maintenance_s: float | None = None
@@ -120,7 +126,8 @@ class Settings:
                 parents=True, exist_ok=True)
         return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every,
                       self.purge_maintenance_s, signing_key=self.ledger_signing_key(),
-                      head_interval_s=self.head_interval_s)
+                      head_interval_s=self.head_interval_s,
+                      key_store=DirectoryKeyStore(self.key_store_dir))
 
 
 # how an OBLIVIATE_<FIELD> value is read, by the field's annotation (default: the string)

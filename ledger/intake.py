@@ -23,7 +23,8 @@ from ledger.appender import ChainAppender
 from ledger.chain import canonical_json, record_fingerprint
 from ledger.db import among, insert_rows
 from ledger.models import DatasetSchema
-from ledger.tables import LOOKUP_CHUNK, OFFSETS, PAYLOADS, RECORDS, REQUESTS
+from ledger.sealed_payloads import PayloadSealer
+from ledger.tables import LOOKUP_CHUNK, OFFSETS, RECORDS, REQUESTS, SEALED
 from ledger.validation import InvalidRequest, RequestMessage, parse_request
 
 log = logging.getLogger("obliviate.ledger")
@@ -75,8 +76,11 @@ class BatchIntake:
 
     def __init__(self, hmac_key: bytes, conn: Connection,
                  parsed: Sequence[RequestMessage | InvalidRequest], now: datetime,
-                 now_s: str) -> None:
+                 now_s: str, *, sealer: PayloadSealer) -> None:
+        """An addition's data is sealed under a key of its own (`sealer`), put in the key
+        store before the batch's transaction commits."""
         self.key, self.now, self.now_s = hmac_key, now, now_s
+        self.conn, self.sealer = conn, sealer
         self.appender = ChainAppender(conn)
         self.request_rows: list[dict[str, Any]] = []
         self.record_rows: list[dict[str, Any]] = []
@@ -143,8 +147,8 @@ class BatchIntake:
                 self.record_rows.append({
                     "record_id": r.record_id, "subject_id": p.subject_id, "record_hash": fp,
                     "state": "pending", "added_by": p.request_id})
-                self.payload_rows.append({"record_id": r.record_id, "features": r.features,
-                                          "label": r.label})
+                self.payload_rows.append(self.sealer.seal(self.conn, r.record_id,
+                                                          r.features, r.label))
                 self.records[r.record_id] = (p.subject_id, "pending")
             payload["record_hashes"] = hashes
         seq = self.appender.append("received", p.request_id, payload, self.now_s)
@@ -198,7 +202,7 @@ class BatchIntake:
 
     def write(self, conn: Connection) -> None:
         insert_rows(conn, RECORDS, self.record_rows)
-        insert_rows(conn, PAYLOADS, self.payload_rows)
+        insert_rows(conn, SEALED, self.payload_rows)
         insert_rows(conn, REQUESTS, self.request_rows)
         self.appender.flush(conn)
         for rid, n in Counter(self.duplicates).items():

@@ -4,8 +4,9 @@
 the hash of its predecessor, and `checkpoints` hold Merkle roots over prefixes
 of it, `signed_heads` the same roots signed with a key kept outside the database.
 `requests` and `training_records` are working state whose every change
-is announced by an event. `record_payloads` holds the raw data of records not
-yet purged, and nothing else: a purge deletes its row.
+is announced by an event. `record_payloads` holds the raw data of loaded records
+not yet purged, `sealed_payloads` that of added ones (encrypted under keys kept
+outside the database), and nothing else: a purge deletes the row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Text
+from sqlalchemy import JSON, BigInteger, Column, DateTime, LargeBinary, Text
 from sqlmodel import Field, SQLModel
 
 from ledger.transform import InputTransform
@@ -100,6 +101,17 @@ class RecordPayload(SQLModel, table=True):
     label: int
 
 
+class SealedPayload(SQLModel, table=True):
+    """An added record's features and label, encrypted under the record's own key, which
+    lives in the key store, not here (:mod:`ledger.sealed_payloads`); a purge deletes
+    the row and destroys the key."""
+
+    __tablename__ = "sealed_payloads"
+
+    record_id: str = Field(max_length=128, primary_key=True)
+    sealed: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+
+
 class PurgeMaintenance(SQLModel, table=True):
     """One row: which purges have left the database files (`Ledger.purge_maintenance`).
 
@@ -120,7 +132,7 @@ class PurgeMaintenance(SQLModel, table=True):
     # a training_records table from before record_payloads must be rewritten once
     rewrite_records: bool = False
     # other tables of the database whose deleted rows must leave its files too
-    # (`Ledger.note_purge`: the registry's sealing keys, say)
+    # (written by ledgers from before the key store, whose version keys were a table here)
     pending_tables: list[str] | None = Field(default=None, sa_column=Column(JSON))
     last_run_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     last_erased_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))

@@ -56,6 +56,7 @@ from ledger.intake import (
     message_bytes,
     parse_message,
 )
+from ledger.keystore import KeyStore, LedgerKeys
 from ledger.log_check import LogFacts, Problem, VerifyResult
 from ledger.models import (
     REQUEST_STATUSES,
@@ -63,6 +64,7 @@ from ledger.models import (
     DatasetSchema,
     Request,
 )
+from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer, live_sealed, sealed_rows
 from ledger.tables import (
     CHECKPOINTS,
     EVENTS,
@@ -73,6 +75,7 @@ from ledger.tables import (
     PAYLOADS,
     RECORDS,
     REQUESTS,
+    SEALED,
 )
 from ledger.transform import InputTransform
 from ledger.validation import InvalidRequest, RequestMessage
@@ -105,23 +108,27 @@ class Ledger:
 
     def __init__(self, url: str, hmac_key: bytes, checkpoint_every: int = 1000,
                  purge_maintenance_s: float | None = None, signing_key: bytes | None = None,
-                 head_interval_s: float = 60.0, public_key: bytes | None = None) -> None:
+                 head_interval_s: float = 60.0, public_key: bytes | None = None,
+                 key_store: KeyStore | None = None) -> None:
         """`signing_key` (the Ed25519 seed, kept outside the database) signs the tree heads
         taken every `checkpoint_every` events and once events are `head_interval_s` old;
         without it the heads are plain checkpoints. `public_key` lets a ledger without
-        the signing key check the heads' signatures."""
+        the signing key check the heads' signatures. `key_store` keeps the keys of added
+        records' payloads and of model versions (default: OBLIVIATE_KEY_STORE_DIR's)."""
         if len(hmac_key) < 16:
             raise ValueError("the HMAC key must be at least 16 bytes")
         self.url = url
         self.engine = make_engine(url)
+        self.keys = LedgerKeys(self.engine, key_store)
         # the schema is Alembic's (ledger.migrations): to head, or one SELECT once there
-        self.schema_upgrade = migrations.upgrade(self.engine)
+        self.schema_upgrade = migrations.upgrade(self.engine, self.keys.store)
         self.checkpoint_every = checkpoint_every
         # minimum seconds between two purge maintenance runs (None: the backend's default)
         self.purge_maintenance_s = float(
             PURGE_MAINTENANCE_DEFAULT_S.get(self.engine.dialect.name, 0.0)
             if purge_maintenance_s is None else purge_maintenance_s)
         self._key = hmac_key
+        self.sealer = PayloadSealer(self.keys, hmac_key)
         self._schema: DatasetSchema | None = None
         if not head_interval_s > 0:
             raise ValueError(f"head_interval_s must be > 0 seconds, got {head_interval_s}")
@@ -230,7 +237,10 @@ class Ledger:
                                                PAYLOADS.c.record_id == RECORDS.c.record_id))
                 .where(RECORDS.c.state == "live")
                 .order_by(RECORDS.c.record_id)).all()
-        missing = [r.record_id for r in rows if r.features is None]
+            sealed = live_sealed(conn) if any(r.features is None for r in rows) else {}
+        data = [(r.features, r.label) if r.features is not None
+                else self._open_sealed(r.record_id, sealed) for r in rows]
+        missing = [r.record_id for r, d in zip(rows, data, strict=True) if d is None]
         if missing:
             raise ValueError(f"{len(missing)} live record(s) hold no data, e.g. {missing[0]!r} "
                              "(`obliviate ledger verify` names them all)")
@@ -238,26 +248,41 @@ class Ledger:
         return LiveRecords(
             record_ids=np.array([r.record_id for r in rows], dtype=object),
             subject_ids=np.array([r.subject_id for r in rows], dtype=object),
-            X=np.array([r.features for r in rows], dtype=np.float64).reshape(len(rows), n_features),
-            y=np.array([r.label for r in rows], dtype=np.int64),
+            X=np.array([d[0] for d in data], dtype=np.float64).reshape(len(rows), n_features),
+            y=np.array([d[1] for d in data], dtype=np.int64),
         )
 
     def record_data(self, record_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Features and labels of records, in the order given (an add's payload)."""
         ids = [str(r) for r in record_ids]
-        found: dict[str, Any] = {}
+        found: dict[str, tuple[list[float], int] | None] = {}
         with self.engine.connect() as conn:
             for i in range(0, len(ids), LOOKUP_CHUNK):
                 for r in conn.execute(select(PAYLOADS)
                                       .where(PAYLOADS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK]))):
-                    found[r.record_id] = r
-        missing = [r for r in ids if r not in found or found[r].features is None]
+                    found[r.record_id] = (r.features, r.label)
+            rest = [r for r in ids if r not in found]
+            sealed = sealed_rows(conn, rest) if rest else {}
+        for r in rest:
+            found[r] = self._open_sealed(r, sealed)
+        missing = [r for r in ids if found[r] is None]
         if missing:
             raise KeyError(f"{len(missing)} record(s) hold no data, e.g. {missing[0]!r}")
         n_features = self.schema().n_features
-        X = np.array([found[r].features for r in ids], dtype=np.float64).reshape(len(ids),
-                                                                               n_features)
-        return X, np.array([found[r].label for r in ids], dtype=np.int64)
+        X = np.array([found[r][0] for r in ids], dtype=np.float64).reshape(len(ids),
+                                                                          n_features)
+        return X, np.array([found[r][1] for r in ids], dtype=np.int64)
+
+    def _open_sealed(self, record_id: str, sealed: dict[str, bytes]
+                     ) -> tuple[list[float], int] | None:
+        """A sealed record's data; None when it has no sealed row or its key is gone."""
+        blob = sealed.get(record_id)
+        if blob is None:
+            return None
+        try:
+            return self.sealer.open(record_id, blob)
+        except PayloadKeyMissing:
+            return None
 
     def purged(self, record_ids: Sequence[str]) -> set[str]:
         """Those of `record_ids` whose data a deletion has purged."""
@@ -405,7 +430,7 @@ class Ledger:
             now = utc_now()  # read under the lock, so event times follow seq order
             now_s = iso(now)
             try:
-                intake = BatchIntake(self._key, conn, parsed, now, now_s)
+                intake = BatchIntake(self._key, conn, parsed, now, now_s, sealer=self.sealer)
                 results = [intake.handle(m, p) for m, p in zip(messages, parsed, strict=True)]
                 intake.write(conn)
             except Exception as exc:
@@ -469,15 +494,16 @@ class Ledger:
         Returns the number of records whose data was purged: when it is not 0, call
         `purge_maintenance()` (on SQLite this method has already run it).
         """
-        purged = 0
+        purged, sealed = 0, []
         with writing(self.engine) as conn:
             now = utc_now()
             reqs = self._requests_in_state(conn, request_ids, "claimed", "applied")
             appender = ChainAppender(conn)
             for r in reqs:
                 if r.op == "delete":
-                    fps, n = self._purge(conn, r.record_ids, r.request_id, now)
+                    fps, n, keyed = self._purge(conn, r.record_ids, r.request_id, now)
                     purged += n
+                    sealed += keyed
                     payload = {"purged_record_hashes": fps}
                 else:
                     conn.execute(update(RECORDS).where(RECORDS.c.record_id.in_(r.record_ids))
@@ -492,6 +518,9 @@ class Ledger:
                 in_transaction(conn)
             appender.flush(conn)
             self._maybe_checkpoint(conn, appender.seq)
+        # crypto-shredding: every copy of their sealed rows (WAL, backups) is unreadable now;
+        # a crash before this line leaves keys that the next maintenance sweeps
+        self.sealer.destroy(sealed)
         if purged and self.engine.dialect.name == "sqlite":
             # the checkpoint that takes the purged pages out of the WAL: never fails the purge
             try:
@@ -517,24 +546,13 @@ class Ledger:
         out["pending"] = row.purges - row.erased
         return out
 
-    def note_purge(self, conn: Connection, tables: Sequence[str] = ()) -> None:
-        """In the transaction that deleted secret rows from `tables` (of this database),
-        have the next `purge_maintenance` erase them from the files too.
-
-        For components that keep secrets next to the ledger, e.g. a `record_event`
-        `in_transaction` callback that deletes a sealing key. Record purges
-        (`mark_applied`) are noted without it. On SQLite the checkpoint covers every
-        table; on PostgreSQL each named table is rewritten by VACUUM FULL.
-        """
-        self._note_purge(conn, utc_now(), tables=tables)
-
     def purge_maintenance(self, force: bool = False) -> dict[str, Any]:
         """Make the bytes of purged records leave the database's files.
 
         SQLite: a TRUNCATE checkpoint (secure_delete has zeroed the purged rows in
         their pages; the checkpoint writes those pages into the database file and
         empties the WAL that still holds older copies). PostgreSQL: VACUUM FULL of
-        `record_payloads` (and of the tables `note_purge` named), which rewrites it,
+        `record_payloads` and `sealed_payloads`, which rewrites them,
         its TOAST table and its index into new files and truncates the old ones.
 
         Runs only when purges happened since the last successful run, and at most
@@ -569,6 +587,10 @@ class Ledger:
             outcome, tables = self._sqlite_maintenance(state)
         if outcome != "busy":
             self._record_maintenance(state, outcome)
+            swept = self.sealer.sweep(self.engine)
+            if swept:
+                log.warning("destroyed %d payload key(s) of purged records that a crash had "
+                            "left in the key store", swept)
         after = self.purge_status()
         out.update(ran=outcome != "busy", outcome=outcome, erased=outcome == "erased",
                    pending=after["pending"], tables=tables,
@@ -590,8 +612,9 @@ class Ledger:
         return ("erased" if sqlite_checkpoint(self.engine) else "blocked"), tables
 
     def _pg_maintenance(self, state: dict[str, Any]) -> tuple[str, list[str]]:
-        tables: list[Any] = [PAYLOADS] + ([RECORDS] if state["rewrite_records"] else [])
-        tables += [t for t in state["pending_tables"] if t not in {PAYLOADS.name, RECORDS.name}]
+        tables: list[Any] = [PAYLOADS, SEALED] + ([RECORDS] if state["rewrite_records"] else [])
+        tables += [t for t in state["pending_tables"]
+                   if t not in {PAYLOADS.name, SEALED.name, RECORDS.name}]
         with self.engine.connect() as c:
             conn = c.execution_options(isolation_level="AUTOCOMMIT")
             if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
@@ -650,8 +673,7 @@ class Ledger:
                                 values))
 
     @staticmethod
-    def _note_purge(conn: Connection, now: datetime, rewrite_records: bool = False,
-                    tables: Sequence[str] = ()) -> None:
+    def _note_purge(conn: Connection, now: datetime) -> None:
         """Count a purging transaction (and on PostgreSQL its xid) for purge maintenance."""
         values: dict[str, Any] = {"last_purge_at": now, "last_purge_xid": None}
         new_xid: dict[str, Any] = {}
@@ -660,12 +682,6 @@ class Ledger:
             # the largest purge xid, whatever order concurrent purges commit in
             new_xid["last_purge_xid"] = func.greatest(MAINTENANCE.c.last_purge_xid,
                                                       func.txid_current())
-        if rewrite_records:
-            values["rewrite_records"] = True
-        if tables:
-            pending = conn.execute(select(MAINTENANCE.c.pending_tables)
-                                   .where(MAINTENANCE.c.id == 1)).scalar() or []
-            values["pending_tables"] = sorted({*pending, *tables})
         conn.execute(upsert(conn, MAINTENANCE,
                             {"id": 1, "purges": 1, "erased": 0, "rewrite_records": False,
                              **values},
@@ -834,6 +850,7 @@ class Ledger:
         notes: list[str] = []
         facts = LogFacts()
         with self.engine.connect() as conn:
+            self.keys.scope(conn)  # read here: on SQLite a second connection would wait
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
             heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
             covered = self._check_heads(heads, checkpoints, problems, notes)
@@ -893,20 +910,22 @@ class Ledger:
             n_records = 0
             for rec in conn.execution_options(yield_per=5000).execute(
                     select(RECORDS, PAYLOADS.c.features, PAYLOADS.c.label,
-                           PAYLOADS.c.record_id.label("payload_of"))
+                           PAYLOADS.c.record_id.label("payload_of"), SEALED.c.sealed)
                     .select_from(RECORDS.outerjoin(PAYLOADS,
-                                                   PAYLOADS.c.record_id == RECORDS.c.record_id))):
+                                                   PAYLOADS.c.record_id == RECORDS.c.record_id)
+                                 .outerjoin(SEALED, SEALED.c.record_id == RECORDS.c.record_id))):
                 n_records += 1
                 problems.extend(self._check_record(rec))
                 problems.extend(facts.check_record(rec, status_of))
             problems.extend(facts.check_loaded())
-            for rid in conn.execute(
-                    select(PAYLOADS.c.record_id)
-                    .select_from(PAYLOADS.outerjoin(RECORDS,
-                                                    RECORDS.c.record_id == PAYLOADS.c.record_id))
-                    .where(RECORDS.c.record_id.is_(None))).scalars():
-                problems.append(Problem(f"record {rid}", "raw features and label in "
-                                        "record_payloads belong to no training record"))
+            for table in (PAYLOADS, SEALED):
+                for rid in conn.execute(
+                        select(table.c.record_id)
+                        .select_from(table.outerjoin(RECORDS,
+                                                     RECORDS.c.record_id == table.c.record_id))
+                        .where(RECORDS.c.record_id.is_(None))).scalars():
+                    problems.append(Problem(f"record {rid}", "raw features and label in "
+                                            f"{table.name} belong to no training record"))
         return VerifyResult(not problems, n_events, len(checkpoints), n_records, problems,
                             heads=len(heads), notes=notes)
 
@@ -961,14 +980,23 @@ class Ledger:
     def _check_record(self, rec: Any) -> list[Problem]:
         where = f"record {rec.record_id}"
         if rec.state == "purged":
-            if rec.payload_of is not None:
+            if rec.payload_of is not None or rec.sealed is not None:
                 return [Problem(where, "is purged but still holds raw features or label "
-                                       "(a row in record_payloads)")]
+                                       "(a row in record_payloads or sealed_payloads)")]
+            if rec.added_by is not None and self.sealer.has_key(rec.record_id):
+                return [Problem(where, "is purged but its payload key is still in the key "
+                                       "store (copies of its sealed row would open)")]
             return []
-        if rec.features is None or rec.label is None:
+        features, label = rec.features, rec.label
+        if features is None and rec.sealed is not None:
+            try:
+                features, label = self.sealer.open(rec.record_id, bytes(rec.sealed))
+            except (PayloadKeyMissing, ValueError) as exc:
+                return [Problem(where, f"is {rec.state} but its data cannot be read: {exc}")]
+        if features is None or label is None:
             return [Problem(where, f"is {rec.state} but has no features or label")]
-        if record_fingerprint(self._key, rec.record_id, rec.subject_id, rec.features,
-                              rec.label) != rec.record_hash:
+        if record_fingerprint(self._key, rec.record_id, rec.subject_id, features,
+                              label) != rec.record_hash:
             return [Problem(where, "features or label do not match its keyed fingerprint")]
         return []
 
@@ -1009,16 +1037,19 @@ class Ledger:
 
     @staticmethod
     def _purge(conn: Connection, record_ids: Sequence[str], request_id: str,
-               now: datetime) -> tuple[dict[str, str], int]:
-        """Delete the records' raw data; (their fingerprints, how many payload rows went)."""
+               now: datetime) -> tuple[dict[str, str], int, list[str]]:
+        """Delete the records' raw data; (their fingerprints, how many payload rows went,
+        the records whose sealed payload went: their keys are to be destroyed)."""
         ids = list(record_ids)
         fps = dict(conn.execute(select(RECORDS.c.record_id, RECORDS.c.record_hash)
                                 .where(RECORDS.c.record_id.in_(ids))).all())
         n = conn.execute(delete(PAYLOADS).where(PAYLOADS.c.record_id.in_(ids))).rowcount
+        sealed = list(conn.execute(delete(SEALED).where(SEALED.c.record_id.in_(ids))
+                                   .returning(SEALED.c.record_id)).scalars())
         conn.execute(update(RECORDS)
                      .where(RECORDS.c.record_id.in_(ids), RECORDS.c.state != "purged")
                      .values(state="purged", purged_at=now, purged_by=request_id))
-        return fps, n
+        return fps, n + len(sealed), sealed
 
     def _maybe_checkpoint(self, conn: Connection, size: int) -> None:
         """In a transaction that appended events 1..size: take a head if one is due, so

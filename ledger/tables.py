@@ -8,6 +8,7 @@ from ledger.models import (
     PurgeMaintenance,
     RecordPayload,
     Request,
+    SealedPayload,
     SignedHead,
     SourceOffset,
     TrainingRecord,
@@ -17,6 +18,7 @@ EVENTS = Event.__table__
 REQUESTS = Request.__table__
 RECORDS = TrainingRecord.__table__
 PAYLOADS = RecordPayload.__table__
+SEALED = SealedPayload.__table__
 MAINTENANCE = PurgeMaintenance.__table__
 CHECKPOINTS = Checkpoint.__table__
 HEADS = SignedHead.__table__

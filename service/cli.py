@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     s = ledger_cli.settings_from(args)
     ledger = ledger_cli.open_ledger(args, s)
-    if Registry(ledger.engine, s.model_name).current() is None:
+    if Registry(ledger.engine, s.model_name, ledger.keys).current() is None:
         print("obliviate: warning: no model version is published yet: /v1/predict answers "
               "503 until one is (`obliviate model train`, or `obliviate worker --train`)",
               file=sys.stderr)

@@ -58,6 +58,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
                               hmac_key_file=str(work / "hmac.key"),
                               ledger_signing_key_file=str(work / "ledger-signing.key"),
                               admin_token_file=str(work / "admin.token"),
+                              key_store_dir=str(work / "keys"),
                               kafka_bootstrap=broker.bootstrap, learner=learner)
         # versions that held deleted records are destroyed 5 s after the deletion (the
         # default is 30 s), so the demo's final scan sees them gone
@@ -73,7 +74,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
               f"subjects, {ds.X.shape[1]} features min-max scaled by ranges stored in the "
               "ledger (clients send raw values)")
-        registry = Registry(ledger.engine, s.model_name)
+        registry = Registry(ledger.engine, s.model_name, ledger.keys)
         first = Worker(ledger, registry).bootstrap(learner, params)
         print(f"model: {first} trained ({learner}) and guarded"
               + (" in noise-all mode until the worker's guard job has bounded it"
@@ -303,7 +304,7 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any
           "reason; the message itself went to the dead-letter topic)")
     print_audit(ledger, events)
     print("\n== model lineage (newest first; records = the version's training set)")
-    for v in Registry(ledger.engine, s.model_name).lineage(8):
+    for v in Registry(ledger.engine, s.model_name, ledger.keys).lineage(8):
         m, ts = v.manifest, v.manifest["training_set"]
         print(f"  {v.version}  parent={v.parent or '-':8} {m['change']['op']:6} "
               f"guard={m['guard'].get('mode', 'sound' if m['guard']['ready'] else 'noise-all'):9} "

@@ -114,7 +114,7 @@ class Obliviate:
         self.ledger = settings.open_ledger()  # applies the database migrations
         log.info("%s", self.ledger.schema_upgrade.describe())
         self._input_transform: InputTransform | None = None
-        self.registry = Registry(self.ledger.engine, settings.model_name)
+        self.registry = Registry(self.ledger.engine, settings.model_name, self.ledger.keys)
         self.usage = GuardUsage(self.ledger.engine)
         self.budgets = (SeedBudgets(self.ledger.engine, settings.model_name)
                         if budget_policy(settings) else None)

@@ -17,6 +17,8 @@ from ledger.store import Ledger
 # BentoML reads its home once per process: give the test session its own model store.
 os.environ.setdefault("BENTOML_DO_NOT_TRACK", "true")
 os.environ.setdefault("BENTOML_HOME", tempfile.mkdtemp(prefix="obliviate-bentoml-"))
+# and its own key store (ledgers share it: each keeps its keys under its own identity)
+os.environ.setdefault("OBLIVIATE_KEY_STORE_DIR", tempfile.mkdtemp(prefix="obliviate-keys-"))
 
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -235,8 +235,8 @@ class Sidecar:
               if isinstance(self.dataset, str) else self.dataset)
         ledger = Settings(database_url=self.database_url,
                           hmac_key_file=str(self.hmac_key_file),
-                          ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
-                          ).open_ledger()
+                          ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+                          key_store_dir=self.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
         try:
             return ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
                                        transform=ds.transform)

@@ -94,14 +94,14 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             assert len(applied) == 1 and _seq(applied[0]["model_version"]) <= _seq(served)
 
         ledger = Settings(database_url=sc.database_url, hmac_key_file=str(sc.hmac_key_file),
-                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"]
-                          ).open_ledger()
+                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+                          key_store_dir=sc.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
         try:
             # that version, from the registry (the sidecar's model store): without the
             # deleted records, with the added one, and exactly what retraining gives
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(VersionStore, "home", property(lambda _: sc.bentoml_home))
-                model = Registry(ledger.engine, "obliviate").load(served)
+                model = Registry(ledger.engine, "obliviate", ledger.keys).load(served)
             held = set(model.learner.record_ids_.tolist())
             assert held.isdisjoint(DELETED) and ADDED in held
             assert held == set(ledger.live_records().record_ids.tolist())
@@ -115,11 +115,13 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
                     select(RECORDS).where(RECORDS.c.record_id.in_([*DELETED, ADDED])))}
                 left = conn.execute(select(func.count()).select_from(PAYLOADS).where(
                     PAYLOADS.c.record_id.in_(DELETED))).scalar()
-                added_label = conn.execute(select(PAYLOADS.c.label).where(
+                in_clear = conn.execute(select(func.count()).select_from(PAYLOADS).where(
                     PAYLOADS.c.record_id == ADDED)).scalar()
             assert {rows[r].state for r in DELETED} == {"purged"}
             assert left == 0
-            assert rows[ADDED].state == "live" and added_label == 1
+            # the addition is kept sealed under its own key (ledger.sealed_payloads)
+            assert rows[ADDED].state == "live" and in_clear == 0
+            assert ledger.record_data([ADDED])[1].tolist() == [1]
         finally:
             ledger.close()
 

@@ -145,7 +145,7 @@ def test_a_new_database_at_head_is_what_the_models_declare(db_url: str) -> None:
     assert {t.name for t in SQLModel.metadata.sorted_tables} == {
         "requests", "events", "training_records", "record_payloads", "purge_maintenance",
         "checkpoints", "signed_heads", "source_offsets", "dataset_schema", "model_versions",
-        "model_pointer", "version_keys", "model_version_counters", "seed_lineages",
+        "model_pointer", "sealed_payloads", "model_version_counters", "seed_lineages",
         "guard_usage"}
     assert diff == [], diff
     led.close()

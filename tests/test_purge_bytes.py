@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sqlite3
 import stat
 import struct
@@ -176,7 +175,7 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
         if is_superuser(ledger):
             assert found(pg_files(ledger), values["r003"])
         result = maintain(ledger)
-        assert result["ran"] and result["tables"] == ["record_payloads"]
+        assert result["ran"] and result["tables"] == ["record_payloads", "sealed_payloads"]
         if is_superuser(ledger):  # the old files are emptied (unlinked at the next checkpoint)
             after = relation_paths(ledger)["record_payloads"]
             assert after != before
@@ -190,11 +189,15 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
     files = db_files(ledger)
     for rid, v in gone.items():
         assert not found(files, v), f"{rid}'s values are still in the files: {found(files, v)}"
-    # not vacuous: a live record's values are there, as text and as the JSON the store wrote
-    for live in (values["r000"], values["r029"], kept):
+    # not vacuous: a live loaded record's values are there, as text and as the JSON the
+    # store wrote; a live added record's are not (ciphertext under its key), yet it reads
+    for live in (values["r000"], values["r029"]):
         hits = found(files, live)
         assert any(h.startswith("JSON text") for h in hits), hits
         assert sum(h.startswith("text ") for h in hits) >= D, hits
+    assert not found(files, kept), found(files, kept)
+    assert ledger.record_data(["n2"])[0].tolist() == [kept]
+    assert ledger.sealer.has_key("n2") and not ledger.sealer.has_key("n1")
     status = ledger.purge_status()
     assert status["purges"] == status["erased"] == 1 and status["last_outcome"] == "erased"
     result = ledger.verify()
@@ -314,31 +317,6 @@ def test_deletion_intake_does_not_wait_for_the_payload_table(pg_ledger: Ledger) 
     assert done == ["accepted", ("r009", "r010", "r011"), ["d1", "d2"]]
 
 
-def test_other_components_secrets_are_erased_with_note_purge(ledger: Ledger) -> None:
-    """A table of another component (the registry's sealing keys, say) in the same
-    database: rows deleted in a transaction that calls note_purge leave the files."""
-    secret, kept = os.urandom(32), os.urandom(32)
-    with ledger.engine.begin() as conn:
-        conn.execute(text("CREATE TABLE sealing_keys (version VARCHAR(64) PRIMARY KEY, "
-                          "key_hex VARCHAR(64) NOT NULL)"))
-        conn.execute(text("INSERT INTO sealing_keys VALUES ('v1', :a), ('v2', :b)"),
-                     {"a": secret.hex(), "b": kept.hex()})
-
-    def destroy(conn) -> None:  # noqa: ANN001 - a Connection
-        conn.execute(text("DELETE FROM sealing_keys WHERE version = 'v1'"))
-        ledger.note_purge(conn, ["sealing_keys"])
-
-    ledger.record_event("destroyed", {"version": "v1"}, in_transaction=destroy)
-    assert ledger.purge_status()["pending_tables"] == ["sealing_keys"]
-    result = maintain(ledger)
-    if ledger.engine.dialect.name == "postgresql":
-        assert result["tables"] == ["record_payloads", "sealing_keys"]
-    assert ledger.purge_status()["pending_tables"] == []
-    files = db_files(ledger)
-    assert not [n for n, data in files.items() if secret.hex().encode() in data]
-    assert [n for n, data in files.items() if kept.hex().encode() in data]
-
-
 # ---------------------------------------------------------------------------- upgrade
 LEGACY_DDL = [
     """CREATE TABLE training_records (record_id VARCHAR(128) NOT NULL PRIMARY KEY,
@@ -397,7 +375,7 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
     assert {p.where for p in led.verify().problems} == {"record r2", "records loaded at -"}, \
         led.verify().problems
     if led.engine.dialect.name == "postgresql":
-        assert result["tables"] == ["record_payloads", "training_records"]
+        assert result["tables"] == ["record_payloads", "sealed_payloads", "training_records"]
     files = db_files(led)
     assert not found(files, old), found(files, old)
     assert any(h.startswith("JSON text") for h in found(files, live))

@@ -29,13 +29,17 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, inspect, text
+
+if TYPE_CHECKING:
+    from ledger.keystore import KeyStore
 
 log = logging.getLogger("obliviate.ledger")
 
 # The newest revision in versions/ (a test holds this to Alembic's own view of the chain).
-HEAD = "0003_input_transform"
+HEAD = "0004_key_store"
 VERSION_TABLE = "alembic_version"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 _LOCK_KEY = 0x0B11_71A80  # PostgreSQL advisory lock: one upgrade at a time
@@ -81,8 +85,11 @@ def current(bind: Engine | Connection) -> str | None:
     return bind.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
 
 
-def upgrade(engine: Engine) -> Upgrade:
+def upgrade(engine: Engine, key_store: KeyStore | None = None) -> Upgrade:
     """Bring the database to :data:`HEAD`; a no-op (one SELECT) once it is there.
+
+    `key_store` receives what a revision takes out of the database (0004: the model
+    versions' sealing keys); a revision that needs it and has none refuses.
 
     What the first call of this process found is remembered per engine, so the
     start-up report of a process whose ledger was opened (and so upgraded) earlier
@@ -94,7 +101,7 @@ def upgrade(engine: Engine) -> Upgrade:
         return done
     before, created = current(engine), False
     if before != HEAD:
-        before, created = _run(engine)
+        before, created = _run(engine, key_store)
     result = Upgrade(before, HEAD, created)
     with _ready_lock:
         _ready.setdefault(engine, result)
@@ -106,7 +113,7 @@ def upgrade(engine: Engine) -> Upgrade:
 ensure = upgrade
 
 
-def _run(engine: Engine) -> tuple[str | None, bool]:
+def _run(engine: Engine, key_store: KeyStore | None) -> tuple[str | None, bool]:
     """Run the upgrade in one transaction holding the write lock; returns the revision
     found inside it, and whether the database held no table at all."""
     from alembic import command
@@ -126,6 +133,7 @@ def _run(engine: Engine) -> tuple[str | None, bool]:
                                f"version of obliviate does not know (its newest is {HEAD}): "
                                "a newer obliviate migrated it; run that version")
         cfg.attributes["connection"] = conn
+        cfg.attributes["key_store"] = key_store
         command.upgrade(cfg, "head")
     return before, created
 
