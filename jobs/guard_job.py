@@ -15,17 +15,18 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from jobs import sealing
-from jobs.leftovers import remove_dead_dirs
+from jobs.leftovers import make_dir, remove_abandoned
 from jobs.served_model import ServedModel
 
 RESULT_FILE = "result.json"
@@ -71,9 +72,12 @@ def _fit_guard(version_path: str, out_dir: str, verify: bool, bound_s: float) ->
         (out / ERROR_FILE).write_text(traceback.format_exc())
 
 
-def _serve_jobs(conn: Connection) -> None:
-    """The warm process: fit one guard per message until the worker closes the pipe."""
+def _serve_jobs(conn: Connection, worker: int) -> None:
+    """The warm process: fit one guard per message until the worker closes the pipe.
+    Each job comes with its directory's lock, held until the job is done (so the
+    directory stays held while this process writes to it, even if the worker is gone)."""
     os.nice(19)  # updates come first: this only takes CPU the worker leaves idle
+    threading.Thread(target=_exit_with_parent, args=(worker,), daemon=True).start()
     while True:
         try:
             args = conn.recv()
@@ -81,8 +85,20 @@ def _serve_jobs(conn: Connection) -> None:
             return
         if args is None:
             return
-        fit_guard(*args)
+        lock = reduction.recv_handle(conn)
+        try:
+            fit_guard(*args)
+        finally:
+            os.close(lock)
         conn.send(True)
+
+
+def _exit_with_parent(worker: int) -> None:
+    """End this process soon after its worker dies (killed mid-job, it would otherwise
+    finish a job nobody reads), so that the job's directory is freed for cleanup."""
+    while os.getppid() == worker:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 class GuardProcess:
@@ -99,17 +115,19 @@ class GuardProcess:
             return
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_jobs, args=(child,), daemon=True,
+        self._proc = ctx.Process(target=_serve_jobs, args=(child, os.getpid()), daemon=True,
                                  name="obliviate-guard")
         self._proc.start()
         child.close()
         self._conn, self._busy = parent, False
 
-    def submit(self, args: tuple[str, str, str, bool, float]) -> None:
+    def submit(self, args: tuple[str, str, str, bool, float], lock_fd: int) -> None:
+        """Run a job; `lock_fd` holds its directory's lock (the process holds it too)."""
         if self._busy:
             raise RuntimeError("the guard process is still running a job")
         self.start()
         self._conn.send(args)
+        reduction.send_handle(self._conn, lock_fd, self._proc.pid)
         self._busy = True
 
     def done(self) -> bool:
@@ -159,13 +177,14 @@ class GuardJob:
     def __init__(self, version: str, version_path: Path, key: bytes, verify: bool,
                  process: GuardProcess | None = None, bound_s: float = 0.0) -> None:
         self.version = version
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}-"))
+        self._dir = make_dir(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)
+        self.dir = self._dir.path
         args = (str(version_path), key.hex(), str(self.dir), verify, float(bound_s))
         self._process = process
         self._thread: threading.Thread | None = None
         if process is not None:
             try:
-                process.submit(args)
+                process.submit(args, self._dir.fileno())
             except Exception:
                 self.discard()
                 raise
@@ -193,10 +212,11 @@ class GuardJob:
         self.discard()
 
     def discard(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._dir.release()
 
 
 def remove_orphaned_job_dirs() -> list[Path]:
-    """Remove the job directories of workers that are gone (killed mid-job): they hold a
-    half-fitted guard. Called when a worker starts."""
-    return remove_dead_dirs(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)
+    """Remove the job directories no live process holds (their worker and its guard
+    process were killed mid-job): they hold a half-fitted guard. Called when a worker
+    starts."""
+    return remove_abandoned(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)

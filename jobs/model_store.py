@@ -6,7 +6,11 @@ BentoML's own store is not safe for several writers: it creates an item in place
 several hosts share one store, so here a version is written into a staging
 directory beside the store (a BentoML store of its own, so its ``model.yaml`` is
 BentoML's) and renamed into place whole, and a removal renames it out of the
-store before deleting it. Readers only ever see complete versions; the ``latest``
+store before deleting it. A writer holds the lock of its staging directory, and of
+the temporary directory BentoML fills first (``bentoml-model-<name>-*`` in the
+system's temporary directory), until both are removed; a writer killed mid-save
+leaves them to the next :meth:`VersionStore.remove_leftovers`
+(:mod:`jobs.leftovers`). Readers only ever see complete versions; the ``latest``
 pointer BentoML keeps per model name (``bentoml build`` resolves ``name:latest``
 through it) names the highest version present.
 """
@@ -16,7 +20,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,7 @@ from bentoml._internal.configuration.containers import BentoMLContainer
 from bentoml._internal.models.model import ModelStore
 from bentoml.exceptions import NotFound
 
-from jobs.leftovers import remove_dead_dirs
+from jobs.leftovers import adopt_dir, make_dir, remove_abandoned
 
 _STAGING = "obliviate-staging"
 _TRASH = "obliviate-trash"
@@ -67,15 +73,15 @@ class VersionStore:
         target = self.root / self.name / version
         if target.exists():
             raise FileExistsError(f"{self.name}:{version} is in the store already")
-        staging = self.home / _STAGING / f"{os.getpid()}-{secrets.token_hex(4)}"
-        try:
+        with ExitStack() as held:  # removed in reverse: BentoML's directory, then staging
+            staging = held.enter_context(make_dir(self.home / _STAGING, ""))
             with bentoml.models.create(Tag(self.name, version), metadata=metadata,
-                                       labels=labels, _model_store=ModelStore(staging)) as m:
+                                       labels=labels,
+                                       _model_store=ModelStore(staging.path)) as m:
+                held.enter_context(adopt_dir(Path(m.path)))
                 fill(Path(m.path))
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(staging / self.name / version, target)  # atomic; fails if it exists
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            os.rename(staging.path / self.name / version, target)  # atomic; fails if it exists
         self._point_latest()
         return target
 
@@ -93,9 +99,11 @@ class VersionStore:
         return True
 
     def remove_leftovers(self) -> list[Path]:
-        """Remove what writers that are gone left half-done (their staging directories)
-        and removals that were interrupted (the trash)."""
-        out = remove_dead_dirs(self.home / _STAGING, "")
+        """Remove what writers that are gone left half-done (their staging directories
+        and BentoML's temporary ones, see :mod:`jobs.leftovers`) and removals that were
+        interrupted (the trash)."""
+        out = [*remove_abandoned(self.home / _STAGING, ""),
+               *remove_abandoned(Path(tempfile.gettempdir()), f"bentoml-model-{self.name}-")]
         trash = self.home / _TRASH
         for d in sorted(trash.iterdir()) if trash.is_dir() else []:
             shutil.rmtree(d, ignore_errors=True)

@@ -7,10 +7,20 @@ for what a record leaves behind when it is written out:
 - its whole feature vector, and any two adjacent features of which at least one
   value no kept record holds, as float32 and float64 little-endian bytes (a row of
   an uncompressed array, as numpy and torch write them);
-- each value that no kept record holds, alone, as float64 bytes (a column-major
-  array keeps a record's values apart; not for simple fractions, p/q with q up to
-  10^6, which a model's own probabilities match by coincidence) and as decimal
-  text (JSON, logs, ``repr``).
+- its features at equal distances, as float32 and float64 bytes: a column-major
+  (feature-major) matrix keeps one feature's values for all records together, so a
+  record's features lie one column length apart (DaRE's ``X``); a strided row is
+  found the same way. A record counts as found when at least half its features
+  (and at least 4) line up at one distance, counting only values that occur at most
+  64 times in the file (0.0, or a category many records share, names no one), and
+  no kept record holds the same values at those features (a duplicate of a kept
+  record is the kept record's). Records of fewer than 4 features, or whose features
+  are mostly such common values, are not found this way; and kept records that tie
+  with a deleted one feature by feature at exactly equal distances (a diagonal of
+  ties) would be taken for it;
+- each value that no kept record holds, alone, as float64 bytes (not for simple
+  fractions, p/q with q up to 10^6, which a model's own probabilities match by
+  coincidence) and as decimal text (JSON, logs, ``repr``).
   Values that kept records hold too (ties: categories, counts), or that lie halfway
   between two values of a kept column (a tree's threshold, derived from kept data
   alone; on a grid of values a deleted one can sit exactly there), are
@@ -22,6 +32,11 @@ for what a record leaves behind when it is written out:
   an int32 array holds by chance), and as a whole word of any other text. The
   ledger's own log names deleted ids on purpose, so the id is looked for only
   where no id may remain (the model store).
+
+What it cannot find: values transformed before they were written (rescaled,
+rounded, float16, compressed or encrypted files: sealed files are scanned
+unsealed with their key), and anything a model learned from a record rather than
+stored (weights, thresholds): that is the unlearning's guarantee, not this scan's.
 
 The scan reads each file once per pattern family (numpy for the binary windows,
 one regular expression for decimal numbers), so megabytes take milliseconds.
@@ -48,6 +63,12 @@ from jobs.registry import Registry, VersionUnavailable
 _NUMBER = re.compile(rb"-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")
 # shortest text that still names one value: "0.5" or "1.0" would match anything
 _MIN_TEXT = 7
+# a value whose bytes occur more often than this in one file names no record there
+_RARE = 64
+# fewest features that must line up at one distance for a record to count as found
+_MIN_ALIGNED = 4
+_WORDS = ((4, "<f4", "<u4"), (8, "<f8", "<u8"))
+_HASH_BITS = 22
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class TraceScanner:
                        for n, pats in self._binary.items()}
         self._lengths = {n: sorted({len(p) // n for p in pats})
                          for n, pats in self._binary.items()}
+        self._strided = _strided_searches(gone, kept)
         self._id_re = (re.compile(rb"(?<![\w.:@-])(" + b"|".join(
             re.escape(p) for p in sorted(self._ids, key=len, reverse=True)) + rb")(?![\w.:@-])")
                        if self._ids else None)
@@ -149,11 +171,13 @@ class TraceScanner:
                 if m < 1:
                     continue
                 w = buf[off:off + n * m].view("<u4" if n == 4 else "<u8")
-                for i in np.flatnonzero(np.isin(w, self._first[n])).tolist():
+                for i in _positions(w, self._first[n]).tolist():
                     for k in self._lengths[n]:
                         hit = pats.get(w[i:i + k].tobytes()) if i + k <= m else None
                         if hit:
                             found.add(hit)
+        for search in self._strided:
+            found |= search.scan(buf)
         if self._text:
             found.update(self._text[t] for t in set(_NUMBER.findall(blob)) if t in self._text)
         if self._id_set:
@@ -184,6 +208,101 @@ class TraceScanner:
                         out |= self._id_hits(data)
                 return out
         return {(m.group(1).decode(), "text") for m in self._id_re.finditer(blob)}
+
+
+class _StridedSearch:
+    """Records of `d` features found by their features at equal distances, in one word
+    size: column-major matrices (one column length apart) and strided rows."""
+
+    def __init__(self, rids: list[str], X: np.ndarray, kept: np.ndarray, n: int, dt: str,
+                 ut: str) -> None:
+        self._rids, self._n, self._ut, self._name = rids, n, ut, np.dtype(dt).name
+        self._W = np.ascontiguousarray(X.astype(dt)).view(ut)  # (records, d) words
+        d = X.shape[1]
+        self._kept = (np.ascontiguousarray(kept.astype(dt)).view(ut)
+                      if kept.ndim == 2 and kept.shape[1] == d and len(kept) else None)
+        self._values = np.unique(self._W)
+        self._need = max(_MIN_ALIGNED, -(-d // 2))
+
+    def scan(self, buf: np.ndarray) -> set[tuple[str, str]]:
+        """(record id, trace) of each record found in `buf` at any byte offset."""
+        found: set[tuple[str, str]] = set()
+        for off in range(self._n):
+            m = (len(buf) - off) // self._n
+            if m >= self._need:
+                found |= self._scan_words(buf[off:off + self._n * m].view(self._ut))
+        return found
+
+    def _scan_words(self, w: np.ndarray) -> set[tuple[str, str]]:
+        hit = _positions(w, self._values)
+        if hit.size < self._need:
+            return set()
+        order = np.argsort(w[hit], kind="stable")
+        pos = hit[order]  # where each value occurs, grouped by value
+        values, first, count = np.unique(w[pos], return_index=True, return_counts=True)
+        at = np.searchsorted(values, self._W).clip(max=len(values) - 1)
+        occ = np.where(values[at] == self._W, count[at], 0)
+        rare = (occ > 0) & (occ <= _RARE)
+        found = set()
+        for r in np.flatnonzero(rare.sum(1) >= self._need).tolist():
+            where = [pos[first[at[r, j]]:first[at[r, j]] + occ[r, j]] if rare[r, j] else None
+                     for j in range(self._W.shape[1])]
+            stride = self._aligned(w, r, rare[r], occ[r], where)
+            if stride:
+                layout = "row" if stride == 1 else "feature-major"
+                found.add((self._rids[r], f"{layout} {self._name}"))
+        return found
+
+    def _aligned(self, w: np.ndarray, r: int, rare: np.ndarray, occ: np.ndarray,
+                 where: list[np.ndarray | None]) -> int:
+        """The distance (in words) at which enough of record `r`'s features line up in
+        `w` and no kept record explains them; 0 if there is none. Candidate distances
+        come from the positions of its three rarest features."""
+        feats = np.flatnonzero(rare)
+        anchors = sorted(feats[np.argsort(occ[feats], kind="stable")[:3]].tolist())
+        bases, strides = [], []
+        for i, a in enumerate(anchors):
+            for c in anchors[i + 1:]:
+                diff = where[c][None, :] - where[a][:, None]
+                ok = (diff > 0) & (diff % (c - a) == 0)
+                s = diff[ok] // (c - a)
+                strides.append(s)
+                bases.append(np.broadcast_to(where[a][:, None], diff.shape)[ok] - a * s)
+        cand = np.unique(np.stack([np.concatenate(bases), np.concatenate(strides)], 1), axis=0)
+        if not len(cand):
+            return 0
+        at = cand[:, :1] + cand[:, 1:] * np.arange(self._W.shape[1])
+        inside = (at >= 0) & (at < len(w))
+        lined = inside & (w[at.clip(0, len(w) - 1)] == self._W[r]) & rare
+        for k in np.flatnonzero(lined.sum(1) >= self._need).tolist():
+            J = lined[k]
+            if self._kept is None or not (self._kept[:, J] == self._W[r, J]).all(1).any():
+                return int(cand[k, 1])
+        return 0
+
+
+def _positions(w: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Where `w` holds one of the sorted, unique `values` (``np.isin`` sorts `w`, a
+    file's millions of words: slow). A multiplicative hash of each word picks the few
+    candidates, which a binary search then checks."""
+    golden, shift = np.uint64(0x9E3779B97F4A7C15), np.uint64(64 - _HASH_BITS)
+    table = np.zeros(1 << _HASH_BITS, dtype=bool)
+    table[(values.astype(np.uint64) * golden) >> shift] = True
+    cand = np.flatnonzero(table[(w.astype(np.uint64) * golden) >> shift])
+    sub = w[cand]
+    return cand[values[np.searchsorted(values, sub).clip(max=len(values) - 1)] == sub]
+
+
+def _strided_searches(gone: Mapping[str, np.ndarray], kept: np.ndarray
+                      ) -> list[_StridedSearch]:
+    """One search per feature count and word size (records of fewer than
+    `_MIN_ALIGNED` features are left to the row and value patterns)."""
+    by_d: dict[int, list[str]] = {}
+    for rid, x in gone.items():
+        by_d.setdefault(np.asarray(x).size, []).append(rid)
+    return [_StridedSearch(rids, np.array([np.asarray(gone[r], np.float64).ravel()
+                                           for r in rids]), kept, n, dt, ut)
+            for d, rids in by_d.items() if d >= _MIN_ALIGNED for n, dt, ut in _WORDS]
 
 
 def _simple_fraction(v: float) -> bool:

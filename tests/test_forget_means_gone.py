@@ -12,7 +12,6 @@ that arrived by an addition; for every learner and both databases.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 import uuid
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from jobs.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dirs
+from jobs.leftovers import make_dir
 from jobs.registry import Registry, VersionUnavailable
 from jobs.retention import destroyed_versions
 from jobs.worker import RollbackRefused, Worker, WorkerConfig
@@ -194,8 +194,9 @@ def test_a_killed_guard_jobs_directory_is_removed_at_the_next_start(tmp_path) ->
     dead = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}999999999-"))
     (dead / "guard").mkdir()
     (dead / "guard" / "tables.npz").write_bytes(b"half a guard")
-    mine = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{os.getpid()}-"))
+    Path(f"{dead}.lock").touch()  # the lock file its killed owner held (tests/test_leftovers.py)
+    mine = make_dir(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)
     removed = remove_orphaned_job_dirs()
     assert dead in removed and not dead.exists()
-    assert mine.exists()  # a live worker's job is left alone
-    mine.rmdir()
+    assert mine.path.exists()  # a live worker's job is left alone
+    mine.release()

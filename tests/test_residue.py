@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from sklearn.datasets import load_breast_cancer
 
 from jobs import sealing
+from jobs.learners.dare import DaREForest
+from jobs.served_model import ServedModel
 from service.residue import TraceScanner
+
+_SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
+          "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},
+          "mlp": {"hidden": [8], "epochs": 5},
+          "game": {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
+                   "third_fraction": 0.25}}
 
 
 def _records(n: int = 6, d: int = 5, seed: int = 0) -> tuple[list[str], np.ndarray]:
@@ -51,3 +62,90 @@ def test_sealed_files_are_scanned_with_their_key_only(tmp_path) -> None:
     assert scanner.scan([tmp_path]) == []  # ciphertext: nothing to see
     with sealing.sealed_with(key):
         assert scanner.scan([tmp_path], sealing.read_file)
+
+
+def _breast_cancer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A real table: 569 records of 30 features, min-max scaled as the ledger scales
+    them (so most values are simple fractions, and some are ties)."""
+    X, y = load_breast_cancer(return_X_y=True)
+    ids = np.array([f"bc{i:03d}" for i in range(len(X))], dtype=object)
+    return ids, (X - X.min(0)) / np.ptp(X, 0), y
+
+
+def _drop_ids(version: Path, dtype: type | None = None) -> None:
+    """Remove the ids array from a DaRE bundle (`dtype`: also store X so), leaving the
+    scan only the features to go by."""
+    with np.load(version / "arrays.npz") as z:
+        arrays = {k: z[k] for k in z.files if k != "ids"}
+    if dtype is not None:
+        arrays["X"] = arrays["X"].astype(dtype)
+    np.savez(version / "arrays.npz", **arrays)
+
+
+@pytest.mark.parametrize("dtype", [None, np.float32])
+def test_finds_a_forests_feature_major_records_and_none_it_deleted(tmp_path, dtype) -> None:
+    """DaRE keeps X feature-major (one feature's values for all records together): with
+    its ids removed, the scan still finds every live record in the saved forest, as
+    float64 and as float32, and none of the 41 records deleted from it."""
+    ids, X, y = _breast_cancer()
+    n = 400
+    forest = DaREForest(n_estimators=10, max_depth=5, k=5, random_state=3)
+    forest.fit(ids[:n], X[:n], y[:n])
+    forest.save(tmp_path / "before")
+    _drop_ids(tmp_path / "before", dtype)
+    assert np.load(tmp_path / "before" / "arrays.npz")["X"].shape == (30, n)  # feature-major
+    everyone = TraceScanner(dict(zip(ids[:n], X[:n], strict=True)))
+    found = everyone.scan([tmp_path / "before"])
+    assert {f.record_id for f in found} == set(ids[:n])
+    name = np.dtype(dtype or np.float64).name
+    assert {f.trace for f in found} >= {f"feature-major {name}"}
+
+    gone = np.sort(np.random.default_rng(1).choice(n, 41, replace=False))
+    live = np.setdiff1d(np.arange(n), gone)
+    forest.delete(ids[gone])
+    forest.save(tmp_path / "after")
+    _drop_ids(tmp_path / "after", dtype)
+    deleted = TraceScanner(dict(zip(ids[gone], X[gone], strict=True)), kept=X[live])
+    assert deleted.scan([tmp_path / "after"]) == []
+    assert {f.record_id for f in everyone.scan([tmp_path / "after"])} == set(ids[live])
+
+
+def test_a_strided_match_needs_enough_rare_features_no_kept_record_explains(tmp_path
+                                                                          ) -> None:
+    """False positives stay out: a column-major matrix of kept records that hold each of a
+    deleted record's values (ties, in scattered places), or a kept duplicate of it, name
+    no one; the record itself, stored among them, is found."""
+    rng = np.random.default_rng(7)
+    others, x = rng.random((50, 8)), rng.random(8)
+    others[rng.permutation(50)[:8], np.arange(8)] = x  # each value tied with some record
+    np.save(tmp_path / "cols.npy", others.T.copy())
+    scanner = TraceScanner({"x": x}, kept=others, ids=False)
+    assert scanner.scan([tmp_path]) == []
+    with_x = np.vstack([others[:20], x, others[20:]])
+    np.save(tmp_path / "cols.npy", with_x.T.copy())
+    assert [(f.record_id, f.trace) for f in scanner.scan([tmp_path])] == [
+        ("x", "feature-major float64")]
+    kept_twin = TraceScanner({"x": x}, kept=with_x, ids=False)  # a kept record holds x too
+    assert kept_twin.scan([tmp_path]) == []
+
+
+@pytest.mark.parametrize("kind", ["dare", "sisa", "mlp", "game"])
+def test_every_learners_files_show_their_live_records_and_no_deleted_one(tmp_path, kind
+                                                                         ) -> None:
+    """The version's files as the registry writes them (learner and guard), scanned by
+    values only (ids=False, as if no id were stored): every live record is found, no
+    deleted one is."""
+    ids, X, y = _breast_cancer()
+    n = 120
+    model = ServedModel.train(kind, ids[:n], X[:n], y[:n], _SMALL[kind])
+    gone = np.arange(0, n, 10)
+    live = np.setdiff1d(np.arange(n), gone)
+    model.learner.delete(ids[gone])
+    model.refresh_guard()
+    model.save(tmp_path / "v")
+    found = TraceScanner(dict(zip(ids[live], X[live], strict=True)), ids=False).scan(
+        [tmp_path / "v"])
+    assert {f.record_id for f in found} == set(ids[live])
+    deleted = TraceScanner(dict(zip(ids[gone], X[gone], strict=True)), kept=X[live],
+                           ids=False)
+    assert deleted.scan([tmp_path / "v"]) == []
