@@ -150,7 +150,10 @@ class Registry:
         return ModelVersion.model_validate(dict(row._mapping))
 
     def lineage(self, limit: int = 100) -> list[ModelVersion]:
-        """Published versions, newest first."""
+        """The newest `limit` published versions, newest first (ValueError for a limit
+        under 1: SQLite reads LIMIT -1 as no limit, PostgreSQL refuses it)."""
+        if limit < 1:
+            raise ValueError(f"the lineage's limit must be at least 1, got {limit}")
         with self.engine.connect() as conn:
             rows = conn.execute(select(VERSIONS).where(VERSIONS.c.name == self.name)
                                 .order_by(VERSIONS.c.seq.desc()).limit(limit)).all()

@@ -7,9 +7,14 @@ producer can act on.
 
 Nothing a producer sends may get further than a rejection: a null value, an
 integer of any size, NaN or Infinity, JSON nested a thousand deep, non-UTF-8
-bytes and strings longer than the column they are stored in are all refused
-here, before the database sees them, and reasons never quote more than a short
-prefix of what was sent.
+bytes, a key twice in one object, an id that is not a string, and strings longer
+than the column they are stored in are all refused here, before the database
+sees them, and reasons never quote more than a short prefix of what was sent.
+An addition is refused unless every learner can take it: a feature must scale
+to within FAR_OUTSIDE times its range of [0, 1] (so it is finite in float32,
+what the networks train in), or lie in [0, 1] when it comes pre-scaled; a
+worker that could not apply an accepted addition would stop every deletion
+behind it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from ledger.models import DatasetSchema, Event, RecordPayload, Request, TrainingRecord
+from ledger.transform import InputTransform
 
 
 def _length(model: type, column: str) -> int:
@@ -35,9 +41,13 @@ ID_COLUMNS = ((Request, "request_id"), (Request, "subject_id"), (Event, "request
               (TrainingRecord, "added_by"), (RecordPayload, "record_id"))
 MAX_ID_LENGTH = min(_length(m, c) for m, c in ID_COLUMNS)  # 128
 MAX_TIMESTAMP_LENGTH = _length(Request, "requested_at")  # 64
-# An integer literal longer than this is refused while parsing: an id may not be longer
-# anyway, and every shorter one converts to a finite float and back to text.
+# An integer literal longer than this is refused while parsing (int() is never asked to
+# convert more): no field takes one that long, and every shorter one is a finite float.
 MAX_INT_DIGITS = MAX_ID_LENGTH
+# How far outside its range a raw feature of an addition may lie, in multiples of the
+# range: (x - min) / (max - min) in [-FAR_OUTSIDE, 1 + FAR_OUTSIDE]. Beyond that it is
+# an error of units, not data (and 1e40 is not even a float32).
+FAR_OUTSIDE = 1000
 MAX_REASON_CHARS = 1000  # a reason goes to the ledger and to a dead letter's header
 OPS = ("delete", "add")
 _FIELDS = {"request_id", "op", "subject_id", "record_ids", "payload", "requested_at"}
@@ -97,7 +107,7 @@ def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | Non
         except UnicodeDecodeError:
             raise InvalidRequest("message is not UTF-8 text") from None
         try:
-            doc = json.loads(text, parse_int=_parse_int)
+            doc = json.loads(text, parse_int=_parse_int, object_pairs_hook=_object)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"malformed JSON: {exc.msg} at position {exc.pos}") from None
         except RecursionError:
@@ -116,14 +126,14 @@ def parse_request(raw: bytes | str | dict[str, Any], schema: DatasetSchema | Non
 
 def _parse_fields(doc: dict[str, Any], request_id: str,
                   schema: DatasetSchema | None) -> RequestMessage:
-    unknown = sorted(set(doc) - _FIELDS, key=_show)
+    unknown = sorted(set(doc) - _FIELDS, key=show_value)
     if unknown:
-        raise InvalidRequest(f"unknown field(s): {', '.join(map(_show, unknown))}")
+        raise InvalidRequest(f"unknown field(s): {', '.join(map(show_value, unknown))}")
     if "op" not in doc:
         raise InvalidRequest("missing field 'op'")
     op = doc["op"]
     if type(op) is not str or op not in OPS:
-        raise InvalidRequest(f"unknown op {_show(op)}: expected 'delete' or 'add'")
+        raise InvalidRequest(f"unknown op {show_value(op)}: expected 'delete' or 'add'")
     subject_id = doc.get("subject_id")
     if subject_id is not None:
         subject_id = _identifier(subject_id, "subject_id")
@@ -154,12 +164,12 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
         raise InvalidRequest("missing field 'payload' for an 'add'")
     if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
         raise InvalidRequest("'payload' must be an object with a list 'records'")
-    extra = sorted(set(payload) - {"records", "scaled"}, key=_show)
+    extra = sorted(set(payload) - {"records", "scaled"}, key=show_value)
     if extra:
-        raise InvalidRequest(f"'payload' has unknown field(s): {', '.join(map(_show, extra))}")
+        raise InvalidRequest(f"'payload' has unknown field(s): {', '.join(map(show_value, extra))}")
     scaled = payload.get("scaled", False)
     if not isinstance(scaled, bool):
-        raise InvalidRequest(f"'payload.scaled' must be true or false, got {_show(scaled)}")
+        raise InvalidRequest(f"'payload.scaled' must be true or false, got {show_value(scaled)}")
     # raw features (the default) go through the transform stored at `ledger init`
     transform = None if scaled else schema.input_transform
     items = payload["records"]
@@ -173,9 +183,10 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
         where = f"payload.records[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest(f"{where} must be an object")
-        extra = sorted(set(item) - {"record_id", "features", "label"}, key=_show)
+        extra = sorted(set(item) - {"record_id", "features", "label"}, key=show_value)
         if extra:
-            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(map(_show, extra))}")
+            raise InvalidRequest(f"{where} has unknown field(s): "
+                                 f"{', '.join(map(show_value, extra))}")
         for name in ("record_id", "features", "label"):
             if name not in item:
                 raise InvalidRequest(f"{where} is missing '{name}'")
@@ -185,26 +196,10 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
             got = len(feats) if isinstance(feats, list) else _kind(feats)
             raise InvalidRequest(f"{where}.features must be a list of {schema.n_features} "
                                  f"numbers (schema {schema.name!r}), got {got}")
-        values = []
-        for j, v in enumerate(feats):
-            try:  # an int too large for a float (only a dict can hold one) is not finite
-                f = math.inf if isinstance(v, bool) or not isinstance(v, int | float) \
-                    else float(v)
-            except OverflowError:
-                f = math.inf
-            if not math.isfinite(f):
-                raise InvalidRequest(f"{where}.features[{j}] must be a finite number, "
-                                     f"got {_show(v)}")
-            values.append(f)
-        if transform is not None:
-            values = transform.scale_row(values)
-            bad = next((j for j, f in enumerate(values) if not math.isfinite(f)), None)
-            if bad is not None:
-                raise InvalidRequest(f"{where}.features[{bad}] {_show(feats[bad])} is too "
-                                     f"far outside the feature's range to be scaled")
+        values = _features(feats, where, transform)
         label = item["label"]
         if isinstance(label, bool) or not isinstance(label, int) or label not in schema.classes:
-            raise InvalidRequest(f"{where}.label {_show(label)} is not one of the schema's "
+            raise InvalidRequest(f"{where}.label {show_value(label)} is not one of the schema's "
                                  f"classes {schema.classes}")
         out.append(NewRecord(rid, values, label))
     ids = [r.record_id for r in out]
@@ -213,19 +208,65 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
     return tuple(out)
 
 
+def _features(feats: list[Any], where: str, transform: InputTransform | None
+              ) -> list[float]:
+    """An addition's features in the model's input space, or the reason one cannot be
+    there: not a finite number, pre-scaled (`transform` None) outside [0, 1], or raw
+    further than FAR_OUTSIDE times its range outside it."""
+    values = []
+    for j, v in enumerate(feats):
+        try:  # an int too large for a float (only a dict can hold one) is not finite
+            f = math.inf if isinstance(v, bool) or not isinstance(v, int | float) \
+                else float(v)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise InvalidRequest(f"{where}.features[{j}] must be a finite number, "
+                                 f"got {show_value(v)}")
+        values.append(f)
+    if transform is None:
+        bad = next((j for j, f in enumerate(values) if not 0.0 <= f <= 1.0), None)
+        if bad is not None:
+            raise InvalidRequest(f"{where}.features[{bad}] is {show_value(feats[bad])}, outside "
+                                 "[0, 1]: with \"scaled\": true features must be in the "
+                                 "model's input space (send raw values without it)")
+        return values
+    scaled = transform.scale_row(values)
+    bad = next((j for j, z in enumerate(scaled)
+                if not -FAR_OUTSIDE <= z <= 1 + FAR_OUTSIDE), None)
+    if bad is not None:
+        lo, span = transform.mins[bad], transform.spans[bad]
+        raise InvalidRequest(
+            f"{where}.features[{bad}] ({show_value(transform.names[bad])}) is "
+            f"{show_value(feats[bad])}: more than {FAR_OUTSIDE:,} times the feature's range "
+            f"outside it; raw values from {lo - FAR_OUTSIDE * span:g} to "
+            f"{lo + (1 + FAR_OUTSIDE) * span:g} are accepted (its range is {lo:g} to "
+            f"{transform.maxs[bad]:g})")
+    return scaled
+
+
 def _identifier(value: Any, name: str, index: int | None = None) -> str:
     # Hot path: one call per id in every message, so the error text is built only on error.
-    if type(value) is str:
-        text = value
-    elif type(value) is int:
-        # longer than any id (and than str() may write): fails the length check below
-        text = str(value) if value.bit_length() <= _MAX_ID_BITS else "0" * (MAX_ID_LENGTH + 1)
-    else:
+    if type(value) is not str:  # an integer too: 7 and "7" must not name one record
         raise InvalidRequest(f"'{_at(name, index)}' must be a string, got {_kind(value)}")
-    if not text or len(text) > MAX_ID_LENGTH or not text.isprintable() or text != text.strip():
+    if not value or len(value) > MAX_ID_LENGTH or not value.isprintable() \
+            or value != value.strip():
         raise InvalidRequest(f"'{_at(name, index)}' must be 1-{MAX_ID_LENGTH} printable "
                              "characters without surrounding spaces")
-    return text
+    return value
+
+
+def storable_id(text: str) -> bool:
+    """Whether every id column can hold `text` (1-128 characters, no NUL, UTF-8): an id
+    in a path or query that fails is in no row, and must not reach the database, which
+    refuses it with an error (PostgreSQL: NUL) instead of finding nothing."""
+    if not 0 < len(text) <= MAX_ID_LENGTH or "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 def _at(name: str, index: int | None) -> str:
@@ -260,6 +301,20 @@ def _timestamp(value: Any) -> str:
 _MAX_ID_BITS = int(MAX_ID_LENGTH * math.log2(10))  # every int of this many bits has <= 128 digits
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: a key twice in one object is refused, at any depth (the
+    last would win: `"op": "add", "op": "delete"` would be a deletion)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise InvalidRequest(f"key {show_value(key)} appears twice in one object; each "
+                                     "key may appear once")
+            seen.add(key)
+    return doc
+
+
 def _parse_int(digits: str) -> int:
     """json.loads' integer hook: refuses a literal longer than any field can use before
     int() is asked to convert it (Python refuses beyond 4,300 digits, float() beyond 309)."""
@@ -269,8 +324,9 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
-def _show(value: Any, limit: int = 40) -> str:
-    """A short, safe repr of a value sent by a producer, for a reason."""
+def show_value(value: Any, limit: int = 40) -> str:
+    """A short, safe repr of a value a client sent (a message, a path, a query), for a
+    reason."""
     if type(value) is int and value.bit_length() > _MAX_ID_BITS:
         return f"<an integer of {value.bit_length()} bits>"
     if isinstance(value, str | int | float | bool | type(None)):

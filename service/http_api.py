@@ -32,7 +32,7 @@ from ledger.chain import iso
 from ledger.forgotten import forgotten
 from ledger.store import Ledger
 from ledger.transform import schema_document
-from ledger.validation import MAX_MESSAGE_BYTES
+from ledger.validation import MAX_ID_LENGTH, MAX_MESSAGE_BYTES, show_value, storable_id
 from service.usage import GuardUsage
 
 AUDIT_DIR = Path(__file__).parent / "audit"
@@ -45,20 +45,72 @@ Handler = Callable[[Request], Awaitable[Response]]
 # what the public may not see of a manifest: the seeds (private prediction mode rests on
 # them staying secret) and where it was built
 _PRIVATE_MANIFEST = ("seed", "built_by")
+# In private prediction mode, what the public may see of a version's change and guard:
+# nothing that depends on the shard seeds. Which shards an update retrained, from which
+# slice, how many records they hold, how long they took and each shard's bound all tell
+# which shard a deleted or added record was in (released outside the seeds' budget).
+_SEEDLESS_CHANGE = ("op", "requests", "n_records", "reason", "to", "from")
+_SEEDLESS_UPDATE = ("op", "n_records", "guarantee")
+_SEEDLESS_GUARD = ("rule", "ready", "n_shards", "shard_bound")
+_SEEDLESS_CHECK = ("guarantee", "exact")
+_MAX_BIGINT = 2**63 - 1  # the largest tree size or sequence number a column holds
+# ASCII digits only (int() also takes " 1_0" and other scripts' digits), 20 at most
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
 
 
-def _public_manifest(m: dict[str, Any]) -> dict[str, Any]:
+def _public_manifest(m: dict[str, Any], private: bool) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if k not in _PRIVATE_MANIFEST}
     out["params"] = {k: v for k, v in m.get("params", {}).items() if k != "random_state"}
+    if private:
+        out["guard"] = _pick(m.get("guard"), _SEEDLESS_GUARD)
+        out["change"] = _seedless_change(m.get("change") or {})
     return out
 
 
-def _version_dict(v: ModelVersion, full: bool = False) -> dict[str, Any]:
+def _seedless_change(change: dict[str, Any]) -> dict[str, Any]:
+    out = _pick(change, _SEEDLESS_CHANGE)
+    if "updates" in change:
+        out["updates"] = [_pick(u, _SEEDLESS_UPDATE) for u in change["updates"]]
+    if "guard" in change:
+        out["guard"] = _pick(change["guard"], _SEEDLESS_GUARD)
+    if "exactness" in change:
+        out["exactness"] = _pick(change["exactness"], _SEEDLESS_CHECK)
+    return out
+
+
+def _pick(d: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: d[k] for k in keys if k in d} if isinstance(d, dict) else {}
+
+
+def _version_dict(v: ModelVersion, full: bool = False, private: bool = False
+                  ) -> dict[str, Any]:
     return {"version": v.version, "seq": v.seq, "parent": v.parent,
             "created_at": iso(v.created_at),
-            "manifest": v.manifest if full else _public_manifest(v.manifest),
+            "manifest": v.manifest if full else _public_manifest(v.manifest, private),
             "superseded_by_deletion": v.superseded_by_deletion,
             "destroyed_at": None if v.destroyed_at is None else iso(v.destroyed_at)}
+
+
+def _int_param(request: Request, name: str, default: int | None, low: int, high: int) -> int:
+    """Query parameter `name`, an integer in [low, high] (`default` when absent); 400
+    otherwise: a limit of -1 reached PostgreSQL as LIMIT -1, a size past BIGINT overflowed."""
+    text = request.query_params.get(name)
+    if text is None and default is not None:
+        return default
+    if text is None or not _INTEGER.fullmatch(text) or not low <= int(text) <= high:
+        raise HTTPException(400, f"{name} must be an integer from {low:,} to {high:,}, got "
+                                 f"{'nothing' if text is None else show_value(text)}")
+    return int(text)
+
+
+def _path_id(request: Request, name: str) -> str:
+    """Path parameter `name`, an id; 400 for one no id column can hold (NUL, over 128
+    characters): it is in no row, and PostgreSQL would refuse it with an error."""
+    value = request.path_params[name]
+    if not storable_id(value):
+        raise HTTPException(400, f"{name} must be 1-{MAX_ID_LENGTH} characters without NUL, "
+                                 f"got {show_value(value)}")
+    return value
 
 
 @dataclass
@@ -74,6 +126,7 @@ class AppContext:
     usage: GuardUsage | None = None
     admin_token: str = ""
     status: Callable[[], dict[str, Any]] = dict
+    private: bool = False  # private prediction mode: no seed-dependent field to the public
 
 
 def build_app(ctx: AppContext) -> Starlette:
@@ -111,7 +164,7 @@ def build_app(ctx: AppContext) -> Starlette:
         return JSONResponse(answer, status_code=result.http_status)
 
     async def request_history(request: Request) -> Response:
-        rid = request.path_params["request_id"]
+        rid = _path_id(request, "request_id")
         try:
             history = await run_in_threadpool(ctx.ledger.history, rid)
         except KeyError:
@@ -119,7 +172,7 @@ def build_app(ctx: AppContext) -> Starlette:
         return JSONResponse(history)
 
     async def forgotten_report(request: Request) -> Response:
-        rid = request.path_params["request_id"]
+        rid = _path_id(request, "request_id")
         try:
             report = await run_in_threadpool(forgotten, ctx.ledger, rid)
         except KeyError:
@@ -129,7 +182,7 @@ def build_app(ctx: AppContext) -> Starlette:
         return JSONResponse(report)
 
     async def subject_requests(request: Request) -> Response:
-        sid = request.path_params["subject_id"]
+        sid = _path_id(request, "subject_id")
         rows = await run_in_threadpool(ctx.ledger.requests_of_subject, sid)
         return JSONResponse({"subject_id": sid, "requests": rows})
 
@@ -142,33 +195,25 @@ def build_app(ctx: AppContext) -> Starlette:
         serving = ctx.status()
         if not full:
             serving = {k: v for k, v in serving.items() if k != "process"}
-        return JSONResponse({"current": _version_dict(cur, full), "serving": serving})
+        return JSONResponse({"current": _version_dict(cur, full, ctx.private),
+                             "serving": serving})
 
     async def lineage(request: Request) -> Response:
-        try:
-            limit = min(int(request.query_params.get("limit", "100")), 1000)
-        except ValueError:
-            return JSONResponse({"error": "limit must be an integer"}, status_code=400)
+        limit = _int_param(request, "limit", 100, 1, 1000)
         rows = await run_in_threadpool(ctx.registry.lineage, limit)
         full = is_admin(request)
-        return JSONResponse({"versions": [_version_dict(v, full) for v in rows]})
+        return JSONResponse({"versions": [_version_dict(v, full, ctx.private) for v in rows]})
 
     async def ledger_heads(request: Request) -> Response:
         """Public: signed tree heads are meant to be published (and saved by auditors)."""
-        try:
-            since = max(0, int(request.query_params.get("since", "0")))
-            limit = min(max(1, int(request.query_params.get("limit", "1000"))), 10_000)
-        except ValueError:
-            return JSONResponse({"error": "since and limit must be integers"}, status_code=400)
+        since = _int_param(request, "since", 0, 0, _MAX_BIGINT)
+        limit = _int_param(request, "limit", 1000, 1, 10_000)
         return JSONResponse(await run_in_threadpool(ctx.ledger.published_heads, since, limit))
 
     async def ledger_consistency(request: Request) -> Response:
         """Public: an RFC 6962 consistency proof between two tree sizes (hashes only)."""
-        try:
-            old, new = int(request.query_params["old"]), int(request.query_params["new"])
-        except (KeyError, ValueError):
-            return JSONResponse({"error": "give old and new as integer tree sizes"},
-                                status_code=400)
+        old = _int_param(request, "old", None, 0, _MAX_BIGINT)
+        new = _int_param(request, "new", None, 0, _MAX_BIGINT)
         try:
             proof = await run_in_threadpool(ctx.ledger.consistency, old, new)
         except ValueError as exc:
@@ -176,10 +221,7 @@ def build_app(ctx: AppContext) -> Starlette:
         return JSONResponse(proof)
 
     async def guard_usage(request: Request) -> Response:
-        try:
-            bucket = max(1, int(request.query_params.get("bucket_s", "60")))
-        except ValueError:
-            return JSONResponse({"error": "bucket_s must be an integer"}, status_code=400)
+        bucket = _int_param(request, "bucket_s", 60, 1, 366 * 86_400)
         return JSONResponse(await run_in_threadpool(ctx.usage.summary, bucket))
 
     async def schema(request: Request) -> Response:

@@ -131,6 +131,7 @@ class Obliviate:
         CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
         CONTEXT.admin_token = settings.admin_bearer_token()
         CONTEXT.status = self.holder.status
+        CONTEXT.private = self.budgets is not None  # no seed-dependent field to the public
         self._ledger_metrics = CollectorRegistry(auto_describe=True)
         self._ledger_metrics.register(LedgerCollector(
             self._pending, self._unverified, self.registry.current_seq,

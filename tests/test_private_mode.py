@@ -194,3 +194,81 @@ def test_over_http_answers_stop_at_the_budget_and_resume_on_fresh_seeds(tmp_path
                 break
             time.sleep(0.5)
         assert r.status_code == 200 and r.json()["model_version"] != v1, r.text
+        # a deletion: the public lineage does not say which shard held the record
+        assert sc.submit({"request_id": "http-d1", "op": "delete",
+                          "record_ids": ["r001"]}).status_code == 202
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            versions = sc.get("/v1/models/lineage", admin=False).json()["versions"]
+            ops = [v["manifest"]["change"]["op"] for v in versions]
+            if "update" in ops:
+                break
+            time.sleep(0.5)
+        assert "update" in ops, ops
+        assert not _keys(versions) & SEED_DEPENDENT, _keys(versions) & SEED_DEPENDENT
+        full = sc.get("/v1/models/lineage").json()["versions"]
+        assert {"shards", "from_slice"} <= _keys(full)
+
+
+# what names, or follows from, the shard a record is in: the shard seeds decide it
+SEED_DEPENDENT = {"retrained", "shards", "shard", "from_slice", "records_in_retrained_shards",
+                  "bound", "beta", "metrics", "seconds", "train_seconds", "shards_checked",
+                  "mismatched_checkpoints", "served_differs_from_checkpoint"}
+
+
+def _keys(doc: object) -> set[str]:
+    """Every key of a JSON document, at any depth."""
+    if isinstance(doc, dict):
+        return set(doc).union(*map(_keys, doc.values()))
+    if isinstance(doc, list):
+        return set().union(*map(_keys, doc))
+    return set()
+
+
+def test_the_public_sees_no_seed_dependent_field_in_private_mode(seeded60: Ledger) -> None:
+    """Issue 26: the public lineage named the shards each deleted or added record was
+    retrained in (`retrained.shards`, `from_slice`, `records_in_retrained_shards`), and
+    each shard's bound; the admin still sees them all."""
+    from starlette.testclient import TestClient
+
+    from service.http_api import AppContext, build_app
+
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=0.0, budget=POLICY,
+                                         shard_bound_s=1.0))
+    w.bootstrap("sisa", {**SISA, "n_slices": 2})
+    ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["r001"]})
+    ledger.receive({"request_id": "a1", "op": "add", "subject_id": "s99", "payload": {
+        "records": [{"record_id": "n1", "features": [0.1, 0.2, 0.3, 0.4], "label": 1}]}})
+    deadline = time.monotonic() + 120  # the update, then the shards' bounds and the check
+    while reg.current().manifest["change"]["op"] != "guard" and time.monotonic() < deadline:
+        if not w.step():
+            time.sleep(0.05)
+    token = "private-mode-admin-token-0123456789"
+    app = build_app(AppContext(ledger=ledger, registry=reg, admin_token=token, private=True,
+                               status=lambda: {"mode": "private"}))
+    with TestClient(app) as client:
+        public = [client.get(p).json() for p in ("/v1/models", "/v1/models/lineage",
+                                                  "/v1/ledger/heads", "/v1/schema")]
+        admin = client.get("/v1/models/lineage",
+                           headers={"Authorization": f"Bearer {token}"}).json()
+    assert not _keys(public) & SEED_DEPENDENT, _keys(public) & SEED_DEPENDENT
+    ops = [v["manifest"]["change"]["op"] for v in public[1]["versions"]]
+    assert "update" in ops and "guard" in ops, ops
+    refit = public[1]["versions"][0]["manifest"]["change"]
+    assert refit["op"] == "guard" and refit["guard"] == {
+        "rule": "sisa-vote", "ready": True, "n_shards": 3, "shard_bound": "per-shard"}, refit
+    update = next(v["manifest"] for v in public[1]["versions"]
+                  if v["manifest"]["change"]["op"] == "update")
+    assert update["change"] == {"op": "update", "requests": 2, "updates": [
+        {"op": "add", "n_records": 1, "guarantee": "exact"},
+        {"op": "delete", "n_records": 1, "guarantee": "exact"}],
+        "guard": {"rule": "sisa-vote", "ready": True, "n_shards": 3,
+                  "shard_bound": "per-shard"}}
+    assert update["guard"] == update["change"]["guard"]
+    assert update["training_set"]["count"] == 60
+    full = next(v["manifest"] for v in admin["versions"]
+                if v["manifest"]["change"]["op"] == "update")
+    assert {"shards", "from_slice", "records_in_retrained_shards", "bound"} <= _keys(full)
