@@ -17,7 +17,9 @@ disagree with the log:
   requests it applied or verified, a `destroyed` event's manifest digest and
   content hash), with its own row (seq, parent) and with the `manifest.json`
   saved beside its files in the model store;
-- a destroyed version stays destroyed: `destroyed_at` set and no sealing key;
+- a destroyed version stays destroyed: `destroyed_at` set and no sealing key; a
+  version that is not destroyed still has its key (without it no process can load
+  it: deleting the current version's key stops the service);
 - a `verified` event marked `in_place` (the exactness check run on a version
   that was published already guarded) publishes nothing: it must follow the
   event that published the version it names.
@@ -34,16 +36,14 @@ from typing import Any
 
 from sqlalchemy import select
 
-from jobs.registry import KEYS, MANIFEST_FILE, POINTER, VERSIONS, Registry
+from jobs.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry
 from jobs.retention import manifest_sha256
 from ledger.config import Settings
+from ledger.forgotten import PUBLICATIONS
 from ledger.log_check import Problem
 from ledger.store import Ledger
 from ledger.tables import EVENTS
 
-# events that publish the version they name (the pointer moved in their transaction)
-PUBLICATIONS = ("applied", "verified", "model_trained", "guard_refreshed", "seeds_rotated",
-                "rolled_back")
 _ANNOUNCED_CHANGE = ("model_trained", "guard_refreshed", "seeds_rotated", "rolled_back")
 
 
@@ -72,8 +72,6 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
         rows = {r.version: r for r in conn.execute(
             select(VERSIONS).where(VERSIONS.c.name == registry.name))}
         known = set(conn.execute(select(VERSIONS.c.version)).scalars())  # of every name
-        keyed = set(conn.execute(select(KEYS.c.version).where(KEYS.c.name == registry.name))
-                    .scalars())
         ptr = conn.execute(select(POINTER).where(POINTER.c.name == registry.name)).first()
 
     for version, evs in sorted(announced.items(), key=lambda kv: kv[1][0][0]):
@@ -116,7 +114,7 @@ def verify_registry(ledger: Ledger, registry: Registry) -> list[Problem]:
 
     for version, row in sorted(rows.items(), key=lambda kv: kv[1].seq):
         problems.extend(_check_version(registry, version, row, announced.get(version, []),
-                                       destroyed.get(version), version in keyed))
+                                       destroyed.get(version), registry.has_key(version)))
     for version, (seq, _) in sorted(destroyed.items(), key=lambda kv: kv[1][0]):
         if version not in known:
             problems.append(Problem(f"model version {version}", f"event {seq} destroyed it, "
@@ -176,6 +174,9 @@ def _check_version(registry: Registry, version: str, row: Any,
                                       "key for it again"))
     elif row.destroyed_at is not None:
         out.append(Problem(where, "is marked destroyed, but no `destroyed` event says so"))
+    elif not keyed:
+        out.append(Problem(where, "is not destroyed, but its sealing key is gone: no process "
+                                  "can load it (key deleted)"))
     stored = _stored_manifest(registry, version)
     if stored is not None and stored != man:
         out.append(Problem(where, "the manifest in the database is not the one saved beside "

@@ -188,6 +188,12 @@ class Registry:
                                      "or never saved")
         return bytes.fromhex(key)
 
+    def has_key(self, version: str) -> bool:
+        """Whether `version`'s sealing key still exists (a destroyed version has none)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(KEYS.c.version).where(
+                KEYS.c.name == self.name, KEYS.c.version == version)).first() is not None
+
     def path(self, version: str) -> Path:
         """Where a version's files are: the shared model store, else the running Bento's."""
         return self.store.path(version)
