@@ -54,8 +54,11 @@ EXTRA_ENV = {
     "BENTOML_DO_NOT_TRACK",             # BentoML usage tracking off
 }
 REQUIRED_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_KAFKA_BOOTSTRAP", "OBLIVIATE_HMAC_KEY_HEX",
-                "OBLIVIATE_ADMIN_TOKEN", "BENTOML_HOME"}
-SECRET_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN"}
+                "OBLIVIATE_ADMIN_TOKEN", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX", "BENTOML_HOME"}
+# the ledger's one signing key among them: every process signs with it
+# (tests/test_signing_identity.py starts processes with this environment)
+SECRET_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN",
+              "OBLIVIATE_LEDGER_SIGNING_KEY_HEX"}
 
 REQUIRED_ALERTS = {"DeletionSLAMissed", "GuardStuckInNoiseAll", "PrivacyBudgetExhausted",
                    "DeadLettersRising", "ModelVersionLagging", "VerifyFailures"}
@@ -292,7 +295,8 @@ _REQUIRED_VAR = re.compile(r"\$\{[A-Z0-9_]+:\?[^}]*\}")
 
 def test_compose_commits_no_secrets() -> None:
     env = _services()["service"]["environment"]
-    for key in ("OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN"):
+    for key in ("OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN",
+                "OBLIVIATE_LEDGER_SIGNING_KEY_HEX"):
         assert _REQUIRED_VAR.fullmatch(env[key]), f"{key} must be ${{VAR:?...}}, not a value"
     password = env["OBLIVIATE_DATABASE_URL"].split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
     assert _REQUIRED_VAR.fullmatch(password), "the database password must come from the env"
