@@ -95,7 +95,9 @@ class SigningKeys:
             return (f"the ledger's signing key is log {now[:16]}... (key rotation at event "
                     f"{chain.ends[-1]}), not this process's key (log {mine[:16]}...)")
         lo, hi = chain.span(self.signer.public_key)
-        if size is None and hi != float("inf") or size is not None and not lo < size <= hi:
+        if size is not None and size <= lo:
+            return f"a head over {size} events is a retired key's to sign (rotated at {lo})"
+        if (size is None or size > hi) and hi != float("inf"):
             return (f"this process's key (log {mine[:16]}...) was retired by the key rotation "
                     f"at event {int(hi)}: the ledger's signing key is now log {now[:16]}...")
         return None

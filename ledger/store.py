@@ -1162,13 +1162,13 @@ class Ledger:
         if self._signer is None:
             self._write_checkpoint(conn, size)
             return None
+        frontier = self._trusted_frontier(conn)
+        if frontier is None or frontier.size >= size:
+            return None
         why = self._keys.refusal(conn, size)
         if why:
             log.error("not signing a head over %d events: %s (restart this process with the "
                       "ledger's key)", size, why)
-            return None
-        frontier = self._trusted_frontier(conn)
-        if frontier is None or frontier.size >= size:
             return None
         _extend(conn, frontier, size)
         if frontier.size != size:

@@ -253,3 +253,22 @@ def test_the_receipts_own_proof_checks_agree_with_the_ledgers() -> None:
                 assert checker.verify_consistency(m, n, root, root, proof) is \
                     merkle.verify_consistency(m, n, root, root, proof) is False
                 assert not checker.verify_consistency(m, n, old, root, proof[:-1])
+
+
+def test_a_receipt_after_a_key_rotation_checks_with_the_key_published_before(
+        signed: Ledger) -> None:
+    assert signed.receive(delete("d1", "r004")).status == "accepted"
+    ids = [r.request_id for r in signed.claim(10, worker="w1")]
+    signed.mark_applied(ids, "v000002", {"guarantee": "exact"})
+    new = bytes(range(50, 82))
+    signed.rotate_key(new)
+    assert signed.receive(delete("d2", "r005")).status == "accepted"  # the new key signs it
+    doc = json.loads(json.dumps(receipt(signed, "d1")))
+    assert doc["head"]["public_key"] == HeadSigner(new).public_key.hex()
+    assert len(doc["rotations"]) == 1
+    for key in (PUBLIC_KEY, HeadSigner(new).public_key):
+        verdict = checker.check(doc, key)
+        assert verdict.ok, verdict.problems
+    assert any("exactness of v000002: not proven yet" in f for f in verdict.facts)
+    # without the rotation the key published before it cannot reach the head's key
+    assert not checker.check({**doc, "rotations": []}, PUBLIC_KEY).ok
