@@ -17,7 +17,9 @@ disagree with the log:
   requests it applied or verified, a `destroyed` event's manifest digest and
   content hash), with its own row (seq, parent) and with the `manifest.json`
   saved beside its files in the model store;
-- a destroyed version stays destroyed: `destroyed_at` set and no sealing key;
+- a destroyed version stays destroyed: `destroyed_at` set and no sealing key; a
+  version that is not destroyed still has its key (without it no process can load
+  it: deleting the current version's key stops the service);
 - a `verified` event marked `in_place` (the exactness check run on a version
   that was published already guarded) publishes nothing: it must follow the
   event that published the version it names.
@@ -37,13 +39,11 @@ from sqlalchemy import select
 from jobs.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry
 from jobs.retention import manifest_sha256
 from ledger.config import Settings
+from ledger.forgotten import PUBLICATIONS
 from ledger.log_check import Problem
 from ledger.store import Ledger
 from ledger.tables import EVENTS
 
-# events that publish the version they name (the pointer moved in their transaction)
-PUBLICATIONS = ("applied", "verified", "model_trained", "guard_refreshed", "seeds_rotated",
-                "rolled_back")
 _ANNOUNCED_CHANGE = ("model_trained", "guard_refreshed", "seeds_rotated", "rolled_back")
 
 
@@ -175,6 +175,9 @@ def _check_version(registry: Registry, version: str, row: Any,
                                       "a key for it again"))
     elif row.destroyed_at is not None:
         out.append(Problem(where, "is marked destroyed, but no `destroyed` event says so"))
+    elif not keyed:
+        out.append(Problem(where, "is not destroyed, but its sealing key is gone: no process "
+                                  "can load it (key deleted)"))
     stored = _stored_manifest(registry, version)
     if stored is not None and stored != man:
         out.append(Problem(where, "the manifest in the database is not the one saved beside "

@@ -183,6 +183,7 @@ class Registry:
         return key
 
     def has_key(self, version: str) -> bool:
+        """Whether `version`'s sealing key still exists (a destroyed version has none)."""
         return self.keys.get(self.key_name(version)) is not None
 
     def key_name(self, version: str, conn: Connection | None = None) -> str:

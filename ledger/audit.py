@@ -2,18 +2,21 @@
 
 `obliviate audit check --heads SAVED.json` runs this against the configured
 database; an auditor without the sidecar runs it on files, or against the
-service's public endpoints, with the standard library, `cryptography` and four
-files of this package (`chain.py`, `merkle.py`, `heads.py`, this one):
+service's public endpoints, with the standard library, `cryptography` and five
+files of this package (`chain.py`, `merkle.py`, `heads.py`, `receipt.py`, this one):
 
     python -m ledger.audit --heads saved.json --current now.json --events export.jsonl
     python -m ledger.audit --heads saved.json --url http://sidecar:3000 --events export.jsonl
 
 SAVED.json and now.json are what `obliviate ledger heads` (or GET /v1/ledger/heads)
 printed, earlier and now; export.jsonl is `obliviate ledger export` output from
-event 1. The check: every head's signature (with the public key given, else the
-one in the saved file); that every saved head is consistent with the newest
-current head (an RFC 6962 consistency proof: the log only grew); that the events
-rebuild the hash chain and every head's root. It names the first problem.
+event 1. The check: every head's signature, by the key that signs its size (the
+public key given, else the one in the saved file, and the keys the log's key
+rotations hand over to: each rotation signed by the key it retires and covered by
+that key's last head); that every saved head is consistent with the newest current
+head (an RFC 6962 consistency proof: the log only grew); that the events rebuild the
+hash chain and every head's root, and hold the rotations the heads document lists.
+It names the first problem.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from ledger import merkle
 from ledger.chain import GENESIS_HASH, canonical_json, event_hash, event_leaf
-from ledger.heads import parse_public_key, verify_head
+from ledger.heads import ROTATION_KIND, KeyChain, parse_public_key
 
 Proofs = Callable[[int, int], list[bytes]]
 
@@ -78,13 +81,17 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
             return out
         key = parse_public_key(pinned)
         notes.append("public key taken from the saved heads file (pin it with --public-key)")
+    rotations = (current.get("rotations") if isinstance(current, dict) else None) or []
+    chain, why = KeyChain.follow(key, rotations)
+    problems.extend(why)
     presented = current.get("public_key") if isinstance(current, dict) else None
-    if presented and presented != key.hex():
+    if presented and presented != chain.current.hex():
         problems.append(f"the log now presents another public key ({presented[:16]}...) "
-                        f"than the one pinned ({key.hex()[:16]}...)")
+                        f"than the one its key rotations lead to from the pinned key "
+                        f"({chain.current.hex()[:16]}...)")
     for label, hs in (("saved", saved_heads), ("current", current_heads)):
         for h in hs:
-            why = verify_head(h, key)
+            why = chain.check_head(h)
             if why:
                 size = h.get("tree_size") if isinstance(h, dict) else None
                 problems.append(f"{label} head {size}: {why}")
@@ -104,8 +111,13 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
     if events is not None:
         sizes = {h["tree_size"] for h in saved_heads} | {h["tree_size"] for h in current_heads}
         keep = consistency is None
-        roots, leaves, n = _replay(events, sizes, keep, problems)
+        rotated: list[tuple[int, str]] = []
+        roots, leaves, n = _replay(events, sizes, keep, problems, rotated)
         out.events = n
+        if _upto(rotated, newest) != _upto([(r["event"]["seq"], r["event"]["hash"])
+                                            for r in rotations], newest):
+            problems.append("the key rotations the heads document lists are not the "
+                            "`key_rotated` events of the log")
         for label, hs in (("saved", saved_heads), ("current", current_heads)):
             for h in hs:
                 size = h["tree_size"]
@@ -150,9 +162,15 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
     return out
 
 
+def _upto(rotations: list[tuple[int, str]], head: dict[str, Any]) -> list[tuple[int, str]]:
+    return [r for r in rotations if r[0] <= head["tree_size"]]
+
+
 def _replay(events: Iterable[dict[str, Any]], sizes: set[int], keep_leaves: bool,
-            problems: list[str]) -> tuple[dict[int, str], list[bytes] | None, int]:
-    """Rebuild the chain from exported events: (root at each of `sizes`, leaves, count)."""
+            problems: list[str], rotated: list[tuple[int, str]]
+            ) -> tuple[dict[int, str], list[bytes] | None, int]:
+    """Rebuild the chain from exported events: (root at each of `sizes`, leaves, count);
+    the (seq, hash) of each key rotation go to `rotated`."""
     frontier = merkle.MerkleFrontier()
     roots: dict[int, str] = {}
     if 0 in sizes:
@@ -176,6 +194,8 @@ def _replay(events: Iterable[dict[str, Any]], sizes: set[int], keep_leaves: bool
         if why and reported < 10:
             problems.append(f"event {seq}: {why}")
             reported += 1
+        if isinstance(ev, dict) and ev.get("kind") == ROTATION_KIND:
+            rotated.append((seq, h))
         prev = ev.get("hash", h) if isinstance(ev, dict) else h
         leaf = event_leaf(h)
         frontier.append(leaf)

@@ -39,9 +39,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
                              requests_topic=getattr(args, "topic", None))
 
 
-def open_ledger(args: argparse.Namespace, settings: Settings | None = None) -> Ledger:
-    """The ledger, its schema brought to the newest migration; says so when it moved."""
-    ledger = (settings or settings_from(args)).open_ledger()
+def open_ledger(args: argparse.Namespace, settings: Settings | None = None,
+                sign: bool = True) -> Ledger:
+    """The ledger, its schema brought to the newest migration; says so when it moved.
+    `sign`: with the deployment's signing key (else its public half only)."""
+    ledger = (settings or settings_from(args)).open_ledger(sign)
     if ledger.schema_upgrade.upgraded:
         print(f"obliviate: {ledger.schema_upgrade.describe()}", file=sys.stderr)
     return ledger
@@ -99,28 +101,14 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
                    "inclusion proofs included")
     p.set_defaults(func=cmd_forgotten)
 
+    _add_proof_commands(lsub)
+
     p = lsub.add_parser("export", help="events as JSON lines for auditors")
     p.add_argument("--since", help="a sequence number or an ISO 8601 time")
     p.set_defaults(func=cmd_export)
 
     p = lsub.add_parser("checkpoint", help="publish a Merkle tree head over all events")
     p.set_defaults(func=cmd_checkpoint)
-
-    p = lsub.add_parser("key", help="the public key that checks the signed heads (for "
-                        "auditors; the signing key stays where it is)")
-    p.add_argument("--pem", action="store_true", help="PEM instead of hex")
-    p.set_defaults(func=cmd_key)
-
-    p = lsub.add_parser("heads", help="the signed tree heads, as JSON (save them to audit "
-                        "the log later)")
-    p.add_argument("--since", type=int, default=0, help="heads over more than this many events")
-    p.add_argument("--limit", type=int, default=None, help="only the newest N heads")
-    p.set_defaults(func=cmd_heads)
-
-    p = lsub.add_parser("consistency", help="RFC 6962 consistency proof between two tree sizes")
-    p.add_argument("old_size", type=int)
-    p.add_argument("new_size", type=int)
-    p.set_defaults(func=cmd_consistency)
 
     aud = sub.add_parser("audit", help="check the ledger as an auditor would")
     asub = aud.add_subparsers(dest="audit_command", required=True)
@@ -150,6 +138,39 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
                    help="serve Prometheus metrics here (env OBLIVIATE_CONSUMER_METRICS_PORT; "
                         "0 turns it off)")
     p.set_defaults(func=cmd_consume)
+
+
+def _add_proof_commands(lsub: argparse._SubParsersAction) -> None:
+    """What the ledger publishes for auditors and subjects, and its signing key's
+    rotation: `ledger receipt`, `key`, `heads`, `consistency`, `rotate-key`."""
+    p = lsub.add_parser("receipt", help="a deletion receipt its subject can check alone "
+                        "(`python -m ledger.receipt FILE --key PUBKEY`)")
+    p.add_argument("request_id")
+    p.add_argument("-o", "--out", help="the file to write (default receipt-REQUEST_ID.json; "
+                   "- for standard output)")
+    p.set_defaults(func=cmd_receipt)
+
+    p = lsub.add_parser("key", help="the public key that checks the signed heads (for "
+                        "auditors; the signing key stays where it is)")
+    p.add_argument("--pem", action="store_true", help="PEM instead of hex")
+    p.set_defaults(func=cmd_key)
+
+    p = lsub.add_parser("heads", help="the signed tree heads, as JSON (save them to audit "
+                        "the log later)")
+    p.add_argument("--since", type=int, default=0, help="heads over more than this many events")
+    p.add_argument("--limit", type=int, default=None, help="only the newest N heads")
+    p.set_defaults(func=cmd_heads)
+
+    p = lsub.add_parser("consistency", help="RFC 6962 consistency proof between two tree sizes")
+    p.add_argument("old_size", type=int)
+    p.add_argument("new_size", type=int)
+    p.set_defaults(func=cmd_consistency)
+
+    p = lsub.add_parser("rotate-key", help="hand the log over to a new signing key (an "
+                        "event signed by the current key, which signs its last head over it)")
+    p.add_argument("--new-key-file", required=True, metavar="FILE",
+                   help="the new key (64 hex digits); created (0600) when it does not exist")
+    p.set_defaults(func=cmd_rotate_key)
 
 
 def add_connection_options(p: argparse.ArgumentParser, default: Any = None) -> None:
@@ -231,7 +252,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    ledger = open_ledger(args, settings)
+    ledger = open_ledger(args, settings, sign=False)
     result = ledger.verify()
     for check in getattr(args, "verify_checks", ()):
         result.problems.extend(check(ledger, settings))
@@ -274,6 +295,27 @@ def cmd_forgotten(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_receipt(args: argparse.Namespace) -> int:
+    from ledger.forgotten import receipt
+
+    try:
+        ledger = open_ledger(args)
+        doc = receipt(ledger, args.request_id)
+    except (KeyError, ValueError) as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    text = json.dumps(doc, indent=1) + "\n"
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out or "receipt-" + "".join(c if c.isalnum() or c in "._-" else "_"
+                                                for c in args.request_id) + ".json")
+    out.write_text(text)
+    print(f"wrote {out}: check it with `python -m ledger.receipt {out} --key "
+          f"{ledger.public_key.hex()}`")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     since: str | int | None = args.since
     if since is not None and since.isdigit():
@@ -297,10 +339,23 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_key(args: argparse.Namespace) -> int:
-    from ledger.heads import HeadSigner, public_key_pem
+    from ledger.heads import public_key_pem
 
-    public = HeadSigner(settings_from(args).ledger_signing_key()).public_key
+    public = open_ledger(args).public_key
     print(public_key_pem(public).rstrip() if args.pem else public.hex())
+    return 0
+
+
+def cmd_rotate_key(args: argparse.Namespace) -> int:
+    from ledger.config import key_file_seed
+
+    ledger = open_ledger(args)
+    old = ledger.public_key.hex()
+    done = ledger.rotate_key(key_file_seed(args.new_key_file))
+    print(f"event {done['seq']} hands the log over from key {old} to key "
+          f"{done['public_key']} (log {done['log_id']}), signed by the old key, whose last "
+          f"head covers it. Give every process the new key (OBLIVIATE_LEDGER_SIGNING_KEY_FILE="
+          f"{args.new_key_file}) and restart them: those holding the old key stop signing.")
     return 0
 
 
@@ -329,13 +384,13 @@ def cmd_audit_check(args: argparse.Namespace) -> int:
     elif args.url:
         current = audit.fetch_json(args.url, "/v1/ledger/heads")
     else:
-        ledger = open_ledger(args)
+        ledger = open_ledger(args, sign=False)
         current = ledger.published_heads()
     events = None
     if args.events:
         events = audit.read_events(args.events)
     elif not args.url:
-        events = (ledger or open_ledger(args)).export()
+        events = (ledger or open_ledger(args, sign=False)).export()
     result = audit.audit(audit.read_json(args.heads), current,
                          public_key=audit.key_argument(args.public_key), events=events,
                          consistency=audit.http_consistency(args.url) if args.url else None)
@@ -344,8 +399,12 @@ def cmd_audit_check(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     text = _read_arg(args.request)
-    result = open_ledger(args).receive(text.encode(), source="cli")
-    print(json.dumps(result.as_dict()))
+    ledger = open_ledger(args)
+    result = ledger.receive(text.encode(), source="cli")
+    answer = result.as_dict()
+    if result.status == "accepted":  # the subject's key to GET /v1/requests/{id}/receipt
+        answer["receipt_token"] = ledger.receipt_token(result.request_id)
+    print(json.dumps(answer))
     return 0 if result.status in ("accepted", "duplicate") else 2
 
 

@@ -14,11 +14,14 @@ import secrets
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from ledger.heads import HeadSigner
 from ledger.keystore import DEFAULT_DIR as DEFAULT_KEY_STORE_DIR
-from ledger.keystore import DirectoryKeyStore
+from ledger.keystore import DirectoryKeyStore, KeyStoreError
+from ledger.signing import SigningKeyRefused
 from ledger.store import Ledger
 
 STATE_DIR = Path(".obliviate")
+DEFAULT_SIGNING_KEY_FILE = str(STATE_DIR / "ledger-signing.key")
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,10 @@ class Settings:
     requests_retention_s: float = 86_400.0
     dead_letter_retention_s: float = 259_200.0
     checkpoint_every: int = 1000
-    # the Ed25519 key that signs tree heads (`ledger.heads`): kept out of the database
+    # the Ed25519 key that signs tree heads (`ledger.heads`): kept out of the database,
+    # one per deployment (every process that signs gets the same one)
     ledger_signing_key_hex: str | None = None
-    ledger_signing_key_file: str = str(STATE_DIR / "ledger-signing.key")
+    ledger_signing_key_file: str = DEFAULT_SIGNING_KEY_FILE
     # the keys crypto-shredding rests on (versions' sealing keys, added records' payload
     # keys) live here, never in the database (`ledger.keystore`): a volume every process
     # of a deployment shares, backed up apart from the database or not at all
@@ -101,15 +105,17 @@ class Settings:
             return bytes.fromhex(self.hmac_key_hex)
         return bytes.fromhex(_secret_file(self.hmac_key_file))
 
-    def ledger_signing_key(self) -> bytes:
-        """The 32-byte Ed25519 seed that signs the ledger's tree heads; created on first use
-        if embedded (a 0600 file, like the HMAC key). Publish its public key
-        (`obliviate ledger key`), never this."""
-        key = bytes.fromhex(self.ledger_signing_key_hex or
-                            _secret_file(self.ledger_signing_key_file))
-        if len(key) != 32:
-            raise ValueError("the ledger signing key must be 32 bytes (64 hex digits)")
-        return key
+    def ledger_signing_key(self) -> bytes | None:
+        """The 32-byte Ed25519 seed that signs the ledger's tree heads: the hex setting,
+        else the key file; None while neither exists (`open_ledger` decides whether one
+        may be created). Publish its public key (`obliviate ledger key`), never this."""
+        text = self.ledger_signing_key_hex
+        if not text and Path(self.ledger_signing_key_file).exists():
+            text = Path(self.ledger_signing_key_file).read_text().strip()
+        if not text:
+            return None
+        return signing_seed(text, "OBLIVIATE_LEDGER_SIGNING_KEY_HEX" if
+                            self.ledger_signing_key_hex else self.ledger_signing_key_file)
 
     def guard_noise_secret(self) -> bytes:
         """The key of the guard's noise draws, the same in every serving process (derived
@@ -120,14 +126,54 @@ class Settings:
         """The token admin endpoints require; created on first use if embedded."""
         return self.admin_token or _secret_file(self.admin_token_file)
 
-    def open_ledger(self) -> Ledger:
+    def open_ledger(self, sign: bool = True) -> Ledger:
+        """The ledger. With `sign` it signs heads with the deployment's one key and
+        refuses to start (SigningKeyRefused) where that would make a second one: no key
+        configured on a shared (non-SQLite) database, a new key for a ledger that holds
+        heads already, or a key that is not the one its heads and rotations name. On such
+        a database a key store must be configured too (else KeyStoreError).
+        Without `sign` (verify, audit) it only checks heads with the key's public half."""
         if self.database_url.startswith("sqlite:///"):
             Path(self.database_url.removeprefix("sqlite:///")).parent.mkdir(
                 parents=True, exist_ok=True)
+        elif self.key_store_dir == DEFAULT_KEY_STORE_DIR:
+            raise KeyStoreError(
+                "no key store is configured, and the database is not SQLite: every process "
+                "of a deployment must read and write one key store, so none is made here; "
+                "set OBLIVIATE_KEY_STORE_DIR to the deployment's shared key store volume in "
+                "every process")
+        seed = self.ledger_signing_key()
+        if not sign:
+            return self._ledger(public_key=None if seed is None else
+                                HeadSigner(seed).public_key)
+        if seed is None and self.ledger_signing_key_file == DEFAULT_SIGNING_KEY_FILE \
+                and not self.database_url.startswith("sqlite"):
+            raise SigningKeyRefused(
+                "no ledger signing key is configured, and the database is not SQLite: every "
+                "process of a deployment must sign with one key, so none is created here; "
+                "set OBLIVIATE_LEDGER_SIGNING_KEY_HEX (`openssl rand -hex 32`) or "
+                "OBLIVIATE_LEDGER_SIGNING_KEY_FILE to the deployment's key in every process")
+        ledger = self._ledger()
+        try:
+            if seed is None:
+                held = ledger.signing_log()
+                if held is not None:
+                    raise SigningKeyRefused(
+                        f"no ledger signing key at {self.ledger_signing_key_file}, and the "
+                        f"ledger holds heads signed by log {held[:16]}... already: a new key "
+                        "would start a second log; point OBLIVIATE_LEDGER_SIGNING_KEY_FILE (or "
+                        "_HEX) at that log's key")
+                seed = key_file_seed(self.ledger_signing_key_file)
+            ledger.use_signing_key(seed)
+        except BaseException:
+            ledger.close()
+            raise
+        return ledger
+
+    def _ledger(self, public_key: bytes | None = None) -> Ledger:
         return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every,
-                      self.purge_maintenance_s, signing_key=self.ledger_signing_key(),
-                      head_interval_s=self.head_interval_s,
-                      key_store=DirectoryKeyStore(self.key_store_dir))
+                      self.purge_maintenance_s, head_interval_s=self.head_interval_s,
+                      public_key=public_key, key_store=DirectoryKeyStore(self.key_store_dir))
 
 
 # how an OBLIVIATE_<FIELD> value is read, by the field's annotation (default: the string)
@@ -142,6 +188,22 @@ def retention_configs(retention_s: float) -> dict[str, str]:
     ms = max(1000, round(retention_s * 1000))
     return {"cleanup.policy": "delete", "retention.ms": str(ms),
             "segment.ms": str(max(1000, ms // 10))}
+
+
+def signing_seed(text: str, where: str) -> bytes:
+    """A signing key's 32-byte seed from its 64 hex digits (ValueError naming `where`)."""
+    try:
+        seed = bytes.fromhex(text.strip())
+    except ValueError:
+        seed = b""
+    if len(seed) != 32:
+        raise ValueError(f"the ledger signing key ({where}) must be 64 hex digits (32 bytes)")
+    return seed
+
+
+def key_file_seed(path: str) -> bytes:
+    """The signing key kept in the file `path`, created (0600) when there is none."""
+    return signing_seed(_secret_file(path), path)
 
 
 def _secret_file(path_str: str) -> str:

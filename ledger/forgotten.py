@@ -14,9 +14,19 @@ so an auditor can check each claim against an inclusion proof:
   says it is gone (version, manifest digest, content hash) or it still awaits
   destruction;
 - the proof of exactness: the ``verified`` event of the deletion, which carries the
-  retrain-from-scratch hash of the learner next to the served one.
+  retrain-from-scratch hash of the learner next to the served one. That check ran on
+  the version current when it started, often a later one than the first version
+  without the records; so the report also shows the chain from that first version to
+  a checked one: each link a publication of the next version by an exact update of
+  the one before (or a new guard of the same learner), up to a version whose retrain
+  from scratch gave its hash. Or it says plainly that no checked version covers it yet.
 
-Versions are opaque names to the ledger: they are ordered by their first event.
+Versions are opaque names to the ledger: they are ordered by their first event, and a
+version's parent is the one published before it (publishing is a compare-and-set on the
+parent, in the transaction that appends the publication events).
+
+:func:`receipt` puts what this report claims, with the events it rests on and their
+inclusion proofs, into one file its subject checks alone (:mod:`ledger.receipt`).
 """
 
 from __future__ import annotations
@@ -27,10 +37,15 @@ from typing import Any
 from sqlalchemy import func, select
 
 from ledger.models import Event, TrainingRecord
+from ledger.receipt import RECEIPT_FORMAT
+from ledger.signing import stored_event
 from ledger.store import Ledger
 
 EVENTS = Event.__table__
 RECORDS = TrainingRecord.__table__
+# events that publish the version they name (the pointer moved in their transaction)
+PUBLICATIONS = ("applied", "verified", "model_trained", "guard_refreshed", "seeds_rotated",
+                "rolled_back")
 
 
 def forgotten(ledger: Ledger, request_id: str) -> dict[str, Any]:
@@ -51,7 +66,7 @@ def forgotten(ledger: Ledger, request_id: str) -> dict[str, Any]:
                    RECORDS.c.purged_by, RECORDS.c.added_by, RECORDS.c.state)
             .where(RECORDS.c.record_id.in_(request["record_ids"]))
             .order_by(RECORDS.c.record_id)).all()
-        first_seen = _versions_in_order(conn)
+        first_seen, first_seq = _versions_in_order(conn)
         destroyed = {e.model_version: e for e in conn.execute(
             select(EVENTS).where(EVENTS.c.kind == "destroyed").order_by(EVENTS.c.seq))}
         added_in = {e.request_id: e.model_version for e in conn.execute(
@@ -67,6 +82,7 @@ def forgotten(ledger: Ledger, request_id: str) -> dict[str, Any]:
                      "purged_at": None if r.purged_at is None else r.purged_at.isoformat()}
                     for r in records],
         "first_version_without": None, "held_by": [], "exactness": None,
+        "exactness_chain": None,
         "events": history["events"], "tree_head": history["tree_head"],
     }
     if applied is None or applied["model_version"] not in order:
@@ -84,6 +100,7 @@ def forgotten(ledger: Ledger, request_id: str) -> dict[str, Any]:
             "event_seq": e.seq, "manifest_sha256": _payload(e)["manifest_sha256"],
             "content_hash": _payload(e)["content_hash"]})
     report["held_by"] = held
+    report["exactness_chain"] = exactness_chain(ledger, gone_at, first_seq[gone_at])
     if verified is not None:
         check = verified["payload"].get("exactness") or {}
         report["exactness"] = {"version": verified["model_version"],
@@ -93,12 +110,119 @@ def forgotten(ledger: Ledger, request_id: str) -> dict[str, Any]:
     return report
 
 
-def _versions_in_order(conn: Any) -> list[str]:
-    """Every version any event names, in the order of its first event."""
+def _versions_in_order(conn: Any) -> tuple[list[str], dict[str, int]]:
+    """Every version any event names, in the order of its first event (and that seq)."""
     first = func.min(EVENTS.c.seq)
-    return list(conn.execute(select(EVENTS.c.model_version).where(
+    rows = conn.execute(select(EVENTS.c.model_version, first).where(
         EVENTS.c.model_version.is_not(None)).group_by(EVENTS.c.model_version)
-        .order_by(first)).scalars())
+        .order_by(first)).all()
+    return [r[0] for r in rows], {r[0]: r[1] for r in rows}
+
+
+def exactness_chain(ledger: Ledger, version: str, since: int) -> dict[str, Any]:
+    """Whether an exactness check covers `version` (first published at event `since`):
+    the links from it to a version whose retrain from scratch gave the served hash, each
+    an exact update of its parent or a new guard of the same learner. `covered` False,
+    with `why`, when no checked version covers it yet (or the chain breaks)."""
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(select(EVENTS.c.seq, EVENTS.c.kind, EVENTS.c.payload,
+                                   EVENTS.c.model_version)
+                            .where(EVENTS.c.seq >= since, EVENTS.c.kind.in_(PUBLICATIONS),
+                                   EVENTS.c.model_version.is_not(None))
+                            .order_by(EVENTS.c.seq)).all()
+    order: list[str] = []  # versions in publication order
+    published: dict[str, Any] = {}  # version -> its first publication event
+    checks: dict[str, tuple[int, dict[str, Any]]] = {}  # version -> its first check
+    for e in rows:
+        p = _payload(e)
+        if not (e.kind == "verified" and p.get("in_place")) and e.model_version not in published:
+            published[e.model_version] = e
+            order.append(e.model_version)
+        check = p.get("exactness") or (p.get("change") or {}).get("exactness")
+        if check and e.kind in ("verified", "guard_refreshed"):
+            checks.setdefault(e.model_version, (e.seq, check))
+    guarantee = _payload(published[version]).get("guarantee") if version in published else None
+    out: dict[str, Any] = {"version": version, "guarantee": guarantee, "covered": False,
+                           "links": [], "checked": None, "why": None}
+    if guarantee != "exact":
+        out["why"] = f"{version} is {guarantee or 'of an unknown guarantee'}, not exact"
+        return out
+    at = version
+    for nxt in [*order[order.index(version) + 1:], None]:
+        if at in checks:
+            seq, check = checks[at]
+            if check.get("guarantee") == "exact" and check.get("exact") is True:
+                out.update(covered=True, checked={
+                    "version": at, "event_seq": seq, **{k: check.get(k) for k in (
+                        "served_hash", "retrained_hash")}})
+            else:
+                out["why"] = f"the exactness check of {at} FAILED (event {seq})"
+            return out
+        if nxt is None:
+            break
+        e = published[nxt]
+        p = _payload(e)
+        if e.kind == "applied" and p.get("guarantee") != "exact":
+            out["why"] = f"{nxt} is a {p.get('guarantee')} update of {at} (event {e.seq})"
+            return out
+        if e.kind not in ("applied", "verified", "guard_refreshed"):
+            out["why"] = (f"{nxt} is not an update of {at} ({e.kind}, event {e.seq}): a check "
+                          f"of it says nothing of {version}")
+            return out
+        out["links"].append({"version": nxt, "parent": at, "event_seq": e.seq, "kind": e.kind,
+                             "change": "update" if e.kind == "applied" else
+                             "guard (the learner unchanged)", "guarantee": "exact"})
+        at = nxt
+    out["why"] = (f"no checked version covers it yet: the exactness check has run on neither "
+                  f"{version} nor a later exact update of it")
+    return out
+
+
+def receipt(ledger: Ledger, request_id: str) -> dict[str, Any]:
+    """The deletion receipt of `request_id` (:mod:`ledger.receipt`): a signed head, the
+    events the report's claims rest on with their inclusion proofs, and the key rotations
+    up to that head. KeyError: no such request; ValueError: not an applied deletion, or
+    no signed head to prove against."""
+    report = forgotten(ledger, request_id)
+    first = report["first_version_without"]
+    if first is None:
+        raise ValueError(f"{request_id!r} is not applied yet: no version is served without "
+                         "its records")
+    head = ledger.sign_head()
+    if head is None:
+        raise ValueError("the ledger has no signed head to prove the receipt against (no "
+                         "signing key, or signing refused: see `obliviate ledger verify`)")
+    own = {e["kind"]: e["seq"] for e in report["events"]
+           if e["kind"] in ("received", "applied", "verified")}
+    chain = report["exactness_chain"]
+    seqs = {*own.values(), *(h["event_seq"] for h in report["held_by"] if h["destroyed"]),
+            *(link["event_seq"] for link in chain["links"])}
+    if chain["checked"]:
+        seqs.add(chain["checked"]["event_seq"])
+    proofs = ledger.inclusion_proofs(sorted(seqs), head["tree_size"])
+    with ledger.engine.connect() as conn:
+        events = [{**stored_event(r), "inclusion_proof": proofs[r.seq]} for r in conn.execute(
+            select(EVENTS).where(EVENTS.c.seq.in_(sorted(seqs))).order_by(EVENTS.c.seq))]
+    heads = ledger.published_heads(since=head["tree_size"] - 1)
+    named = next((h for h in heads["heads"] if h["tree_size"] == head["tree_size"]), None)
+    if named is None:
+        raise ValueError(f"the head over {head['tree_size']} events is not one of this log's "
+                         "(see `obliviate ledger verify`)")
+    return {
+        "format": RECEIPT_FORMAT, "request_id": request_id, "head": named,
+        "rotations": [r for r in heads["rotations"] if r["event"]["seq"] <= head["tree_size"]],
+        "events": events,
+        "claims": {
+            "received": own["received"], "applied": own["applied"],
+            "verified": own.get("verified"), "first_version_without": first["version"],
+            "held_by": [{"version": h["version"],
+                         "destroyed": h["event_seq"] if h["destroyed"] else None}
+                        for h in report["held_by"]],
+            "exactness": {k: chain[k] for k in ("covered", "links", "why")} | {
+                "checked": chain["checked"] and {k: chain["checked"][k]
+                                                 for k in ("version", "event_seq")}},
+        },
+    }
 
 
 def _payload(e: Any) -> dict[str, Any]:
@@ -130,6 +254,7 @@ def render(report: dict[str, Any]) -> list[str]:
                    f"{v['event_seq']}, manifest sha256 {v['manifest_sha256'][:16]}...)")
     if waiting:
         out.append(f"  awaiting: {', '.join(waiting[:4])}{' ...' if len(waiting) > 4 else ''}")
+    out.extend(render_chain(report["exactness_chain"]))
     ex = report["exactness"]
     if ex is None:
         out.append("exactness: not verified yet")
@@ -142,3 +267,18 @@ def render(report: dict[str, Any]) -> list[str]:
         out.append(f"{ex['version']} is approximate: its measured gap to a retrain is in "
                    f"event {ex['event_seq']}")
     return out
+
+
+def render_chain(chain: dict[str, Any]) -> list[str]:
+    """How the first version served without the records is known to be exact."""
+    head = f"exactness of {chain['version']} (the first version served without it): "
+    if not chain["covered"]:
+        return [head + f"NOT PROVEN: {chain['why']}"]
+    checked = chain["checked"]
+    if not chain["links"]:
+        return [head + f"retrained from scratch to the same hash itself (event "
+                       f"{checked['event_seq']})"]
+    return [head + f"{len(chain['links'])} exact update(s) to {checked['version']}, whose "
+                   f"retrain from scratch gave the same hash (event {checked['event_seq']})",
+            *(f"  {link['version']} <- {link['parent']}: {link['change']}, "
+              f"{link['guarantee']} (event {link['event_seq']})" for link in chain["links"])]

@@ -7,34 +7,39 @@ OBLIVIATE_LEDGER_SIGNING_KEY_HEX), so whoever can edit the database can neither
 sign a head of their own nor re-sign the heads of a rewritten log; an auditor
 who saved heads earlier checks the log against them (:mod:`ledger.audit`).
 
-Standard library, `cryptography` and :mod:`ledger.chain` only: an auditor needs
-this file, `chain.py`, `merkle.py` and `audit.py`, and no database.
+One deployment signs with one key at a time. A new key comes in by a rotation,
+itself an event of the log: the `key_rotated` event names the new public key and
+is signed by the old key, which then signs a head over exactly that event and
+no more; the new key signs every head after it. Heads name the key that signed
+them by its log id, and :class:`KeyChain` follows the rotations to say which key
+signs which sizes.
+
+The checking half (head and rotation signatures, the key chain) lives in
+:mod:`ledger.receipt`, which runs on its own; this file adds the signer. An
+auditor needs this file, `receipt.py`, `chain.py`, `merkle.py` and `audit.py`:
+standard library and `cryptography`, no database.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ledger.chain import canonical_json
+from ledger.receipt import (
+    HEAD_FIELDS,
+    ROTATION_KIND,
+    KeyChain,
+    head_message,
+    log_id,
+    parse_public_key,
+    rotation_message,
+    verify_head,
+)
 
-HEAD_FORMAT = "obliviate-tree-head/v1"
-HEAD_FIELDS = ("log_id", "tree_size", "root_hash", "timestamp", "signature")
-
-
-def log_id(public_key: bytes) -> str:
-    """The name of a log: SHA-256 of its raw 32-byte Ed25519 public key, hex."""
-    return hashlib.sha256(public_key).hexdigest()
-
-
-def head_message(log: str, tree_size: int, root_hash: str, timestamp: str) -> bytes:
-    """The exact bytes a head's signature is over (canonical JSON, format tag first)."""
-    return canonical_json({"format": HEAD_FORMAT, "log_id": log, "tree_size": tree_size,
-                           "root_hash": root_hash, "timestamp": timestamp}).encode()
+__all__ = ["HEAD_FIELDS", "ROTATION_KIND", "HeadSigner", "KeyChain", "head_message", "log_id",
+           "parse_public_key", "public_key_pem", "rotation_message", "verify_head"]
 
 
 class HeadSigner:
@@ -53,56 +58,15 @@ class HeadSigner:
         return {"log_id": self.log_id, "tree_size": tree_size, "root_hash": root_hash,
                 "timestamp": timestamp, "signature": sig.hex()}
 
-
-def verify_head(head: Any, public_key: bytes) -> str | None:
-    """None when `head` is a well-formed head of the log of `public_key` with a valid
-    signature, else why not. Never raises: heads come from untrusted parties."""
-    if not isinstance(head, dict):
-        return "is not a JSON object"
-    missing = [f for f in HEAD_FIELDS if f not in head]
-    if missing:
-        return f"lacks {', '.join(missing)}"
-    size, root, ts, sig = (head["tree_size"], head["root_hash"], head["timestamp"],
-                           head["signature"])
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        return f"tree_size {size!r} is not a size"
-    if not (isinstance(root, str) and len(root) == 64 and _is_hex(root)):
-        return "root_hash is not 32 bytes of hex"
-    if not isinstance(ts, str) or not isinstance(sig, str) or not _is_hex(sig):
-        return "timestamp or signature is malformed"
-    expected = log_id(public_key)
-    if head["log_id"] != expected:
-        return (f"names log {str(head['log_id'])[:16]}..., not the log of this public key "
-                f"({expected[:16]}...)")
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(
-            bytes.fromhex(sig), head_message(expected, size, root, ts))
-    except (InvalidSignature, ValueError):
-        return "signature does not verify with the log's public key"
-    return None
+    def rotation(self, new_public_key: bytes, seq: int, prev_hash: str) -> dict[str, Any]:
+        """The payload of the `key_rotated` event at `seq` (after `prev_hash`) that hands
+        this log over to `new_public_key`, signed with this (the retiring) key."""
+        new = new_public_key.hex()
+        sig = self._key.sign(rotation_message(self.log_id, new, seq, prev_hash))
+        return {"from_public_key": self.public_key.hex(), "to_public_key": new,
+                "to_log_id": log_id(new_public_key), "signature": sig.hex()}
 
 
 def public_key_pem(public_key: bytes) -> str:
     return Ed25519PublicKey.from_public_bytes(public_key).public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-
-
-def parse_public_key(text: str) -> bytes:
-    """A raw Ed25519 public key from 64 hex digits or a PEM block (ValueError otherwise)."""
-    text = text.strip()
-    if text.startswith("-----BEGIN"):
-        key = serialization.load_pem_public_key(text.encode())
-        if not isinstance(key, Ed25519PublicKey):
-            raise ValueError("the PEM block is not an Ed25519 public key")
-        return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    if len(text) != 64 or not _is_hex(text):
-        raise ValueError("a public key is 64 hex digits (or a PEM block)")
-    return bytes.fromhex(text)
-
-
-def _is_hex(s: str) -> bool:
-    try:
-        bytes.fromhex(s)
-    except ValueError:
-        return False
-    return True

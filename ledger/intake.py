@@ -126,6 +126,10 @@ class BatchIntake:
             return self._reject(msg, p.request_id, p.reason, None)
         if p.request_id in self.seen:
             self.duplicates.append(p.request_id)
+            if msg.topic is not None:  # it moves the partition's next offset, which
+                # `verify` holds to the offsets the events record
+                self.appender.append("duplicate", p.request_id,
+                                     {"source": msg.source_info()}, self.now_s)
             return IntakeResult("duplicate", p.request_id, "request_id already recorded",
                                 op=p.op)
         try:

@@ -3,17 +3,25 @@ tables to."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ledger import merkle
-from ledger.chain import iso
+from ledger.chain import canonical_json, iso
 from ledger.models import REQUEST_STATUSES
 
 # request lifecycle moves `verify` accepts: (kind before, kind after)
 _LIFECYCLE = frozenset({(None, "received"), ("received", "claimed"), ("claimed", "claimed"),
                         ("claimed", "applied"), ("claimed", "failed"), ("applied", "verified")})
+
+
+def schema_sha256(n_features: int, classes: list[int], transform: dict[str, Any] | None) -> str:
+    """The digest a `records_loaded` event gives of what a query means: the width, the
+    classes and the input transform as `dataset_schema` stores them."""
+    return hashlib.sha256(canonical_json({"n_features": n_features, "classes": classes,
+                                          "transform": transform}).encode()).hexdigest()
 
 
 @dataclass
@@ -57,6 +65,10 @@ class LogFacts:
         self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
         self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
         self.seen: set[str] = set()  # records in training_records
+        # each `records_loaded` event: (seq, schema digest or None, n_features, classes)
+        self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
+        # (topic, partition) -> (offset, seq) of the last message an event records from it
+        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
 
     def see(self, e: Any, problems: list[Problem]) -> None:
         rid = e.request_id
@@ -69,7 +81,7 @@ class LogFacts:
             self.first.setdefault(rid, e.seq)
             if e.kind == "received":
                 self.received.setdefault(rid, e.seq)
-        if e.kind not in ("received", "applied", "records_loaded"):
+        if e.kind not in ("received", "applied", "records_loaded", "rejected", "duplicate"):
             return
         try:
             payload = json.loads(e.payload)
@@ -79,9 +91,15 @@ class LogFacts:
             elif e.kind == "applied":
                 for rec, fp in (payload.get("purged_record_hashes") or {}).items():
                     self.purged.setdefault(rec, []).append((rid, fp, e.seq))
-            else:
+            elif e.kind == "records_loaded":
                 self.loaded[e.created_at] = (int(payload["count"]), payload["records_root"],
                                              e.seq)
+                self.loads.append((e.seq, payload.get("schema_sha256"),
+                                   payload.get("n_features"), payload.get("classes") or []))
+            source = payload.get("source") or {}
+            if source.get("kind") == "kafka" and source.get("topic") is not None:
+                self.offsets[(source["topic"], int(source["partition"] or 0))] = (
+                    int(source["offset"]), e.seq)
         except (ValueError, TypeError, KeyError, AttributeError):
             problems.append(Problem(f"event {e.seq}", f"{e.kind!r} payload is not what the "
                                     "ledger writes", e.seq))
@@ -137,6 +155,60 @@ class LogFacts:
         if applied == (rec.state == "pending"):
             out.append(Problem(where, f"is {rec.state} while its addition {rec.added_by} is "
                                       f"{status_of.get(rec.added_by)!r}"))
+        return out
+
+    def check_schema(self, row: Any, notes: list[str]) -> list[Problem]:
+        """`dataset_schema` (what every query and addition means) is the one the
+        `records_loaded` events committed to: an edited input transform would rescale
+        them all without a trace."""
+        where = "dataset_schema"
+        if row is None:
+            return [Problem(where, f"is missing, though event {self.loads[0][0]} loaded "
+                                   "records")] if self.loads else []
+        if not self.loads:
+            return [Problem(where, "no `records_loaded` event announces it (inserted behind "
+                                   "the ledger's back)")]
+        digest = schema_sha256(row.n_features, row.classes, row.transform)
+        out = []
+        for i, (seq, said, n_features, classes) in enumerate(self.loads):
+            if said is None:  # a load from before the digest: its width and classes only
+                if n_features != row.n_features or not set(classes) <= set(row.classes) or (
+                        i == 0 and sorted(classes) != sorted(row.classes)):
+                    out.append(Problem(where, f"{row.n_features} features, classes "
+                                              f"{row.classes}: not what event {seq} "
+                                              "(records_loaded) says (edited)", seq))
+                elif i == 0:
+                    notes.append(f"the input transform is not covered by an event (event {seq} "
+                                 "loaded the records before loads carried a schema digest)")
+            elif said != digest:
+                out.append(Problem(where, f"the input transform, classes or width is not "
+                                          f"what event {seq} (records_loaded) committed to: "
+                                          "edited, which changes what every query and "
+                                          "addition means", seq))
+        return out
+
+    def check_offsets(self, rows: list[Any]) -> list[Problem]:
+        """Each partition's next Kafka offset follows the last message an event records
+        from it: raised, it would skip requests as redeliveries; lowered, read them again."""
+        out = []
+        stored = {(r.topic, r.partition): r.next_offset for r in rows}
+        for (topic, partition), nxt in sorted(stored.items()):
+            where = f"source offset {topic}/{partition}"
+            seen = self.offsets.get((topic, partition))
+            if seen is None:
+                out.append(Problem(where, f"says the next offset is {nxt}, but no event "
+                                          "records a message of that partition (inserted "
+                                          "behind the ledger's back)"))
+            elif nxt != seen[0] + 1:
+                out.append(Problem(where, f"says the next offset is {nxt}, but the last "
+                                          f"message recorded from it is offset {seen[0]} "
+                                          f"(event {seen[1]}): edited, so messages would be "
+                                          + ("skipped" if nxt > seen[0] else "taken again")))
+        for (topic, partition), (offset, seq) in sorted(self.offsets.items()):
+            if (topic, partition) not in stored:
+                out.append(Problem(f"source offset {topic}/{partition}", f"event {seq} "
+                                   f"recorded offset {offset} from it, but source_offsets "
+                                   "has no row for it (deleted)", seq))
         return out
 
     def check_loaded(self) -> list[Problem]:

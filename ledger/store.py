@@ -9,6 +9,7 @@ received -> claimed -> applied -> verified, or rejected / failed with a reason.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -44,7 +45,7 @@ from ledger.db import (
     writing,
     xid_precedes,
 )
-from ledger.heads import HeadSigner, log_id, verify_head
+from ledger.heads import ROTATION_KIND, HeadSigner, KeyChain, log_id, verify_head
 from ledger.intake import (
     BatchIntake,
     IncomingMessage,
@@ -57,7 +58,7 @@ from ledger.intake import (
     parse_message,
 )
 from ledger.keystore import KeyStore, LedgerKeys
-from ledger.log_check import LogFacts, Problem, VerifyResult
+from ledger.log_check import LogFacts, Problem, VerifyResult, schema_sha256
 from ledger.models import (
     REQUEST_STATUSES,
     Checkpoint,
@@ -65,6 +66,7 @@ from ledger.models import (
     Request,
 )
 from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer, live_sealed, sealed_rows
+from ledger.signing import SigningKeyRefused, SigningKeys, head_dict
 from ledger.tables import (
     CHECKPOINTS,
     EVENTS,
@@ -133,13 +135,21 @@ class Ledger:
         if not head_interval_s > 0:
             raise ValueError(f"head_interval_s must be > 0 seconds, got {head_interval_s}")
         self.head_interval_s = float(head_interval_s)
-        self._signer = HeadSigner(signing_key) if signing_key is not None else None
-        self.public_key: bytes | None = (self._signer.public_key if self._signer is not None
-                                         else public_key)
+        self._signing = SigningKeys(HeadSigner(signing_key) if signing_key is not None else None,
+                                 public_key)
         self._next_head_check = 0.0  # monotonic time before which maybe_sign_head is a no-op
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @property
+    def _signer(self) -> HeadSigner | None:
+        return self._signing.signer
+
+    @property
+    def public_key(self) -> bytes | None:
+        """The public half of the key this process signs (or checks) the heads with."""
+        return self._signing.public_key
 
     # ------------------------------------------------------------------ schema and records
     def schema(self) -> DatasetSchema | None:
@@ -191,6 +201,7 @@ class Ledger:
                 conn.execute(insert(DatasetSchema.__table__),
                              {"id": 1, "name": name, "n_features": X.shape[1], "classes": classes,
                               "transform": stored.to_json()})
+                digest = schema_sha256(X.shape[1], classes, stored.to_json())
             elif schema.n_features != X.shape[1] or not set(classes) <= set(schema.classes):
                 raise ValueError(f"data does not match the ledger's schema {schema.name!r} "
                                  f"({schema.n_features} features, classes {schema.classes})")
@@ -198,6 +209,8 @@ class Ledger:
                     InputTransform.from_json(schema.transform, schema.n_features)):
                 raise ValueError("the ledger's input transform was fixed by its first load; "
                                  "scale the new table with it (`obliviate ledger init` does)")
+            else:
+                digest = schema_sha256(schema.n_features, schema.classes, schema.transform)
             clash = self._existing_records(conn, ids)
             if clash:
                 raise ValueError(f"{len(clash)} record id(s) already exist, "
@@ -217,6 +230,9 @@ class Ledger:
             seq = appender.append("records_loaded", None, {
                 "name": name, "count": n, "n_features": X.shape[1], "classes": classes,
                 "records_root": merkle.root([merkle.leaf_hash(f) for f in fingerprints]).hex(),
+                # what every query and addition means (the input transform, classes, width):
+                # `verify` holds the schema row to it
+                "schema_sha256": digest,
             }, iso(now))
             appender.flush(conn)
             self._maybe_checkpoint(conn, appender.seq)
@@ -741,15 +757,8 @@ class Ledger:
         if req is None and not events:
             raise KeyError(f"no request or event with request_id {request_id!r}")
         head = self.checkpoint()
-        with self.engine.connect() as conn:
-            leaves = [event_leaf(h) for h in conn.execute(
-                select(EVENTS.c.hash).where(EVENTS.c.seq <= head.tree_size)
-                .order_by(EVENTS.c.seq)).scalars()]
-        out_events = []
-        for e in events:
-            d = _event_dict(e)
-            d["inclusion_proof"] = [p.hex() for p in merkle.inclusion_proof(leaves, e.seq - 1)]
-            out_events.append(d)
+        proofs = self.inclusion_proofs([e.seq for e in events], head.tree_size)
+        out_events = [{**_event_dict(e), "inclusion_proof": proofs[e.seq]} for e in events]
         request = None
         if req is not None:
             request = {k: v for k, v in req._mapping.items() if k != "id"}
@@ -760,6 +769,21 @@ class Ledger:
                 "tree_head": {"tree_size": head.tree_size, "root_hash": head.root_hash,
                               "created_at": head.created_at,
                               "signed": self._head_at(head.tree_size)}}
+
+    def inclusion_proofs(self, seqs: Sequence[int], tree_size: int) -> dict[int, list[str]]:
+        """The inclusion proof of each of events `seqs` in the tree of the first
+        `tree_size` events (hex hashes)."""
+        with self.engine.connect() as conn:
+            leaves = [event_leaf(h) for h in conn.execution_options(yield_per=20_000).execute(
+                select(EVENTS.c.hash).where(EVENTS.c.seq <= tree_size)
+                .order_by(EVENTS.c.seq)).scalars()]
+        return {s: [p.hex() for p in merkle.inclusion_proof(leaves, s - 1)] for s in seqs}
+
+    def receipt_token(self, request_id: str) -> str:
+        """The token that lets a request's subject fetch its deletion receipt: an HMAC of
+        the request id under the deployment secret, so nothing is stored for it."""
+        return hmac.new(self._key, b"obliviate receipt token\0" + request_id.encode(),
+                        hashlib.sha256).hexdigest()
 
     def export(self, since: str | int | None = None) -> Iterator[dict[str, Any]]:
         """Events for auditors, oldest first: since a sequence number or an ISO time."""
@@ -775,18 +799,80 @@ class Ledger:
     # ------------------------------------------------------------------ signed heads
     def published_heads(self, since: int = 0, limit: int | None = None) -> dict[str, Any]:
         """The signed heads over more than `since` events (the newest `limit`, oldest
-        first), with the log's public key: what `ledger heads` prints and auditors save."""
+        first), each naming its key, with the log's current public key and its key
+        rotations: what `ledger heads` prints and auditors save."""
         q = select(HEADS).where(HEADS.c.tree_size > since)
-        if self.public_key is not None:
-            q = q.where(HEADS.c.log_id == self._log_id())
-        q = q.order_by(HEADS.c.tree_size.desc())
-        if limit is not None:
-            q = q.limit(limit)
         with self.engine.connect() as conn:
-            rows = conn.execute(q).all()
-        return {"format": "obliviate-tree-heads/v1", "log_id": self._log_id(),
-                "public_key": None if self.public_key is None else self.public_key.hex(),
-                "heads": [_head_dict(r) for r in reversed(rows)]}
+            chain, rotations = self._published_keys(conn)
+            if chain is not None:
+                q = q.where(HEADS.c.log_id.in_(list(chain.log_ids())))
+            q = q.order_by(HEADS.c.tree_size.desc())
+            rows = conn.execute(q if limit is None else q.limit(limit)).all()
+        current = None if chain is None else chain.current
+        return {"format": "obliviate-tree-heads/v1",
+                "log_id": None if current is None else log_id(current),
+                "public_key": None if current is None else current.hex(),
+                "heads": [self._signing.named(head_dict(r)) for r in reversed(rows)],
+                "rotations": rotations}
+
+    def _published_keys(self, conn: Connection, upto: int | None = None
+                        ) -> tuple[KeyChain | None, list[dict[str, Any]]]:
+        """The chain of this log's keys (None without a key or a rotation) and the
+        rotation records (over at most `upto` events) that lead along it, for auditors."""
+        chain, _ = self._signing.chain(conn)
+        return chain, self._signing.records(conn, upto)
+
+    def signing_log(self) -> str | None:
+        """The log id of the key that signs this ledger now (None before its first head)."""
+        with self.engine.connect() as conn:
+            return self._signing.current_log(conn)
+
+    def use_signing_key(self, seed: bytes) -> None:
+        """Sign this ledger's heads with `seed` from now on. SigningKeyRefused when that
+        would give it a second signing identity: its heads belong to another key, or a
+        key rotation retired this one."""
+        signer = HeadSigner(seed)
+        keys = SigningKeys(signer, None)
+        with self.engine.connect() as conn:
+            why = keys.refusal(conn)
+        if why:
+            raise SigningKeyRefused(f"{why}; every process of a deployment signs with its one "
+                                    "key: give this one that key (OBLIVIATE_LEDGER_SIGNING_KEY_"
+                                    "HEX or _FILE), or hand the log over with `obliviate "
+                                    "ledger rotate-key`")
+        self._signing = keys
+
+    def rotate_key(self, new_seed: bytes) -> dict[str, Any]:
+        """Hand the log over to a new signing key. One transaction appends a
+        `key_rotated` event naming the new public key, signed by the current key, and that
+        key's head over exactly that event; every later head is the new key's, and a
+        process still holding the old key stops signing (and refuses to start): give
+        every process the new key. Returns the event's seq and the old key's last head."""
+        old = self._signer
+        if old is None:
+            raise ValueError("rotating the signing key needs the current one")
+        new = HeadSigner(new_seed)
+        if new.public_key == old.public_key:
+            raise ValueError("the new signing key is the current one")
+        try:
+            with writing(self.engine) as conn:
+                why = self._signing.refusal(conn)
+                if why:
+                    raise SigningKeyRefused(why)
+                appender = ChainAppender(conn)
+                payload = old.rotation(new.public_key, appender.seq + 1, appender.prev)
+                seq = appender.append(ROTATION_KIND, None, payload, iso(utc_now()))
+                appender.flush(conn)
+                head = self._take_head(conn, seq)
+                if head is None:
+                    raise RuntimeError("the current key could not sign a head over the "
+                                       "rotation (the log says why): nothing was rotated")
+        except BaseException:
+            self._signing.forget()  # the rotation event read inside the transaction is gone
+            raise
+        self._signing.use(new)
+        return {"seq": seq, "head": head, "public_key": new.public_key.hex(),
+                "log_id": new.log_id}
 
     def sign_head(self) -> dict[str, Any] | None:
         """A signed head over every event now (the latest one if it covers them already);
@@ -797,7 +883,7 @@ class Ledger:
             size = conn.execute(select(func.max(EVENTS.c.seq))).scalar() or 0
             if size == 0:
                 return None
-            return self._take_head(conn, size) or self._head_at(size, conn)
+            return self._take_head(conn, size) or self._signing.head_at(conn, size)
 
     def maybe_sign_head(self) -> dict[str, Any] | None:
         """Take a head if one is due: `checkpoint_every` events, or events older than
@@ -835,13 +921,16 @@ class Ledger:
             leaves = [event_leaf(h) for h in conn.execution_options(yield_per=20_000).execute(
                 select(EVENTS.c.hash).where(EVENTS.c.seq <= new_size)
                 .order_by(EVENTS.c.seq)).scalars()]
-        if len(leaves) != new_size:
-            raise ValueError(f"events 1..{new_size} are not all there ({len(leaves)} found)")
+            if len(leaves) != new_size:
+                raise ValueError(f"events 1..{new_size} are not all there ({len(leaves)} "
+                                 "found)")
+            _, rotations = self._published_keys(conn, new_size)
+            heads = (self._signing.head_at(conn, old_size), self._signing.head_at(conn, new_size))
         return {"old_size": old_size, "new_size": new_size,
                 "old_root": merkle.root(leaves[:old_size]).hex(),
                 "new_root": merkle.root(leaves).hex(),
                 "proof": [p.hex() for p in merkle.consistency_proof(leaves, old_size)],
-                "old_head": self._head_at(old_size), "new_head": self._head_at(new_size)}
+                "old_head": heads[0], "new_head": heads[1], "rotations": rotations}
 
     def verify(self) -> VerifyResult:
         """Recompute the chain, every checkpoint and signed head, every record fingerprint,
@@ -853,7 +942,7 @@ class Ledger:
             self.keys.scope(conn)  # read here: on SQLite a second connection would wait
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
             heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
-            covered = self._check_heads(heads, checkpoints, problems, notes)
+            covered = self._check_heads(conn, heads, checkpoints, problems, notes)
             first_uncovered = last_at = None
             frontier = merkle.MerkleFrontier()
             prev, expected = GENESIS_HASH, 1
@@ -918,6 +1007,9 @@ class Ledger:
                 problems.extend(self._check_record(rec))
                 problems.extend(facts.check_record(rec, status_of))
             problems.extend(facts.check_loaded())
+            problems.extend(facts.check_schema(
+                conn.execute(select(DatasetSchema.__table__)).first(), notes))
+            problems.extend(facts.check_offsets(conn.execute(select(OFFSETS)).all()))
             for table in (PAYLOADS, SEALED):
                 for rid in conn.execute(
                         select(table.c.record_id)
@@ -929,10 +1021,14 @@ class Ledger:
         return VerifyResult(not problems, n_events, len(checkpoints), n_records, problems,
                             heads=len(heads), notes=notes)
 
-    def _check_heads(self, heads: dict[int, Any], checkpoints: dict[int, str],
-                     problems: list[Problem], notes: list[str]) -> int:
-        """Signatures of the signed heads; returns how many events the heads (or, on a
-        ledger that never had a signing key, the checkpoints) cover."""
+    def _check_heads(self, conn: Connection, heads: dict[int, Any],
+                     checkpoints: dict[int, str], problems: list[Problem],
+                     notes: list[str]) -> int:
+        """Signatures of the signed heads, each by the key that signs its size (the key
+        rotations followed, and leading through this process's key); returns how many
+        events the heads (or, on a ledger that never had a signing key, the checkpoints)
+        cover."""
+        chain = None
         if self.public_key is None:
             if heads:
                 notes.append("no public key: the signed heads' signatures were not checked "
@@ -941,10 +1037,16 @@ class Ledger:
                 notes.append("no signing key: the checkpoints are not signed, so whoever can "
                              "write to the database can rewrite the log and its checkpoints")
                 return max(checkpoints, default=0)
+        else:
+            chain, why = self._signing.chain(conn, fresh=True)
+            problems.extend(Problem("signing keys", w) for w in why)
+            if chain is not None and chain.current != self.public_key \
+                    and self.public_key in chain.keys:
+                notes.append(f"this process's key (log {log_id(self.public_key)[:16]}...) was "
+                             "retired by a key rotation: give it the current key")
         good = []
         for size, row in sorted(heads.items()):
-            why = None if self.public_key is None else verify_head(_head_dict(row),
-                                                                    self.public_key)
+            why = None if chain is None else chain.check_head(head_dict(row))
             if why:
                 problems.append(Problem(f"signed head {size}", why))
             else:
@@ -1065,10 +1167,8 @@ class Ledger:
     def _covered(self, conn: Connection) -> int:
         """Events the latest head covers: this log's signed heads, else the checkpoints."""
         if self._signer is not None:
-            q = select(func.max(HEADS.c.tree_size)).where(HEADS.c.log_id == self._signer.log_id)
-        else:
-            q = select(func.max(CHECKPOINTS.c.tree_size))
-        return conn.execute(q).scalar() or 0
+            return self._signing.covered(conn)
+        return conn.execute(select(func.max(CHECKPOINTS.c.tree_size))).scalar() or 0
 
     def _head_due(self, conn: Connection, size: int) -> bool:
         last = self._covered(conn)
@@ -1096,6 +1196,11 @@ class Ledger:
         frontier = self._trusted_frontier(conn)
         if frontier is None or frontier.size >= size:
             return None
+        why = self._signing.refusal(conn, size)
+        if why:
+            log.error("not signing a head over %d events: %s (restart this process with the "
+                      "ledger's key)", size, why)
+            return None
         _extend(conn, frontier, size)
         if frontier.size != size:
             log.error("not signing a head over %d events: only %d of them are there", size,
@@ -1121,11 +1226,11 @@ class Ledger:
         that head signs: from the checkpoint below it, or else from event 1. None, logged,
         when the head's signature fails or the events no longer give its root: signing
         on would vouch for a rewritten log."""
-        row = conn.execute(select(HEADS).where(HEADS.c.log_id == self._signer.log_id)
-                           .order_by(HEADS.c.tree_size.desc()).limit(1)).first()
-        if row is None:
+        latest = self._signing.latest_head(conn)
+        if latest is None:
             return merkle.MerkleFrontier()
-        why = verify_head(_head_dict(row), self._signer.public_key)
+        row, key = latest
+        why = verify_head(head_dict(row), key)
         if why:
             log.error("not signing: the latest head in the database (%d events) %s; run "
                       "`obliviate ledger verify`", row.tree_size, why)
@@ -1148,20 +1253,10 @@ class Ledger:
                   "them (the log was rewritten); run `obliviate ledger verify`", row.tree_size)
         return None
 
-    def _head_at(self, size: int, conn: Connection | None = None) -> dict[str, Any] | None:
+    def _head_at(self, size: int) -> dict[str, Any] | None:
         """This log's signed head over exactly `size` events, if there is one."""
-        q = select(HEADS).where(HEADS.c.tree_size == size)
-        if self.public_key is not None:
-            q = q.where(HEADS.c.log_id == self._log_id())
-        if conn is not None:
-            row = conn.execute(q).first()
-        else:
-            with self.engine.connect() as c:
-                row = c.execute(q).first()
-        return None if row is None else _head_dict(row)
-
-    def _log_id(self) -> str | None:
-        return None if self.public_key is None else log_id(self.public_key)
+        with self.engine.connect() as conn:
+            return self._signing.head_at(conn, size)
 
     @staticmethod
     def _write_checkpoint(conn: Connection, size: int) -> None:
@@ -1190,11 +1285,6 @@ def _extend(conn: Connection, frontier: merkle.MerkleFrontier, size: int) -> Non
                           .order_by(EVENTS.c.seq).execution_options(yield_per=20_000)
                           ).scalars():
         frontier.append(event_leaf(h))
-
-
-def _head_dict(row: Any) -> dict[str, Any]:
-    return {"log_id": row.log_id, "tree_size": row.tree_size, "root_hash": row.root_hash,
-            "timestamp": row.timestamp, "signature": row.signature}
 
 
 def _parse_time(ts: str) -> datetime:

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.registry import ModelVersion, Registry
 from ledger.chain import iso
-from ledger.forgotten import forgotten
+from ledger.forgotten import forgotten, receipt
 from ledger.store import Ledger
 from ledger.transform import schema_document
 from ledger.validation import MAX_ID_LENGTH, MAX_MESSAGE_BYTES, show_value, storable_id
@@ -161,6 +161,8 @@ def build_app(ctx: AppContext) -> Starlette:
         answer = result.as_dict()
         if result.status == "rejected":  # every 4xx body has an "error"
             answer["error"] = result.reason
+        if result.status == "accepted":  # for the subject: GET /v1/requests/{id}/receipt
+            answer["receipt_token"] = ctx.ledger.receipt_token(result.request_id)
         return JSONResponse(answer, status_code=result.http_status)
 
     async def request_history(request: Request) -> Response:
@@ -237,6 +239,8 @@ def build_app(ctx: AppContext) -> Starlette:
 
     routes = [
         Route("/v1/requests", admin(submit), methods=["POST"]),
+        Route("/v1/requests/{request_id:path}/receipt", _receipt_handler(ctx, bearer, is_admin),
+              methods=["GET"]),
         Route("/v1/requests/{request_id:path}", admin(request_history), methods=["GET"]),
         Route("/v1/forgotten/{request_id:path}", admin(forgotten_report), methods=["GET"]),
         Route("/v1/subjects/{subject_id:path}/requests", admin(subject_requests),
@@ -253,6 +257,32 @@ def build_app(ctx: AppContext) -> Starlette:
         routes.append(Mount("/audit/static", StaticFiles(directory=AUDIT_DIR), name="audit"))
     return Starlette(routes=routes, middleware=[Middleware(BodyLimit)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+def _receipt_handler(ctx: AppContext, bearer: Callable[[Request], str | None],
+                     is_admin: Callable[[Request], bool]) -> Handler:
+    """GET /v1/requests/{id}/receipt: the deletion receipt (`ledger.receipt`), for the
+    admin or the subject holding the request's receipt token (returned when the request
+    was accepted)."""
+    async def deletion_receipt(request: Request) -> Response:
+        rid = request.path_params["request_id"]
+        token = bearer(request)
+        if token is None:
+            return JSONResponse({"error": "this endpoint needs 'Authorization: Bearer <the "
+                                          "request's receipt token, or the admin token>'"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if not (is_admin(request) or secrets.compare_digest(
+                token.encode(), ctx.ledger.receipt_token(rid).encode())):
+            return JSONResponse({"error": "neither this request's receipt token nor the "
+                                          "admin token"}, status_code=403)
+        try:
+            doc = await run_in_threadpool(receipt, ctx.ledger, rid)
+        except KeyError:
+            return JSONResponse({"error": f"no request {rid!r}"}, status_code=404)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+        return JSONResponse(doc)
+    return deletion_receipt
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

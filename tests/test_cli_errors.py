@@ -70,7 +70,8 @@ def test_ledger_submit_and_produce_commands_import_no_learner_or_solver(
         ["submit", '{"request_id": "q1", "op": "delete", "subject_id": "p1"}'],
         ["ledger", "verify"], ["ledger", "show", "q1"], ["ledger", "schema"],
         ["ledger", "export"], ["ledger", "checkpoint"], ["ledger", "heads"],
-        ["ledger", "forgotten", "q1"], ["ledger", "key"], ["ledger", "migrate"],
+        ["ledger", "forgotten", "q1"], ["ledger", "receipt", "q1", "-o", "-"],
+        ["ledger", "key"], ["ledger", "migrate"],
         ["produce", "--count", "5"],
     ]
     script = ("from service.cli import main\n"

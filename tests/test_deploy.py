@@ -54,8 +54,11 @@ EXTRA_ENV = {
     "BENTOML_DO_NOT_TRACK",             # BentoML usage tracking off
 }
 REQUIRED_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_KAFKA_BOOTSTRAP", "OBLIVIATE_HMAC_KEY_HEX",
-                "OBLIVIATE_ADMIN_TOKEN", "BENTOML_HOME"}
-SECRET_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN"}
+                "OBLIVIATE_ADMIN_TOKEN", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX", "BENTOML_HOME"}
+# the ledger's one signing key among them: every process signs with it
+# (tests/test_signing_identity.py starts processes with this environment)
+SECRET_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN",
+              "OBLIVIATE_LEDGER_SIGNING_KEY_HEX"}
 
 REQUIRED_ALERTS = {"DeletionSLAMissed", "GuardStuckInNoiseAll", "PrivacyBudgetExhausted",
                    "DeadLettersRising", "ModelVersionLagging", "VerifyFailures"}
@@ -292,7 +295,8 @@ _REQUIRED_VAR = re.compile(r"\$\{[A-Z0-9_]+:\?[^}]*\}")
 
 def test_compose_commits_no_secrets() -> None:
     env = _services()["service"]["environment"]
-    for key in ("OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN"):
+    for key in ("OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN",
+                "OBLIVIATE_LEDGER_SIGNING_KEY_HEX"):
         assert _REQUIRED_VAR.fullmatch(env[key]), f"{key} must be ${{VAR:?...}}, not a value"
     password = env["OBLIVIATE_DATABASE_URL"].split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
     assert _REQUIRED_VAR.fullmatch(password), "the database password must come from the env"
@@ -542,16 +546,21 @@ def test_k8s_service_targets_the_service_pods() -> None:
     assert _port(_container(deployment), port["targetPort"]) == 3000
 
 
-def test_k8s_model_store_is_one_shared_rwx_volume() -> None:
-    (pvc_name, pvc), = _k8s("PersistentVolumeClaim").items()
-    assert "ReadWriteMany" in pvc["spec"]["accessModes"], "workers and replicas share the store"
-    home = _k8s("ConfigMap")["obliviate-config"]["data"]["BENTOML_HOME"]
-    for dname in ("obliviate-service", "obliviate-worker"):
+@pytest.mark.parametrize(("setting", "claim", "users"), [
+    ("BENTOML_HOME", "obliviate-models", ("obliviate-service", "obliviate-worker")),
+    ("OBLIVIATE_KEY_STORE_DIR", "obliviate-keys",
+     ("obliviate-service", "obliviate-worker", "obliviate-consumer"))])
+def test_k8s_model_store_and_key_store_are_shared_rwx_volumes(setting: str, claim: str,
+                                                              users: tuple[str, ...]) -> None:
+    pvc = _k8s("PersistentVolumeClaim")[claim]
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"], "every pod shares the store"
+    path = _k8s("ConfigMap")["obliviate-config"]["data"][setting]
+    for dname in users:
         d = _k8s("Deployment")[dname]
         volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
-        mounts = [m for m in _container(d)["volumeMounts"] if m["mountPath"] == home]
-        assert len(mounts) == 1, f"{dname} must mount the model store at {home}"
-        assert volumes[mounts[0]["name"]]["persistentVolumeClaim"]["claimName"] == pvc_name
+        mounts = [m for m in _container(d)["volumeMounts"] if m["mountPath"] == path]
+        assert len(mounts) == 1, f"{dname} must mount {claim} at {path}"
+        assert volumes[mounts[0]["name"]]["persistentVolumeClaim"]["claimName"] == claim
 
 
 def test_k8s_configuration_names() -> None:

@@ -22,8 +22,11 @@ from jobs.worker import Worker, WorkerConfig
 from ledger import audit, merkle
 from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
 from ledger.heads import HeadSigner, parse_public_key, verify_head
+from ledger.intake import IncomingMessage
+from ledger.log_check import schema_sha256
+from ledger.models import DatasetSchema
 from ledger.store import Ledger
-from ledger.tables import CHECKPOINTS, EVENTS, HEADS, PAYLOADS, RECORDS, REQUESTS
+from ledger.tables import CHECKPOINTS, EVENTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
 from service.cli import main
 from tests.conftest import HMAC_KEY, seed
 
@@ -306,6 +309,79 @@ def test_the_signer_never_vouches_for_a_rewritten_log(signed: Ledger, caplog) ->
         head["tree_size"] + 1
 
 
+# ---------------------------------------------------------------------------- what a query means
+SCHEMA = DatasetSchema.__table__
+
+
+def _edit_transform(schema) -> dict:
+    doc = json.loads(json.dumps(schema.transform))
+    doc["features"][0]["max"] = doc["features"][0]["max"] * 10  # rescales every query
+    return {"transform": doc}
+
+
+@pytest.mark.parametrize("edit", [
+    _edit_transform,
+    lambda schema: {"classes": [*schema.classes, 7]},
+    lambda schema: {"n_features": schema.n_features + 1},
+], ids=["transform", "classes", "n_features"])
+def test_an_edited_schema_is_caught_by_verify(signed: Ledger, edit) -> None:
+    with signed.engine.connect() as conn:
+        schema = conn.execute(select(SCHEMA)).one()
+    assert signed.verify().ok
+    tamper(signed, update(SCHEMA).values(**edit(schema)))
+    found = problems(signed)
+    assert found == ["dataset_schema: the input transform, classes or width is not what "
+                     "event 1 (records_loaded) committed to: edited, which changes what every "
+                     "query and addition means"], found
+
+
+def test_an_edited_schema_with_its_event_rewritten_is_caught_by_audit_check(
+        signed: Ledger) -> None:
+    """The insider edits the schema and the digest in its `records_loaded` event, and
+    re-hashes the chain: the signed heads (verify) and a saved head (audit check) see it."""
+    some_requests(signed, 3)
+    saved = saved_heads(signed)
+    with signed.engine.connect() as conn:
+        schema = conn.execute(select(SCHEMA)).one()
+    classes = [*schema.classes, 7]
+    new = schema_sha256(schema.n_features, classes, schema.transform)
+    tamper(signed, update(SCHEMA).values(classes=classes))
+    rewrite_events(signed, lambda e: e.payload if e.kind != "records_loaded" else canonical_json(
+        {**json.loads(e.payload), "schema_sha256": new}))
+    found = problems(signed)
+    assert found and all(p.startswith("signed head ") for p in found), found
+    assert any("do not rebuild its root" in p or "not consistent" in p
+               for p in audit_now(signed, saved).problems)
+
+
+def kafka(ledger: Ledger, topic: str, *values: tuple[int, dict | bytes]) -> None:
+    """Messages as the consumer records them: (offset, value) on partition 0 of `topic`."""
+    ledger.receive_batch([IncomingMessage(json.dumps(v).encode() if isinstance(v, dict)
+                                          else v, "kafka", topic, 0, offset)
+                          for offset, v in values])
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"next_offset": 9}, "messages would be skipped"),
+    ({"next_offset": 1}, "messages would be taken again"),
+    (None, "source_offsets has no row for it (deleted)"),
+], ids=["raised", "lowered", "deleted"])
+def test_an_edited_kafka_offset_is_caught_by_verify(signed: Ledger, edit, message) -> None:
+    kafka(signed, "reqs", (0, delete("k0", "r000")), (1, b"not json"),
+          (2, delete("k1", "r001")), (3, delete("k1", "r001")))  # a duplicate last
+    assert signed.verify().ok, signed.verify().problems
+    where = (OFFSETS.c.topic == "reqs") & (OFFSETS.c.partition == 0)
+    tamper(signed, update(OFFSETS).where(where).values(**edit) if edit
+           else sql_delete(OFFSETS).where(where))
+    found = problems(signed)
+    assert len(found) == 1 and found[0].startswith("source offset reqs/0: ") and \
+        message in found[0], found
+    # a row for a partition no event records
+    tamper(signed, insert(OFFSETS).values(topic="reqs", partition=5, next_offset=40))
+    assert any(p.startswith("source offset reqs/5: says the next offset is 40, but no event "
+                            "records a message of that partition") for p in problems(signed))
+
+
 # ---------------------------------------------------------------------------- the registry
 def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
     """A worker's real history: train v1, a deletion (v2), an addition (v3), both verified
@@ -396,6 +472,18 @@ def test_a_destroyed_version_brought_back_is_caught_by_verify(signed: Ledger) ->
     found = [str(p) for p in verify_registry(led, reg)]
     assert any("destroyed_at cleared" in p for p in found)
     assert any("the key store holds a key for it again" in p for p in found)
+
+
+def test_a_deleted_key_of_a_kept_version_is_caught_by_verify(signed: Ledger) -> None:
+    """Deleting the current version's sealing key stops every process from loading it
+    (a denial of service): the check reads the key store."""
+    led, reg, (_, _, v3) = _published(signed)
+    assert reg.has_key(v3)
+    reg.keys.delete(reg.key_name(v3))
+    assert not reg.has_key(v3)
+    found = [str(p) for p in verify_registry(led, reg)]
+    assert found == [f"model version {v3}: is not destroyed, but its sealing key is gone: "
+                     "no process can load it (key deleted)"], found
 
 
 # ---------------------------------------------------------------------------- heads
