@@ -359,7 +359,6 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
     }
 
 
-
 def first_line(exc: BaseException) -> str:
     """An error in one line, for a reason or a log line (never a traceback)."""
     text = str(exc).strip().splitlines()

@@ -19,6 +19,13 @@ same transaction; the idle passes destroy those versions once the grace period
 is over (:mod:`jobs.retention`) and run the ledger's purge maintenance, which
 erases purged rows and destroyed keys from the database's files.
 
+A pass never ends the worker. A request the learner raises on when applied alone is
+quarantined: `failed` with the learner's error, the rest of its batch applied. Any other
+error (database, disk, a publication) fails no request: it is logged in one line and
+counted, and the claims are retried after a back-off. A current version the worker may
+not build on (the pointer names one destroyed or never published, or its files are not
+what was published) is refused until the pointer is fixed, with an alert and a log line.
+
 Crash safety follows from the order: files are written before the
 transaction that publishes them, and requests stay `claimed` (retaken by the
 same worker name on restart, or by anyone after the lease) until the version

@@ -122,7 +122,7 @@ class ModelHolder:
             if cur is None:
                 return False
             if self._serving is not None and self._serving.version.version == cur.version:
-                self._confirmed_at = time.monotonic()
+                self._confirmed_at, self.problem = time.monotonic(), None
                 return False
             r = self._reload_at
             if r is not None and r[0] == cur.version and time.monotonic() < r[1]:
