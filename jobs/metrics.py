@@ -47,6 +47,8 @@ QUARANTINED = Counter(
     "learner's error as the reason in the ledger, never retried.",
     ["op"],
 )
+for _op in ("add", "delete"):  # exported at 0: an alert's increase() starts from there
+    QUARANTINED.labels(op=_op)
 PASS_ERRORS = Counter(
     "obliviate_worker_pass_errors",
     "Worker passes that failed through no request's fault (database, disk, publication): "
