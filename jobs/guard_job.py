@@ -27,7 +27,7 @@ from typing import Any
 
 from jobs import sealing
 from jobs.leftovers import make_dir, remove_abandoned
-from jobs.served_model import ServedModel
+from jobs.served_model import load_as_published
 
 RESULT_FILE = "result.json"
 ERROR_FILE = "error.txt"
@@ -42,19 +42,21 @@ class GuardResult:
     guard_dir: Path  # fitted guard state, for ServedModel.load_guard
 
 
-def fit_guard(version_path: str, key_hex: str, out_dir: str, verify: bool,
-              bound_s: float = 0.0) -> None:
+def fit_guard(version_path: str, key_hex: str, manifest: dict[str, Any], out_dir: str,
+              verify: bool, bound_s: float = 0.0) -> None:
     """Refit a stored version's guard (`bound_s`: seconds per part of a guard that searches
     for bounds, see ServedModel.refresh_guard) and check exactness; results go to
-    `out_dir`, the fitted guard sealed under the version's key like the version itself."""
+    `out_dir`, the fitted guard sealed under the version's key like the version itself.
+    The files must be what `manifest` (vouched for by the ledger) records, else it fails."""
     with sealing.sealed_with(bytes.fromhex(key_hex)):
-        _fit_guard(version_path, out_dir, verify, bound_s)
+        _fit_guard(version_path, manifest, out_dir, verify, bound_s)
 
 
-def _fit_guard(version_path: str, out_dir: str, verify: bool, bound_s: float) -> None:
+def _fit_guard(version_path: str, manifest: dict[str, Any], out_dir: str, verify: bool,
+               bound_s: float) -> None:
     out = Path(out_dir)
     try:
-        model = ServedModel.load(version_path)
+        model = load_as_published(version_path, manifest)
         guard = model.refresh_guard(bound_s)
         check: dict[str, Any] = {}
         if verify:
@@ -121,7 +123,8 @@ class GuardProcess:
         child.close()
         self._conn, self._busy = parent, False
 
-    def submit(self, args: tuple[str, str, str, bool, float], lock_fd: int) -> None:
+    def submit(self, args: tuple[str, str, dict[str, Any], str, bool, float],
+               lock_fd: int) -> None:
         """Run a job; `lock_fd` holds its directory's lock (the process holds it too)."""
         if self._busy:
             raise RuntimeError("the guard process is still running a job")
@@ -171,15 +174,16 @@ class GuardProcess:
 
 
 class GuardJob:
-    """One background refit of `version`: in the worker's :class:`GuardProcess`, or in a
-    thread when there is none (tests)."""
+    """One background refit of `version` (whose files must be what `manifest` records): in
+    the worker's :class:`GuardProcess`, or in a thread when there is none (tests)."""
 
-    def __init__(self, version: str, version_path: Path, key: bytes, verify: bool,
-                 process: GuardProcess | None = None, bound_s: float = 0.0) -> None:
+    def __init__(self, version: str, version_path: Path, key: bytes,
+                 manifest: dict[str, Any], verify: bool, process: GuardProcess | None = None,
+                 bound_s: float = 0.0) -> None:
         self.version = version
         self._dir = make_dir(Path(tempfile.gettempdir()), JOB_DIR_PREFIX)
         self.dir = self._dir.path
-        args = (str(version_path), key.hex(), str(self.dir), verify, float(bound_s))
+        args = (str(version_path), key.hex(), manifest, str(self.dir), verify, float(bound_s))
         self._process = process
         self._thread: threading.Thread | None = None
         if process is not None:

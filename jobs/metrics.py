@@ -7,7 +7,7 @@ no label with more values than there are learner kinds.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
@@ -40,4 +40,22 @@ VERIFY_FAILURES = Counter(
 UPDATE_FAILURES = Counter(
     "obliviate_update_failures",
     "Update batches that raised; their requests stay claimed and are retried.",
+)
+QUARANTINED = Counter(
+    "obliviate_requests_quarantined",
+    "Requests the learner could not apply (it raised on them alone): failed, with the "
+    "learner's error as the reason in the ledger, never retried.",
+    ["op"],
+)
+for _op in ("add", "delete"):  # exported at 0: an alert's increase() starts from there
+    QUARANTINED.labels(op=_op)
+PASS_ERRORS = Counter(
+    "obliviate_worker_pass_errors",
+    "Worker passes that failed through no request's fault (database, disk, publication): "
+    "nothing marked failed, retried after a back-off.",
+)
+POINTER_REFUSED = Gauge(
+    "obliviate_worker_pointer_refused",
+    "1 while the current-version pointer names a version the worker may not build on "
+    "(destroyed, never published, or its files are not what was published).",
 )

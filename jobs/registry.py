@@ -37,6 +37,7 @@ from ledger import migrations
 from ledger.chain import iso, utc_now
 from ledger.db import upsert
 from ledger.keystore import LedgerKeys
+from ledger.tables import EVENTS
 
 if TYPE_CHECKING:  # the learners (torch, numba) load only with a model
     from jobs.served_model import ServedModel
@@ -108,6 +109,17 @@ class VersionUnavailable(LookupError):
     """A version that was destroyed, or holds deleted records, was asked to be loaded."""
 
 
+class VersionRefused(LookupError):
+    """A version that may not be loaded although the ledger does not say it is gone: the
+    pointer names one that was never published or may not be served (a hand edit), no
+    publication vouches for its manifest, or its files are not what the manifest records
+    (planted, replaced, missing). Nothing is built on it or served from it."""
+
+    def __init__(self, version: str, why: str) -> None:
+        super().__init__(why)
+        self.version = version
+
+
 def version_tag(seq: int) -> str:
     return f"v{seq:06d}"
 
@@ -135,6 +147,28 @@ class Registry:
                                .where(POINTER.c.name == self.name)).first()
         return None if row is None else ModelVersion.model_validate(dict(row._mapping))
 
+    def servable_current(self) -> ModelVersion | None:
+        """The current version, None before the first; VersionRefused when the pointer
+        names a version that was never published or may not be served (only a hand edit
+        does that: a deletion moves the pointer in the transaction that supersedes)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(POINTER.c.version.label("named"), VERSIONS)
+                               .select_from(POINTER.outerjoin(
+                                   VERSIONS, (POINTER.c.name == VERSIONS.c.name)
+                                   & (POINTER.c.version == VERSIONS.c.version)))
+                               .where(POINTER.c.name == self.name)).first()
+        if row is None:
+            return None
+        if row.version is None:
+            raise VersionRefused(row.named, f"the model pointer names {row.named}, which was "
+                                            "never published")
+        cur = ModelVersion.model_validate({k: v for k, v in row._mapping.items()
+                                           if k != "named"})
+        if cur.unavailable:
+            raise VersionRefused(cur.version, f"the model pointer names {cur.version}, which "
+                                              f"may not be served: {cur.unavailable}")
+        return cur
+
     def current_seq(self) -> int:
         """Sequence number of the current version; 0 before the first one."""
         with self.engine.connect() as conn:
@@ -160,19 +194,51 @@ class Registry:
         return [ModelVersion.model_validate(dict(r._mapping)) for r in rows]
 
     def load(self, version: str) -> ServedModel:
-        """The version's model; VersionUnavailable for one destroyed or holding deleted
-        records (whatever the pointer says)."""
-        with self.engine.connect() as conn:
-            row = conn.execute(select(VERSIONS).where(VERSIONS.c.name == self.name,
-                                                      VERSIONS.c.version == version)).first()
-        if row is not None:
-            why = ModelVersion.model_validate(dict(row._mapping)).unavailable
-            if why:
-                raise VersionUnavailable(why)
-        from jobs.served_model import ServedModel
+        """The version's model, held to what the ledger published: VersionUnavailable for
+        one destroyed or holding deleted records (whatever the pointer says);
+        VersionRefused for one never published, whose manifest no publication event
+        vouches for, or whose files are not those its manifest records."""
+        from jobs.served_model import load_as_published
 
-        with sealing.sealed_with(self.key(version)):
-            return ServedModel.load(self.path(version))
+        try:
+            row = self.get(version)
+        except KeyError:
+            raise VersionRefused(version, f"{version} was never published") from None
+        if row.unavailable:
+            raise VersionUnavailable(row.unavailable)
+        man = self.vouched_manifest(row)
+        try:
+            with sealing.sealed_with(self.key(version)):
+                return load_as_published(self.path(version), man)
+        except Exception as exc:  # noqa: BLE001 - whatever a planted file makes a loader raise
+            why = self.get(version).unavailable  # destroyed while it was read: not refused
+            if why:
+                raise VersionUnavailable(why) from None
+            raise VersionRefused(version, f"{version} is not what was published: "
+                                          f"{first_line(exc)}") from None
+
+    def vouched_manifest(self, row: ModelVersion) -> dict[str, Any]:
+        """`row`'s manifest, once the event that published it carries its digest (the
+        ledger vouches for it); VersionRefused otherwise (the row was edited)."""
+        from jobs.retention import manifest_sha256
+
+        with self.engine.connect() as conn:
+            payload = conn.execute(
+                select(EVENTS.c.payload)
+                .where(EVENTS.c.seq > int(row.manifest.get("ledger_seq") or 0),
+                       EVENTS.c.model_version == row.version)
+                .order_by(EVENTS.c.seq).limit(1)).scalar()
+        try:
+            said = json.loads(payload or "{}").get("manifest_sha256")
+        except (ValueError, AttributeError):
+            said = None
+        if said is None:
+            raise VersionRefused(row.version, f"{row.version}: no publication event carries "
+                                              "the digest of its manifest")
+        if said != manifest_sha256(row.manifest):
+            raise VersionRefused(row.version, f"{row.version}: its manifest is not the one its "
+                                              "publication event vouches for (edited)")
+        return row.manifest
 
     def key(self, version: str) -> bytes:
         """The key `version`'s files are sealed under; VersionUnavailable once destroyed."""
@@ -291,7 +357,8 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         "content_hash": model.learner.content_hash(),
         "classes": [int(c) for c in model.classes.tolist()],
         "n_features": model.n_features,
-        "guard": model.guard_record(),
+        # what Registry.load holds the guard it loads to (None: the version has none)
+        "guard": {**model.guard_record(), "content_hash": model.guard_hash()},
         "training_set": {"count": count, "merkle_root": root},
         "version_seq": seq,
         "parent": parent,
@@ -301,3 +368,8 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         "built_at": iso(utc_now()),
     }
 
+
+def first_line(exc: BaseException) -> str:
+    """An error in one line, for a reason or a log line (never a traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

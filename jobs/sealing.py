@@ -13,6 +13,8 @@ outside the registry (tests, benchmarks, a user's own scripts) and sealed files
 inside it, through the same two functions, :func:`write_file` and
 :func:`read_file`. A sealed file starts with :data:`MAGIC`; its name is bound
 into the authenticated data, so sealed files cannot be swapped for one another.
+With a key in context a file without the seal is refused: whoever can write the
+model store but holds no key could otherwise plant a plain learner or bound.
 """
 
 from __future__ import annotations
@@ -64,9 +66,24 @@ def write_file(path: str | Path, data: bytes) -> None:
 
 
 def read_file(path: str | Path) -> bytes:
-    """The contents of `path`, unsealed with the key in context if it is sealed."""
+    """The contents of `path`: unsealed with the key in context, which refuses a file
+    without the seal; as it is without a key (outside the registry)."""
     p = Path(path)
     blob = p.read_bytes()
+    if not blob.startswith(MAGIC) and _KEY.get() is not None:
+        raise SealedFileError(f"{p} is not sealed, but a version's files all are "
+                              "(planted or replaced by someone without its key)")
+    return _unseal(p, blob)
+
+
+def unsealed(path: str | Path) -> bytes:
+    """The bytes of any file in a version's directory, the seal taken off where there is
+    one (a scan of everything it holds; loading uses :func:`read_file`)."""
+    p = Path(path)
+    return _unseal(p, p.read_bytes())
+
+
+def _unseal(p: Path, blob: bytes) -> bytes:
     if not blob.startswith(MAGIC):
         return blob
     key = _KEY.get()

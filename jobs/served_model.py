@@ -30,8 +30,10 @@ its memo of noised answers to one version.
 from __future__ import annotations
 
 import abc
+import hashlib
 import io
 import json
+import logging
 import secrets
 import time
 from collections.abc import Sequence
@@ -53,6 +55,8 @@ from jobs.learners.game import GameUnlearningNet
 from jobs.learners.loo import LOOSet, loo_work
 from jobs.learners.loo_mlp import LeaveOneOutMLP
 from jobs.learners.sisa import SISAEnsemble
+
+log = logging.getLogger("obliviate.served_model")
 
 LEARNER_DIR = "learner"
 GUARD_DIR = "guard"
@@ -191,6 +195,12 @@ class ServedModel(abc.ABC):
     def guard_record(self) -> dict[str, Any]:
         """What the guard rests on (rule, bound summary), for the manifest."""
 
+    def guard_hash(self) -> str | None:
+        """Content hash of the guard state :meth:`save_guard` writes (None: it writes none),
+        the same before saving and after loading: the manifest records it, and a load
+        refuses a guard that is not the one published (:func:`load_as_published`)."""
+        return None
+
     def class_bounds(self) -> list[float] | None:
         """Per class, the margin above which an answer is certain everywhere (for metrics);
         None for a rule that has no such number."""
@@ -217,12 +227,12 @@ class ServedModel(abc.ABC):
         (p / KIND_FILE).write_text(json.dumps({"kind": self.kind}))
 
     @staticmethod
-    def load(path: str | Path) -> ServedModel:
+    def load(path: str | Path, with_guard: bool = True) -> ServedModel:
         p = Path(path)
         kind = json.loads((p / KIND_FILE).read_text())["kind"]
         sub = _kind(kind)
         model = sub(sub.learner_cls.load(p / LEARNER_DIR))
-        if (p / GUARD_DIR).exists():
+        if with_guard and (p / GUARD_DIR).exists():
             model.load_guard(p / GUARD_DIR)
         return model
 
@@ -287,6 +297,9 @@ class ForestModel(ServedModel):
             return None
         # the margin needed never exceeds twice the largest move of one probability
         return [2.0 * self.guard.bound_summary["delta_max_bound"]] * len(self.classes)
+
+    def guard_hash(self) -> str | None:
+        return self.guard.state_hash() if self.guard_ready else None
 
     def save_guard(self, path: Path) -> None:
         if self.guard_ready:
@@ -404,12 +417,18 @@ class ShardVoteModel(ServedModel):
         return {**rec, "shard_bound": "per-shard",
                 "bound": {"complete": self.guard_complete, "shards": shards}}
 
+    def _guard_state(self) -> dict[str, Any]:
+        """What :meth:`save_guard` writes (JSON)."""
+        return {"networks": list(self.bounds.networks),
+                "beta": [[jsonable_float(b) for b in row] for row in self.bounds.beta],
+                "info": {str(s): v for s, v in self.bound_info.items()}}
+
+    def guard_hash(self) -> str | None:
+        return _digest(self._guard_state())
+
     def save_guard(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        sealing.write_file(path / SHARD_BOUNDS_FILE, json.dumps({
-            "networks": list(self.bounds.networks),
-            "beta": [[jsonable_float(b) for b in row] for row in self.bounds.beta],
-            "info": {str(s): v for s, v in self.bound_info.items()}}).encode())
+        sealing.write_file(path / SHARD_BOUNDS_FILE, json.dumps(self._guard_state()).encode())
 
     def load_guard(self, path: Path) -> None:
         if (path / SHARD_BOUNDS_FILE).exists():
@@ -534,6 +553,18 @@ class GuardedMLPModel(ServedModel):
         betas = self._betas()
         return None if betas is None else betas.tolist()
 
+    def _bound_state(self) -> dict[str, Any] | None:
+        """What :meth:`save_guard` writes of the bound (JSON); None without one."""
+        if self._betas() is None:
+            return None
+        b = self.binding
+        return {"network_hash": b.network_hash, "loo_hash": b.loo_hash,
+                "beta": [jsonable_float(v) for v in b.beta], "info": self.bound_info}
+
+    def guard_hash(self) -> str | None:
+        loo = self._loo_digest()
+        return None if loo is None else _digest({"loo_set": loo, "bound": self._bound_state()})
+
     def save_guard(self, path: Path) -> None:
         loo = self.learner.loo_
         if loo is None:
@@ -542,11 +573,8 @@ class GuardedMLPModel(ServedModel):
         buf = io.BytesIO()
         loo.write(buf)
         sealing.write_file(path / LOO_SET_FILE, buf.getbuffer())
-        if self._betas() is not None:
-            b = self.binding
-            sealing.write_file(path / BOUND_FILE, json.dumps({
-                "network_hash": b.network_hash, "loo_hash": b.loo_hash,
-                "beta": [jsonable_float(v) for v in b.beta], "info": self.bound_info}).encode())
+        if (bound := self._bound_state()) is not None:
+            sealing.write_file(path / BOUND_FILE, json.dumps(bound).encode())
 
     def load_guard(self, path: Path) -> None:
         """Install a saved LOO set and bound: the LOO set only if its ``N`` is the served
@@ -621,6 +649,67 @@ def _bound_info(report: Any, seconds: float) -> dict[str, Any]:
             "status": sorted({cb.stop_reason for cb in report.per_class.values()}),
             "exact": all(cb.exact for cb in report.per_class.values()),
             "max_gap": max(gaps) if gaps else None, "n_milps": man.get("n_milps")}
+
+
+def _digest(state: Any) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+class NotAsPublished(ValueError):
+    """A version's files are not the model its manifest says was published."""
+
+
+def load_as_published(path: str | Path, manifest: dict[str, Any]) -> ServedModel:
+    """Load a version's files and hold them to its manifest: the learner's kind and content
+    hash, and the guard's content hash. A guard the manifest records must be there (never a
+    silent noise-all), and one it does not record must not be."""
+    p = Path(path)
+    if "content_hash" not in manifest["guard"]:
+        return _load_unhashed_guard(p, manifest)
+    recorded = manifest["guard"]["content_hash"]
+    if (recorded is not None) != (p / GUARD_DIR).is_dir():
+        raise NotAsPublished(f"its guard ({GUARD_DIR}/) is missing, though its manifest "
+                             "records one" if recorded is not None else
+                             f"it holds a guard ({GUARD_DIR}/) its manifest does not record")
+    model = ServedModel.load(p)
+    for what, got, want in (("learner", model.kind, manifest["learner"]),
+                            ("learner's content hash", model.learner.content_hash(),
+                             manifest["content_hash"]),
+                            ("guard's content hash", model.guard_hash(), recorded)):
+        if got != want:
+            raise NotAsPublished(f"its {what} is {_short(got)}, its manifest says "
+                                 f"{_short(want)}")
+    return model
+
+
+def _load_unhashed_guard(path: Path, manifest: dict[str, Any]) -> ServedModel:
+    """A version published before guards were hashed: its learner is held to the manifest,
+    its guard files cannot be and are not loaded. It answers in noise-all mode (sound)
+    until the worker refits its guard and publishes it (:func:`guard_owed`)."""
+    log.warning("the manifest of %s records no content hash of its guard (published before "
+                "guards were hashed): its guard is not loaded, answers are noised until the "
+                "worker publishes a refitted one", path.name)
+    model = ServedModel.load(path, with_guard=False)
+    if (model.kind, model.learner.content_hash()) != (manifest["learner"],
+                                                      manifest["content_hash"]):
+        raise NotAsPublished(f"its learner is {model.kind} {_short(model.learner.content_hash())}"
+                             f", its manifest says {manifest['learner']} "
+                             f"{_short(manifest['content_hash'])}")
+    return model
+
+
+def guard_owed(manifest: dict[str, Any]) -> bool:
+    """The version answers in noise-all mode until its guard is refitted: it was published
+    without it, or before guards were hashed (a learner that noises every answer by
+    design owes nothing)."""
+    guard = manifest["guard"]
+    unhashed = "content_hash" not in guard
+    return (unhashed or not guard["ready"]) and guard["rule"] != "noise-all"
+
+
+def _short(value: str | None) -> str:
+    return repr(value if value is None or len(value) <= 20 else value[:16] + "...")
 
 
 KINDS: dict[str, type[ServedModel]] = {

@@ -19,6 +19,13 @@ same transaction; the idle passes destroy those versions once the grace period
 is over (:mod:`jobs.retention`) and run the ledger's purge maintenance, which
 erases purged rows and destroyed keys from the database's files.
 
+A pass never ends the worker. A request the learner raises on when applied alone is
+quarantined: `failed` with the learner's error, the rest of its batch applied. Any other
+error (database, disk, a publication) fails no request: it is logged in one line and
+counted, and the claims are retried after a back-off. A current version the worker may
+not build on (the pointer names one destroyed or never published, or its files are not
+what was published) is refused until the pointer is fixed, with an alert and a log line.
+
 Crash safety follows from the order: files are written before the
 transaction that publishes them, and requests stay `claimed` (retaken by the
 same worker name on restart, or by anyone after the lease) until the version
@@ -48,18 +55,20 @@ from jobs import metrics
 from jobs.adaptive.budget import BudgetPolicy, SeedBudgets
 from jobs.eval import FrozenScores, evaluate_unlearning
 from jobs.guard_job import GuardJob, GuardProcess, GuardResult, remove_orphaned_job_dirs
-from jobs.learners.base import UpdateReport
+from jobs.learners.base import Learner, UpdateReport
 from jobs.registry import (
     ModelVersion,
     PublishConflict,
     Registry,
+    VersionRefused,
     VersionUnavailable,
+    first_line,
     manifest,
     version_tag,
 )
 from jobs.retention import destroy_due, manifest_sha256, sweep
 from jobs.sealing import sealed_with
-from jobs.served_model import ServedModel, fresh_seed
+from jobs.served_model import ServedModel, fresh_seed, guard_owed
 from ledger.chain import as_utc, utc_now
 from ledger.db import single_sqlite_worker
 from ledger.models import Request
@@ -71,8 +80,13 @@ log = logging.getLogger("obliviate.worker")
 class RollbackRefused(ValueError):
     """A rollback that would serve deleted records or another training set."""
 
+
+class NoVersion(RuntimeError):
+    """No model version is published yet: there is nothing to build on."""
+
 Publish = Callable[[Connection], None]
 Commit = Callable[[str, dict[str, Any], Publish], None]
+Update = tuple[str, np.ndarray]  # ("add" | "delete", record ids): one learner call
 
 
 @dataclass(frozen=True)
@@ -102,10 +116,15 @@ class WorkerConfig:
     # private prediction mode (SISA): every seed lineage gets this budget, and a spent
     # one is replaced by a retrain with fresh seeds (jobs.adaptive.budget)
     budget: BudgetPolicy | None = None
+    # after a pass that failed through no request's fault (database, disk, publication)
+    # the next waits this long, doubled per failure in a row up to max_backoff_s
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("batch_window_s", "poll_s", "lease_s", "guard_after_idle_s",
-                     "guard_max_wait_s", "destroy_grace_s", "guard_grow_s", "shard_bound_s"):
+                     "guard_max_wait_s", "destroy_grace_s", "guard_grow_s", "shard_bound_s",
+                     "backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"worker setting {name} must be >= 0 seconds, got {value}")
@@ -133,6 +152,7 @@ class Worker:
         self._check_started = 0.0
         self._last_update = 0.0
         self._last_retention = 0.0
+        self.trouble = PassTrouble(self.config.backoff_s, self.config.max_backoff_s)
         self.stop_event = threading.Event()
         self.budgets = SeedBudgets(ledger.engine, registry.name) if self.config.budget else None
 
@@ -144,7 +164,10 @@ class Worker:
         Without `fit_guard` the first version is published at once in noise-all mode
         and the guard is refitted in the background like after any update.
         """
-        cur = self.registry.current()
+        try:
+            cur = self.registry.servable_current()
+        except VersionRefused as exc:  # a pointer there is: the loop refuses it, and says so
+            return exc.version
         if cur is not None:
             return cur.version
         live = self.ledger.live_records()
@@ -166,7 +189,11 @@ class Worker:
             raise RollbackRefused(f"there is no published version {version!r}") from None
         if target.unavailable:
             raise RollbackRefused(f"refused: {target.unavailable}")
-        model, cur = self._current()
+        try:
+            model, cur = self._current()
+            restored = self.registry.load(version)
+        except VersionRefused as exc:
+            raise RollbackRefused(f"refused: {exc}") from None
         if cur.version == version:
             raise RollbackRefused(f"{version} is the current version already")
         live = self.ledger.live_records()
@@ -178,7 +205,7 @@ class Worker:
                 f"training set is {count} records now (another set: requests applied since "
                 f"{version} would be undone without a ledger record of it)")
         change = {"op": "rollback", "to": version, "from": cur.version}
-        return self._publish(self.registry.load(version), cur.version, change,
+        return self._publish(restored, cur.version, change,
                              self._announce("rolled_back", change))
 
     # ------------------------------------------------------------------ loop
@@ -207,16 +234,51 @@ class Worker:
             log.info("removed %s, left by a process that is gone", d)
         if self._guard_process is not None:
             self._guard_process.start()
-        if self.registry.current() is None:
+        try:
+            model, _ = self._current()
+        except NoVersion:
             return
-        model, _ = self._current()
+        except VersionRefused as exc:  # the loop keeps refusing it, and says so
+            self.trouble.refused(exc)
+            return
         spare = copy.deepcopy(model)
         ids = spare.learner.record_ids_
         if len(ids) > 1:
             spare.learner.delete(ids[:1])
 
     def step(self) -> bool:
-        """One pass; False when there was nothing to do."""
+        """One pass; False when there was nothing to do, or when it failed.
+
+        A pass never raises. A current version that may not be built on (the pointer
+        names one destroyed or never published, or its files are not what was published)
+        is refused: nothing is claimed or applied on top of it, an alert gauge is up and
+        the log says why, until the pointer names one that loads. Any other error is no
+        request's fault (database, disk, a publication that failed): it is logged and
+        counted, nothing is marked failed, and the next pass waits a back-off (the
+        claims are retaken then). A request the learner cannot apply is quarantined
+        instead (:meth:`_isolate`)."""
+        if self.trouble.waiting():
+            return False
+        try:
+            did = self._pass()
+        except VersionRefused as exc:
+            self._model = None
+            self.trouble.refused(exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - see the docstring: never the worker's end
+            self._model = None
+            self.trouble.failed(exc)
+            return False
+        self.trouble.cleared()
+        return did
+
+    def _pass(self) -> bool:
+        try:
+            self._current()  # VersionRefused: nothing is built on what the pointer names
+        except NoVersion:
+            self.trouble.no_version()
+            return False
+        self.trouble.accepted()
         if self._guard_overdue():
             return self._guard_pass(overdue=True)
         if self._check_due() and self._guard_pass():
@@ -248,10 +310,12 @@ class Worker:
         return batch
 
     def _current(self) -> tuple[ServedModel, ModelVersion]:
+        """The current version, loaded as published; NoVersion before the first one,
+        VersionRefused when it may not be built on."""
         for _ in range(5):
-            cur = self.registry.current()
+            cur = self.registry.servable_current()
             if cur is None:
-                raise RuntimeError("no model version is published; run `obliviate model train`")
+                raise NoVersion("no model version is published; run `obliviate model train`")
             if (self._version is not None and self._version.version == cur.version
                     and self._model is not None):
                 return self._model, self._version
@@ -267,27 +331,33 @@ class Worker:
     def _apply(self, batch: list[Request]) -> None:
         model, parent = self._current()
         live = set(model.learner.record_ids_.tolist())
-        gone = {i for r in batch if r.op == "delete" for i in r.record_ids if i not in live}
-        ok, failed, updates = _plan(batch, live, self.ledger.purged(sorted(gone)))
+        named = {i for r in batch if r.op == "delete" for i in r.record_ids if i not in live}
+        purged = self.ledger.purged(sorted(named))
+        ok, failed, updates = _plan(batch, live, purged)
         for req, reason in failed:
             self.ledger.mark_failed(req.request_id, reason)
         if not ok:
             return
-        deleted = [i for op, ids in updates if op == "delete" for i in ids.tolist()]
+        data = self._additions(updates)
+        deleted = _ids(updates, "delete")
         probe = (EvaluationProbe.capture(self.ledger, model, deleted)
                  if self.config.evaluate and deleted else None)
         t0 = time.perf_counter()
-        reports = []
-        for op, ids in updates:
-            if op == "delete":
-                reports.append(model.learner.delete(ids))
-            else:
-                X, y = self.ledger.record_data(ids.tolist())
-                reports.append(model.learner.add(ids, X, y))
+        try:
+            reports = _learn(model.learner, updates, data)
+        except Exception:  # noqa: BLE001 - some request the learner cannot take: find which
+            self._model = None  # maybe half updated: start again from the version's files
+            model, parent = self._current()
+            model, ok, reports, updates = self._isolate(model, ok, data, purged)
+            self._model = model
+            if not ok:
+                return
+            deleted = _ids(updates, "delete")
+            probe = None  # captured for deletions of which some may not be applied now
         seconds = time.perf_counter() - t0
         metrics.UPDATE_SECONDS.labels(learner=model.kind).observe(seconds)
-        added = [i for op, ids in updates if op == "add" for i in ids.tolist()]
-        guard = self._update_guard(model, deleted, added, self.config.guard_grow_s)
+        guard = self._update_guard(model, deleted, _ids(updates, "add"),
+                                   self.config.guard_grow_s)
         change = {"op": "update", "requests": len(ok), "seconds": seconds,
                   "updates": [r.as_dict() for r in reports], "guard": guard}
         request_ids = [r.request_id for r in ok]
@@ -295,9 +365,12 @@ class Worker:
                   "update_seconds": round(seconds, 6),
                   "guard_seconds": round(guard["seconds"], 6)}
         if self.config.evaluate and deleted:
-            detail["evaluation"] = (probe.evaluate(model) if probe is not None else
-                                    {"skipped": "the learner holds out no records: there are "
-                                                "no non-members to compare the forgotten with"})
+            detail["evaluation"] = (
+                probe.evaluate(model) if probe is not None else
+                {"skipped": "the learner holds out no records: there are no non-members to "
+                            "compare the forgotten with"} if model.holdout_ids().size == 0 else
+                {"skipped": "the batch was applied part by part (a request in it was "
+                            "quarantined)"})
 
         def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
             self.ledger.mark_applied(request_ids, version, {**detail, **stamp},
@@ -315,6 +388,61 @@ class Worker:
             metrics.APPLIED.labels(op=r.op).inc()
             if r.op == "delete":
                 metrics.DELETION_LATENCY.observe((now - as_utc(r.received_at)).total_seconds())
+
+    def _additions(self, updates: Sequence[Update]) -> dict[str, tuple[np.ndarray, int]]:
+        """Features and label of each record to add, read before the learner is called: an
+        error here is the database's, no request's."""
+        ids = _ids(updates, "add")
+        if not ids:
+            return {}
+        X, y = self.ledger.record_data(ids)
+        return {i: (X[k], int(y[k])) for k, i in enumerate(ids)}
+
+    def _isolate(self, model: ServedModel, requests: list[Request],
+                 data: dict[str, tuple[np.ndarray, int]], purged: set[str]
+                 ) -> tuple[ServedModel, list[Request], list[UpdateReport], list[Update]]:
+        """The batch's application raised: apply its requests part by part, each part on a
+        copy of the model, and halve a part that raises down to the single requests the
+        learner cannot take. Those are quarantined (:meth:`_quarantine`); the others are
+        applied, in their order. Returns the model with them, the requests, the learner's
+        reports and the updates made."""
+        ok: list[Request] = []
+        reports: list[UpdateReport] = []
+        updates: list[Update] = []
+        gone = set(purged)  # records no longer in the model: purged, or deleted by a part
+        half = len(requests) // 2
+        parts = [requests[:half], requests[half:]] if half else [requests]
+        while parts:
+            part = parts.pop(0)
+            fine, failed, todo = _plan(part, set(model.learner.record_ids_.tolist()), gone)
+            for req, reason in failed:  # e.g. a deletion of a record a quarantined add named
+                self.ledger.mark_failed(req.request_id, reason)
+            trial = copy.deepcopy(model)
+            try:
+                done = _learn(trial.learner, todo, data)
+            except Exception as exc:  # noqa: BLE001 - the learner's error: whose?
+                if len(fine) == 1:
+                    self._quarantine(fine[0], exc)
+                else:
+                    half = len(fine) // 2
+                    parts[:0] = [fine[:half], fine[half:]]
+                continue
+            model = trial
+            ok += fine
+            reports += done
+            updates += todo
+            gone.update(_ids(todo, "delete"))
+        return model, ok, reports, updates
+
+    def _quarantine(self, req: Request, exc: Exception) -> None:
+        """A request the learner raised on when applied alone: its fault, so it ends `failed`
+        with the learner's error as the reason and is never retried; the worker goes on."""
+        self.ledger.mark_failed(req.request_id, f"the learner cannot apply it: "
+                                                f"{first_line(exc)}")
+        metrics.QUARANTINED.labels(op=req.op).inc()
+        log.error("quarantined a request (%s) the learner cannot apply (%s): it is failed, "
+                  "with the reason in its ledger event; the worker goes on", req.op,
+                  type(exc).__name__)
 
     @staticmethod
     def _update_guard(model: ServedModel, deleted: list[str], added: list[str],
@@ -393,7 +521,7 @@ class Worker:
 
     def _track_guard_debt(self, man: dict[str, Any]) -> None:
         """Start the clock when the current version owes a guard refit; stop it when not."""
-        if not _guard_owed(man):
+        if not guard_owed(man):
             self._guard_owed_since = None
         elif self._guard_owed_since is None:
             self._guard_owed_since = time.monotonic()
@@ -446,14 +574,15 @@ class Worker:
         applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
         if self.registry.current().version != cur.version:
             return True  # published meanwhile: the requests read may not be in `cur`
-        if (not applied and not _guard_owed(cur.manifest)
+        if (not applied and not guard_owed(cur.manifest)
                 and not self._refinable(cur.manifest["guard"])):
             self._unverified_since = None
             return False
-        self._check_requests = None if _guard_owed(cur.manifest) else applied
+        self._check_requests = None if guard_owed(cur.manifest) else applied
         self._check_started = now
         self._guard_job = GuardJob(cur.version, self.registry.path(cur.version),
                                    self.registry.key(cur.version),
+                                   self.registry.vouched_manifest(cur),
                                    self.config.verify_exactness, self._guard_process,
                                    self.config.shard_bound_s)
         return True
@@ -615,11 +744,66 @@ class Worker:
         return commit
 
 
-def _guard_owed(man: dict[str, Any]) -> bool:
-    """The version answers in noise-all mode until its guard is refitted (a learner that
-    noises every answer by design owes nothing)."""
-    guard = man["guard"]
-    return not guard["ready"] and guard["rule"] != "noise-all"
+class PassTrouble:
+    """What went wrong in the worker's latest passes, and what it says about it: the
+    back-off after passes that failed through no request's fault (logged in one line,
+    counted), and a current version it refuses to build on (an alert gauge, and one log
+    line per reason saying what the pointer names and why)."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.in_a_row = 0
+        self.retry_at = 0.0  # monotonic: no pass before then
+        self.refusal: str | None = None  # why the current version is refused, while it is
+        self._idle_said = False
+
+    def waiting(self) -> bool:
+        return time.monotonic() < self.retry_at
+
+    def _back_off(self) -> float:
+        self.in_a_row += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.in_a_row - 1))
+        self.retry_at = time.monotonic() + delay
+        return delay
+
+    def failed(self, exc: Exception) -> None:
+        metrics.PASS_ERRORS.inc()
+        delay = self._back_off()
+        # one line (the traceback at DEBUG): a message's later lines may hold ids (SQL
+        # parameters), which no log line at INFO or above carries
+        log.error("a worker pass failed (%d in a row), through no request's fault: %s; "
+                  "nothing is marked failed, the claims are retried in %.1f s",
+                  self.in_a_row, first_line(exc), delay)
+        log.debug("the failed pass", exc_info=exc)
+
+    def refused(self, exc: VersionRefused) -> None:
+        metrics.POINTER_REFUSED.set(1)
+        self._back_off()
+        if str(exc) != self.refusal:
+            self.refusal = str(exc)
+            log.error("refusing to build on the current version: %s. No request is applied "
+                      "on top of it until the pointer names a version that loads as "
+                      "published; run `obliviate ledger verify`", exc)
+
+    def accepted(self) -> None:
+        """The current version may be built on."""
+        metrics.POINTER_REFUSED.set(0)
+        if self.refusal is not None:
+            log.info("the current version loads as published again; requests flow")
+            self.refusal = None
+        self._idle_said = False
+
+    def no_version(self) -> None:
+        metrics.POINTER_REFUSED.set(0)
+        if not self._idle_said:
+            log.info("no model version is published yet: requests wait for the first one "
+                     "(`obliviate model train`, or `obliviate worker --train`)")
+            self._idle_said = True
+
+    def cleared(self) -> None:
+        """A pass went through."""
+        self.in_a_row = 0
 
 
 def _guard_coarse(guard: dict[str, Any]) -> bool:
@@ -669,7 +853,7 @@ class EvaluationProbe:
 
 
 def _plan(batch: Sequence[Request], live: set[str], purged: set[str]
-          ) -> tuple[list[Request], list[tuple[Request, str]], list[tuple[str, np.ndarray]]]:
+          ) -> tuple[list[Request], list[tuple[Request, str]], list[Update]]:
     """The requests the model can apply, the rest with the reason, and the learner calls
     that apply them: the record ids to add, then those to delete (one call each).
 
@@ -706,6 +890,23 @@ def _plan(batch: Sequence[Request], live: set[str], purged: set[str]
     updates = [(op, np.array(ids, dtype=object)) for op, ids in (("add", add),
                                                                  ("delete", delete)) if ids]
     return ok, failed, updates
+
+
+def _ids(updates: Sequence[Update], op: str) -> list[str]:
+    return [i for o, ids in updates if o == op for i in ids.tolist()]
+
+
+def _learn(learner: Learner, updates: Sequence[Update],
+           data: dict[str, tuple[np.ndarray, int]]) -> list[UpdateReport]:
+    """The learner's calls that apply `updates`: the only errors that are a request's fault."""
+    reports = []
+    for op, ids in updates:
+        if op == "delete":
+            reports.append(learner.delete(ids))
+        else:
+            X = np.array([data[i][0] for i in ids.tolist()], dtype=np.float64)
+            reports.append(learner.add(ids, X, np.array([data[i][1] for i in ids.tolist()])))
+    return reports
 
 
 def _retrained(reports: Sequence[UpdateReport]) -> dict[str, Any]:

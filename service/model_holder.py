@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs.adaptive.budget import BudgetExhausted, LineageBudget, SeedBudgets
 from jobs.idp.guard import LabelGuard, clip_unit
-from jobs.registry import ModelVersion, Registry, VersionUnavailable
+from jobs.registry import ModelVersion, Registry, VersionRefused, VersionUnavailable
 from jobs.served_model import ServedModel
 from service import metrics
 from service.usage import GuardUsage
@@ -50,8 +50,14 @@ class Serving:
 
 
 class NoModelError(RuntimeError):
-    """No version can be served: none is published yet, or this process could not confirm
-    that the one it holds is still current (it may hold records deleted since)."""
+    """No version can be served: none is published yet, the one published may not be
+    served (see the message), or this process could not confirm that the one it holds
+    may still be served (it may hold records deleted since)."""
+
+
+# a version refused for its files is loaded again at most this often (the pointer at every
+# poll): loading and hashing a model every 0.1 s would take the CPU from the answers
+RELOAD_REFUSED_S = 5.0
 
 
 class ModelHolder:
@@ -80,7 +86,8 @@ class ModelHolder:
         # the same answer for a cell in all of them (None: a random one per version)
         self.noise_secret = noise_secret
         self._serving: Serving | None = None
-        self._refused: str | None = None
+        self.problem: str | None = None  # why the published version is not served, if so
+        self._reload_at: tuple[str, float] | None = None  # (refused version, monotonic)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.process = f"{socket.gethostname()}:{os.getpid()}"
@@ -104,24 +111,30 @@ class ModelHolder:
     def refresh(self) -> bool:
         """Install the registry's current version if it is not the one served; True if swapped.
 
-        A pointer that names a version which may not be served (destroyed, or holding
-        deleted records: only a hand edit can do that) is refused: the installed version
-        is then no longer confirmed, and answers stop after ``max_unconfirmed_s``."""
-        cur = self.registry.current()
-        if cur is None:
-            return False
-        if self._serving is not None and self._serving.version.version == cur.version:
-            self._confirmed_at = time.monotonic()
-            return False
-        if cur.unavailable:
-            if self._refused != cur.version:
-                log.error("refusing to serve %s: %s", cur.version, cur.unavailable)
-                self._refused = cur.version
-            return False
+        A version that may not be served is refused: the pointer names one destroyed,
+        holding deleted records or never published (only a hand edit does that), or its
+        files are not what was published (:meth:`Registry.load`). The process then keeps
+        serving the version it has, while the ledger still lets that one be served (no
+        deletion superseded it); without one it answers 503 saying what is wrong. A
+        version it cannot confirm is no longer answered after ``max_unconfirmed_s``."""
         try:
+            cur = self.registry.servable_current()
+            if cur is None:
+                return False
+            if self._serving is not None and self._serving.version.version == cur.version:
+                self._confirmed_at, self.problem = time.monotonic(), None
+                return False
+            r = self._reload_at
+            if r is not None and r[0] == cur.version and time.monotonic() < r[1]:
+                self._keep_serving()
+                return False
             model = self.registry.load(cur.version)
         except VersionUnavailable:  # a deletion was published since: the next poll has it
             return False
+        except VersionRefused as exc:
+            self._refuse(exc)
+            return False
+        self.problem, self._reload_at = None, None
         guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
                            secret=self.noise_secret)
         guard.bind(cur.version, sound=(model.guard_ready and not model.noise_all
@@ -146,6 +159,29 @@ class ModelHolder:
                  "sound" if guard.sound else "noise-all")
         return True
 
+    def _refuse(self, exc: VersionRefused) -> None:
+        """Say once why the published version is not served; keep serving the installed one
+        if the ledger still lets it be served."""
+        # loaded again later (its files restored, say), not at every poll
+        self._reload_at = (exc.version, time.monotonic() + RELOAD_REFUSED_S)
+        if self.problem != str(exc):
+            self.problem = str(exc)
+            s = self._serving
+            log.error("refusing to serve the current version: %s; %s (run `obliviate ledger "
+                      "verify`)", exc, f"still serving {s.version.version}" if s is not None
+                      else "no version to serve until one loads as published")
+        self._keep_serving()
+
+    def _keep_serving(self) -> None:
+        """Confirm the installed version while the ledger lets it be served."""
+        s = self._serving
+        try:
+            servable = s is not None and self.registry.get(s.version.version).unavailable is None
+        except KeyError:  # its row is gone: nothing vouches for it any more
+            servable = False
+        if servable:
+            self._confirmed_at = time.monotonic()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
@@ -158,6 +194,10 @@ class ModelHolder:
     @property
     def serving(self) -> Serving:
         s = self._serving
+        if s is None and self.problem is not None:
+            raise NoModelError(f"no model version can be served: {self.problem}; run "
+                               "`obliviate ledger verify`, and point the model back to a "
+                               "version that may be served")
         if s is None:
             raise NoModelError("no model version is published yet: train the first one "
                                "with `obliviate model train` (or run `obliviate worker "

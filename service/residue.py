@@ -153,7 +153,7 @@ class TraceScanner:
             except VersionUnavailable:
                 continue
             with sealing.sealed_with(key):
-                out += self.scan([path], sealing.read_file)
+                out += self.scan([path], sealing.unsealed)
         return out
 
     def scan_bytes(self, blob: bytes) -> set[tuple[str, str]]:

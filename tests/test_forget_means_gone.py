@@ -142,20 +142,29 @@ def test_nothing_serves_or_loads_a_version_that_held_deleted_records(seeded: Led
         reg.load(v1)
     with pytest.raises(RollbackRefused, match="holds records"):
         w.rollback(v1)
-    # an insider points the registry back at it: the service refuses to swap, and stops
-    # answering once it cannot confirm that what it serves is current
+    # an insider points the registry back at it: the service refuses to swap and keeps
+    # serving its version, which the ledger still lets it serve
     with ledger.engine.begin() as conn:
         conn.exec_driver_sql(f"UPDATE model_pointer SET version = '{v1}' WHERE name = "
                              f"'{reg.name}'")
     assert not holder.refresh()
-    assert holder.serving.version.version == cur
+    time.sleep(0.6)
+    assert not holder.refresh()
+    assert holder.predict(np.full((1, 4), 0.5))[1].version.version == cur
+    # once the ledger no longer lets its own version be served either, it stops answering
+    # when it cannot confirm that what it serves may be
+    with ledger.engine.begin() as conn:
+        conn.exec_driver_sql(f"UPDATE model_versions SET superseded_by_deletion = 'v999999' "
+                             f"WHERE name = '{reg.name}' AND version = '{cur}'")
+    assert not holder.refresh()
     time.sleep(0.6)
     with pytest.raises(NoModelError, match="could not be confirmed"):
         holder.predict(np.full((1, 4), 0.5))
-    # a restarted service never installs it either
+    # a restarted service never installs it either, and says why
     fresh = ModelHolder(reg)
     assert not fresh.refresh()
-    with pytest.raises(NoModelError):
+    with pytest.raises(NoModelError, match=f"the model pointer names {v1}, which may not be "
+                                           "served: .* holds records"):
         fresh.serving  # noqa: B018 - the property raises
 
 

@@ -121,8 +121,7 @@ def test_a_crash_before_the_retrain_is_published_loses_nothing(seeded60: Ledger,
 
     crashing = _worker(ledger, reg)
     monkeypatch.setattr(crashing.registry, "publish", die)
-    with pytest.raises(RuntimeError, match="killed"):
-        crashing.step()
+    assert crashing.step() is False  # a pass that fails never raises: logged, retried
     monkeypatch.undo()
     assert reg.current().version == v1  # nothing half-published
     assert len(reg.stored_versions()) == 2  # the crashed worker's unpublished files

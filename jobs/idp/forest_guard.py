@@ -366,10 +366,7 @@ class ForestGuard:
     def save(self, path: str | Path) -> None:
         """Write ``path/meta.json`` (forest hash, fit report, summary) and ``path/pairs.npz``
         (no pickle): the pairs and their subtrees, nodes named by (tree, path)."""
-        if self._st is None or self.fit_report is None:
-            raise RuntimeError("nothing to save: the guard has not been fitted")
-        arrays = {k: a.astype(_SAVED_DTYPES[k]) for k, a in self._pairs.arrays().items()}
-        arrays |= {"node_tree": self._st.tree, "node_path": self._st.path}
+        arrays = self._saved_arrays()
         meta = {
             "format": FORMAT,
             "forest_hash": self.forest_hash,
@@ -377,11 +374,22 @@ class ForestGuard:
             # the budget later updates keep to (JSON has no inf: None)
             "state_budget": None if math.isinf(self.state_budget) else self.state_budget,
             "grow_rows": None if math.isinf(self.grow_rows) else self.grow_rows,
-            "tables_hash": hash_arrays(*(arrays[k] for k in sorted(arrays))),
+            "tables_hash": _tables_hash(arrays),
             "fit_report": asdict(self.fit_report),
             "summary": self._summary,
         }
         write_bundle(Path(path), meta, _TABLES, lambda fh: np.savez(fh, **arrays))
+
+    def _saved_arrays(self) -> dict[str, np.ndarray]:
+        if self._st is None or self.fit_report is None:
+            raise RuntimeError("nothing to save: the guard has not been fitted")
+        arrays = {k: a.astype(_SAVED_DTYPES[k]) for k, a in self._pairs.arrays().items()}
+        return arrays | {"node_tree": self._st.tree, "node_path": self._st.path}
+
+    def state_hash(self) -> str:
+        """The forest's hash and the hash of the tables :meth:`save` writes: the same
+        before saving and after loading, so a manifest can name the guard it published."""
+        return f"{self.forest_hash}:{_tables_hash(self._saved_arrays())}"
 
     @classmethod
     def load(cls, path: str | Path, forest: DaREForest, epsilon: float = 1.0,
@@ -401,8 +409,7 @@ class ForestGuard:
         with np.load(read_bundle_payload(p, _TABLES), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         names = sorted((*FragilePairs.ARRAYS, "node_tree", "node_path"))
-        if sorted(arrays) != names or hash_arrays(
-                *(arrays[k] for k in sorted(arrays))) != meta["tables_hash"]:
+        if sorted(arrays) != names or _tables_hash(arrays) != meta["tables_hash"]:
             raise ValueError(f"{p}: the guard's state does not match its recorded hash")
         st = ForestStructure.of(forest)
         pairs = FragilePairs(**{
@@ -507,3 +514,7 @@ class ForestGuard:
         idx = self.guard.answer(Xq, labels, certain,
                                 lambda C: np.argmax(self.forest.scores(C), axis=1))
         return self.forest.classes_[idx]
+
+
+def _tables_hash(arrays: dict[str, np.ndarray]) -> str:
+    return hash_arrays(*(arrays[k] for k in sorted(arrays)))
