@@ -265,12 +265,12 @@ def _receipt_handler(ctx: AppContext, bearer: Callable[[Request], str | None],
     admin or the subject holding the request's receipt token (returned when the request
     was accepted)."""
     async def deletion_receipt(request: Request) -> Response:
-        rid = request.path_params["request_id"]
         token = bearer(request)
         if token is None:
             return JSONResponse({"error": "this endpoint needs 'Authorization: Bearer <the "
                                           "request's receipt token, or the admin token>'"},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        rid = _path_id(request, "request_id")
         if not (is_admin(request) or secrets.compare_digest(
                 token.encode(), ctx.ledger.receipt_token(rid).encode())):
             return JSONResponse({"error": "neither this request's receipt token nor the "

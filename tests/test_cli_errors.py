@@ -124,7 +124,8 @@ def test_the_subprocess_shows_no_traceback_for_an_unreachable_database(tmp_path:
                           "postgresql://u@127.0.0.1:1/x", "ledger", "verify"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin",
-                              "OBLIVIATE_HMAC_KEY_FILE": str(tmp_path / "k")})
+                              "OBLIVIATE_HMAC_KEY_FILE": str(tmp_path / "k"),
+                              "OBLIVIATE_KEY_STORE_DIR": str(tmp_path / "keys")})
     assert out.returncode == 1
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 

@@ -162,7 +162,9 @@ def test_a_worker_killed_mid_guard_job_leaves_nothing_after_the_next_start(
         from pathlib import Path
         from jobs.guard_job import GuardJob, GuardProcess
         process = GuardProcess()
-        job = GuardJob("v1", Path(sys.argv[1]), bytes(32), verify=True, process=process)
+        manifest = {"learner": "dare", "content_hash": "-", "guard": {"content_hash": None}}
+        job = GuardJob("v1", Path(sys.argv[1]), bytes(32), manifest, verify=True,
+                       process=process)
         print(job.dir, process._proc.pid, flush=True)
         time.sleep(600)
     """, tmpdir_env, str(version))

@@ -371,9 +371,10 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
     recs = led.live_records()
     assert recs.record_ids.tolist() == ["r1"] and recs.X.tolist() == [live]
     # the fingerprints and data are whole; only the log, which this synthetic old table
-    # never had, is missing: no event loaded the records nor purged r2
-    assert {p.where for p in led.verify().problems} == {"record r2", "records loaded at -"}, \
-        led.verify().problems
+    # never had, is missing: no event loaded the records (nor announced their schema) nor
+    # purged r2
+    assert {p.where for p in led.verify().problems} == {
+        "record r2", "records loaded at -", "dataset_schema"}, led.verify().problems
     if led.engine.dialect.name == "postgresql":
         assert result["tables"] == ["record_payloads", "sealed_payloads", "training_records"]
     files = db_files(led)

@@ -51,8 +51,9 @@ def _drain(worker: Worker, timeout_s: float = 90.0) -> None:
 
 
 def add(ledger: Ledger, request_id: str, record_id: str, poison: str | None = None) -> None:
-    """An addition of one record; with `poison`, its stored features are replaced by that
-    JSON, as a ledger written before intake refused such values would hold them."""
+    """An addition of one record; with `poison`, its stored data is replaced by that JSON,
+    in the clear, as a ledger written before intake refused such values (and before
+    additions were sealed) would hold it."""
     res = ledger.receive({"request_id": request_id, "op": "add", "subject_id": "snew",
                           "payload": {"records": [{"record_id": record_id,
                                                    "features": [0.5, 0.5, 0.5, 0.5],
@@ -61,8 +62,10 @@ def add(ledger: Ledger, request_id: str, record_id: str, poison: str | None = No
     if poison is not None:
         value = "CAST(:f AS JSON)" if ledger.engine.dialect.name == "postgresql" else ":f"
         with ledger.engine.begin() as conn:
-            conn.execute(text(f"UPDATE record_payloads SET features = {value} "
-                              "WHERE record_id = :r"), {"f": poison, "r": record_id})
+            conn.execute(text("DELETE FROM sealed_payloads WHERE record_id = :r"),
+                         {"r": record_id})
+            conn.execute(text(f"INSERT INTO record_payloads (record_id, features, label) "
+                              f"VALUES (:r, {value}, 1)"), {"f": poison, "r": record_id})
 
 
 def delete(ledger: Ledger, request_id: str, *record_ids: str) -> None:
