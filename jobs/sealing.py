@@ -4,8 +4,9 @@ The registry can remove a destroyed version's files from its own model store,
 but not from copies it does not control: backups, object-store replicas, a Bento
 built earlier. So every file a learner or guard writes for a version is
 encrypted (AES-256-GCM) under a key that belongs to that version alone and is
-kept in the ledger database; destroying the version destroys the key, and every
-copy of its files, wherever it went, becomes unreadable.
+kept in the key store (:mod:`ledger.keystore`), never in the database; destroying
+the version destroys the key, and every copy of its files, wherever it went,
+becomes unreadable.
 
 The key is taken from the context (:func:`sealed_with`) rather than passed
 through every learner's ``save``/``load``: the learners write plain files

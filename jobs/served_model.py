@@ -71,7 +71,7 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     # plain SGD (the masked LOO schedule, sliced ones too: bounds need it) on a network
     # small enough for the guard job's LOO sets (a 400-record shard's in 2 s, its bound in
     # 20 s); the learner's own defaults (two layers of 64, an 8,000-step floor) learn more on
-    # some tables but make a shard's LOO set take minutes on 2 cores (README, "Learners")
+    # some tables but make a shard's LOO set take minutes on 2 cores (docs/learners.md, "SISA")
     "sisa": {"n_shards": 5, "n_slices": 1, "hidden": [32], "epochs_per_slice": 20,
              "min_steps": 0, "lr": 0.5, "batch_size": 32, "schedule": "loo"},
     # one network and its LOO set (n + 1 networks, trained by the guard job): small tables.

@@ -577,8 +577,9 @@ def test_k8s_configuration_names() -> None:
 
 
 def test_topics_are_created_with_the_documented_retention() -> None:
-    """Raw requests (additions carry features) live in Kafka for the retention the README
-    states, and segments roll often enough for it to be kept (Kafka deletes whole ones)."""
+    """Raw requests (additions carry features) live in Kafka for the retention
+    docs/operations.md states, and segments roll often enough for it to be kept (Kafka
+    deletes whole ones)."""
     s = Settings()
     want = {s.requests_topic: retention_configs(s.requests_retention_s),
             s.dead_letter_topic: retention_configs(s.dead_letter_retention_s)}

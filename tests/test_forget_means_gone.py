@@ -1,5 +1,5 @@
 """Forget means gone: once deletions are verified and the grace period is over, no file
-the sidecar wrote holds a deleted record (README, "What a deletion leaves behind").
+the sidecar wrote holds a deleted record (docs/security.md, "What a deletion leaves behind").
 
 The promise is tested by scanning bytes, not by trusting the mechanism: the ledger
 database (SQLite file, -wal and -shm; PostgreSQL relation files after the worker's

@@ -340,7 +340,7 @@ def _hashes(ledger: Ledger) -> dict[str, str]:
 
 
 def test_auditor_recomputes_exported_events_without_the_database(seeded: Ledger) -> None:
-    """The README's recipe: an exported event alone re-hashes to its stored hash."""
+    """docs/ledger.md's recipe: an exported event alone re-hashes to its stored hash."""
     from ledger.chain import canonical_json, event_hash
 
     seeded.receive(add("n", "new1", features=[0.1, 1e-7, 0.3333333333333333, 2.5]))

@@ -182,7 +182,7 @@ from jobs.learners.sisa_training import _NO_KEYS, _NO_SLICES, ShardTraining, Sta
 # a rate about 20-50x Adam's: with 0.01 small shards stayed at the majority class on
 # census-like tables. The "loo" defaults are a network for tables: two hidden layers of 64,
 # 40 epochs and at least 8,000 steps per stage, so that a shard of a fifth of the records
-# learns what one shard does (bench_sisa.py's table rows; README, "Learners").
+# learns what one shard does (bench_sisa.py's table rows; docs/learners.md, "SISA").
 SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "loo": {"hidden": (64, 64), "epochs_per_slice": 40, "min_steps": 8000, "lr": 0.2},
     "adam": {"hidden": (64,), "epochs_per_slice": 20, "min_steps": 0, "lr": 1e-2},
@@ -223,7 +223,7 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         fewer steps per epoch than one. A function of the stage's live count, like
         ``B``, so updates stay exact. 0: off. ``None``: 8,000 (``"loo"``), 0
         (``"adam"``). Costs time on small shards: a shard's retrain then takes at
-        least ``min_steps`` steps (README, "Learners").
+        least ``min_steps`` steps (docs/learners.md, "SISA").
     batch_size : int
         Target mini-batch size; batches per epoch ``B = ceil(n / batch_size)``.
     lr : float or None
@@ -231,7 +231,7 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         Adam (``schedule="adam"``, a fresh optimiser per stage; ``None`` -> 0.01).
         The two live on different scales: an Adam-sized rate (0.01) given to the
         SGD schedule barely moves inputs in [0, 1]^d, and small shards then vote
-        the majority class (README, "Learners").
+        the majority class (docs/learners.md, "SISA").
     weight_decay : float
         SGD weight decay of the ``"loo"`` schedule (``p <- p - lr (g + wd p)``);
         the ``"adam"`` schedule has none and ignores it.

@@ -1,0 +1,70 @@
+"""Every relative link of the documentation leads somewhere: the file exists and, for a
+Markdown file, so does the heading the anchor names (GitHub's anchors)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(path: Path) -> str:
+    """The file without code blocks and code spans (their brackets are not links)."""
+    return _CODE.sub("", _FENCE.sub("", path.read_text()))
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens, a
+    repeated heading numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _FENCE.sub("", path.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def relative_links(path: Path) -> list[str]:
+    return [t for t in _LINK.findall(prose(path))
+            if not re.match(r"[a-z]+:", t)]  # http:, https:, mailto: lead elsewhere
+
+
+def test_the_slug_rule_is_githubs() -> None:
+    page = ROOT / "docs" / "PAPERS.md"
+    assert "1-lucid-individual-differential-privacy-for-label-only-answers" in anchors(page)
+    assert "what-make-demo-does" in anchors(ROOT / "docs" / "development.md")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc: Path) -> None:
+    broken = []
+    for target in relative_links(doc):
+        file, _, anchor = target.partition("#")
+        dest = (doc.parent / file).resolve() if file else doc
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading '#{anchor}' in {dest.name}")
+    assert not broken, f"{doc.name}: " + "; ".join(broken)
+
+
+def test_the_readme_is_one_screen_of_commands_picture_and_guarantees() -> None:
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 300
+    head = "\n".join(lines[:10])
+    assert "make demo" in head and "make test" in head
+    assert text.index("## Architecture") < text.index("## Guarantees") < text.index(
+        "## Quick start")
