@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 
 # numba compiles a kernel on first use (minutes for all of them on two cores) and caches
 # it beside its source: compile them here, not in the first deletion a worker applies.
-$(KERNELS): $(STAMP) jobs/learners/dare_kernels.py jobs/learners/dare_delete.py \
-            jobs/learners/dare_view.py jobs/idp/forest_guard.py jobs/idp/forest_fragility.py \
-            jobs/learners/mlp_kernels.py
-	$(PY) -m jobs.warm_kernels
+$(KERNELS): $(STAMP) jobs/learners/dare/kernels.py jobs/learners/dare/delete_kernels.py \
+            jobs/learners/dare/view.py jobs/guard/forest/forest_guard.py jobs/guard/forest/fragility.py \
+            jobs/learners/networks/mlp_kernels.py
+	$(PY) -m jobs.orchestration.warm_kernels
 	touch $(KERNELS)
 
 # Debian's chromium and its driver, for the audit page's browser test (not fetched by

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from ledger import metrics
+from ledger import intake_metrics as metrics
 from ledger.chain import GENESIS_HASH, canonical_json, event_hash
 from ledger.db import insert_rows
 from ledger.tables import EVENTS

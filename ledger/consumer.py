@@ -44,7 +44,7 @@ from kafka.errors import (
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
-from ledger import metrics
+from ledger import intake_metrics as metrics
 from ledger.intake import IncomingMessage, IntakeResult, message_bytes
 from ledger.store import Ledger
 

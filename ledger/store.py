@@ -24,7 +24,8 @@ from sqlalchemy import Connection, case, delete, func, insert, select, text, upd
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session
 
-from ledger import merkle, metrics, migrations
+from ledger import intake_metrics as metrics
+from ledger import merkle, migrations
 from ledger.appender import ChainAppender
 from ledger.chain import (
     GENESIS_HASH,

@@ -20,15 +20,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobs import cli as jobs_cli
-from ledger import cli as ledger_cli
+from jobs.orchestration import model_commands as jobs_cli
+from ledger import commands as ledger_cli
 
 SERVICE = "service.service:Obliviate"
 
 
-def _registry_check(ledger, settings):  # noqa: ANN001, ANN202 - see ledger.cli.VerifyCheck
+def _registry_check(ledger, settings):  # noqa: ANN001, ANN202 - see ledger.commands.VerifyCheck
     """`ledger verify`'s check of the model registry (imported when verify runs)."""
-    from jobs.consistency import registry_check
+    from jobs.orchestration.consistency import registry_check
 
     return registry_check(ledger, settings)
 
@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     The ledger is opened first: the database migrations run here, and an unreachable
     database is one line of error rather than a serving process's traceback.
     """
-    from jobs.registry import Registry
+    from jobs.orchestration.registry import Registry
 
     s = ledger_cli.settings_from(args)
     ledger = ledger_cli.open_ledger(args, s)
@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from service.demo import run_demo
+    from service.demo.walkthrough import run_demo
 
     return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate,
                     jobs_cli.parse_params(args.params))

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobs.registry import ModelVersion, Registry
+from jobs.orchestration.registry import ModelVersion, Registry
 from ledger.chain import iso
 from ledger.forgotten import forgotten, receipt
 from ledger.store import Ledger

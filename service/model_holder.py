@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from jobs.adaptive.budget import BudgetExhausted, LineageBudget, SeedBudgets
-from jobs.idp.guard import LabelGuard, clip_unit
-from jobs.registry import ModelVersion, Registry, VersionRefused, VersionUnavailable
-from jobs.served_model import ServedModel
-from service import metrics
+from jobs.guard.label_guard import LabelGuard, clip_unit
+from jobs.orchestration.registry import ModelVersion, Registry, VersionRefused, VersionUnavailable
+from jobs.orchestration.served_model import ServedModel
+from service import service_metrics as metrics
 from service.usage import GuardUsage
 
 log = logging.getLogger("obliviate.service")

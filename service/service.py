@@ -24,12 +24,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.responses import JSONResponse
 
 from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
-from jobs.registry import Registry
+from jobs.orchestration.registry import Registry
 from ledger.config import Settings
 from ledger.transform import InputTransform
 from service.http_api import AppContext, BodyLimit, ErrorShape, build_app, template_paths
-from service.metrics import LedgerCollector
 from service.model_holder import ModelHolder, NoModelError
+from service.service_metrics import LedgerCollector
 from service.usage import GuardUsage
 
 MAX_BATCH = 10_000

@@ -1,4 +1,4 @@
-"""Byte scans of saved model files, for the learners' tests (see :mod:`service.residue`)."""
+"""Byte scans of saved model files, for the learners' tests (see :mod:`service.demo.residue`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.residue import TraceScanner
+from service.demo.residue import TraceScanner
 
 
 def traces_found(path: str | Path, ids: Sequence[object], X: np.ndarray) -> set[tuple[str, str]]:

@@ -12,8 +12,8 @@ Not a test module: end-to-end tests, browser tests and benchmarks import it.
         sc.wait_for_status(["r1"], "verified")
         print(sc.predict([[0.5] * 30]))
 
-The processes are :class:`service.processes.ManagedProcess` es (what the demo and the
-benchmarks run), and their environment is :func:`service.processes.sidecar_env` of the
+The processes are :class:`service.demo.processes.ManagedProcess` es (what the demo and the
+benchmarks run), and their environment is :func:`service.demo.processes.sidecar_env` of the
 workdir: the ledger URL, an HMAC key file, the admin token file and its own BENTOML_HOME
 (the model store the service and the workers share; `bentoml serve` keeps its processes'
 metric files in it too). On top (:attr:`Sidecar.env`): the admin token itself, and metrics
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from service.processes import OBLIVIATE, ManagedProcess, free_port, sidecar_env
+from service.demo.processes import OBLIVIATE, ManagedProcess, free_port, sidecar_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TOKEN = "sidecar-test-admin-token-0123456789"

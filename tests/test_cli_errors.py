@@ -166,9 +166,9 @@ def test_init_help_explains_the_csv_columns_and_the_scaling(capsys) -> None:
 
 
 def test_the_learner_choices_are_the_served_kinds() -> None:
-    from jobs.cli import LEARNERS
-    from jobs.served_model import KINDS
-    from ledger.cli import DATASETS
+    from jobs.orchestration.model_commands import LEARNERS
+    from jobs.orchestration.served_model import KINDS
+    from ledger.commands import DATASETS
     from ledger.datasets import NAMES
 
     assert set(LEARNERS) == set(KINDS) and tuple(DATASETS) == tuple(NAMES)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
-from jobs.learners.dare import DaREForest
-from service.residue import TraceScanner
+from jobs.learners.dare.forest import DaREForest
+from service.demo.residue import TraceScanner
 
 SMALL = dict(n_estimators=5, max_depth=4, k=3)
 #: hypothesis examples per property test (raise it for a long local run: DARE_EXAMPLES=2000)

@@ -3,8 +3,8 @@ every metric the alerts and the dashboard query is one the code exports.
 
 No servers: the compose file, the Kubernetes manifests, the Prometheus config
 and rules and the Grafana dashboard are parsed and compared with each other,
-with `ledger.config.Settings` and with the metric objects of `ledger.metrics`,
-`jobs.metrics` and `service.metrics`.
+with `ledger.config.Settings` and with the metric objects of `ledger.intake_metrics`,
+`jobs.orchestration.worker_metrics` and `service.service_metrics`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from jobs import metrics as job_metrics
-from ledger import metrics as ledger_metrics
+from jobs.orchestration import worker_metrics as job_metrics
+from ledger import intake_metrics as ledger_metrics
 from ledger.config import Settings, retention_configs
-from service import metrics as service_metrics
+from service import service_metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"

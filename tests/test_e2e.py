@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from jobs.model_store import VersionStore
-from jobs.registry import Registry
+from jobs.orchestration.model_store import VersionStore
+from jobs.orchestration.registry import Registry
 from ledger.config import Settings
 from ledger.datasets import load
 from ledger.local_broker import LocalBroker

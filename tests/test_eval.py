@@ -8,10 +8,10 @@ import torch
 from sklearn.ensemble import ExtraTreesClassifier
 
 from jobs.eval import FrozenScores, as_probabilities, evaluate_unlearning, mean_kl, priaa
-from jobs.learners.attacks import AttackConfig, cross_val_attack, pair_features
-from jobs.learners.dare import DaREForest
-from jobs.learners.metrics import auc
-from jobs.learners.nets import torch_threads
+from jobs.learners.dare.forest import DaREForest
+from jobs.learners.game.attacks import AttackConfig, cross_val_attack, pair_features
+from jobs.learners.networks.torch_nets import torch_threads
+from jobs.learners.scoring import auc
 
 FAST = AttackConfig(hidden=(16,), steps=150, lr=0.02, batch_size=64)
 

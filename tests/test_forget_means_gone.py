@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dirs
-from jobs.leftovers import make_dir
-from jobs.registry import Registry, VersionUnavailable
-from jobs.retention import destroyed_versions
-from jobs.worker import RollbackRefused, Worker, WorkerConfig
+from jobs.orchestration.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dirs
+from jobs.orchestration.leftovers import make_dir
+from jobs.orchestration.registry import Registry, VersionUnavailable
+from jobs.orchestration.retention import destroyed_versions
+from jobs.orchestration.worker import RollbackRefused, Worker, WorkerConfig
 from ledger.forgotten import forgotten
 from ledger.store import Ledger
+from service.demo.residue import TraceScanner
 from service.model_holder import ModelHolder, NoModelError
-from service.residue import TraceScanner
 from tests.db_files import db_files
 
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},

@@ -11,8 +11,8 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
-from jobs.learners.game import GameUnlearningNet
-from jobs.learners.nets import torch_threads
+from jobs.learners.game.stackelberg import GameUnlearningNet
+from jobs.learners.networks.torch_nets import torch_threads
 
 # the network is small and trains briefly; every game parameter keeps its default
 NET = {"hidden": (32,), "epochs": 100, "batch_size": 16, "device": "cpu"}

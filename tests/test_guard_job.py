@@ -11,8 +11,8 @@ import pytest
 from sklearn.datasets import load_breast_cancer
 
 from jobs import sealing
-from jobs.guard_job import GuardJob, GuardProcess
-from jobs.served_model import ServedModel
+from jobs.orchestration.guard_job import GuardJob, GuardProcess
+from jobs.orchestration.served_model import ServedModel
 
 KEY = sealing.new_key()
 

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 from jobs import sealing
-from jobs.idp.search import find_leaking
+from jobs.guard.lucid.falsifier import find_leaking
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
-from jobs.learners.loo import schedule_keys, train_loo, train_single
-from jobs.learners.loo_mlp import LeaveOneOutMLP
-from jobs.registry import Registry
-from jobs.served_model import BOUND_FILE, GuardedMLPModel, ServedModel
-from jobs.worker import Worker, WorkerConfig
+from jobs.learners.mlp.leave_one_out import LeaveOneOutMLP
+from jobs.learners.networks.loo_training import schedule_keys, train_loo, train_single
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.served_model import BOUND_FILE, GuardedMLPModel, ServedModel
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger import datasets
 from ledger.store import Ledger
-from service import metrics
+from service import service_metrics as metrics
+from service.demo.residue import TraceScanner
 from service.model_holder import ModelHolder
-from service.residue import TraceScanner
 from tests.test_worker import _drain, _events
 
 SMALL = {"hidden": [8], "epochs": 6, "batch_size": 8}
@@ -199,8 +199,8 @@ def test_a_loo_set_too_large_for_the_cpu_is_not_trained(monkeypatch) -> None:
     """The guard job does not train a LOO set estimated above LOO_MAX_SECONDS on the CPU
     (it would hold the exactness check back for hours): the network stays in noise-all
     mode, sound, the manifest says why, and the worker does not keep refining it."""
-    import jobs.served_model as served
-    from jobs.worker import _guard_coarse
+    import jobs.orchestration.served_model as served
+    from jobs.orchestration.worker import _guard_coarse
 
     ids, X, y = _data()
     model = ServedModel.train("mlp", np.array(ids, dtype=object), X, y,

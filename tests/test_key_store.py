@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from jobs.registry import Registry
-from jobs.retention import destroy_due
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.retention import destroy_due
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger import migrations
 from ledger.keystore import DirectoryKeyStore, KeyStoreError
 from ledger.sealed_payloads import PayloadKeyMissing

@@ -3,7 +3,7 @@ reused (pid 1 in a container), a lock dies with its process.
 
 The processes here are real and really killed (SIGKILL): a model store writer mid-save,
 and a worker with its guard process mid-job; "the next start" runs the cleanup a
-worker runs when it starts (:meth:`jobs.worker.Worker.warm_up`)."""
+worker runs when it starts (:meth:`jobs.orchestration.worker.Worker.warm_up`)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from jobs.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dirs
-from jobs.leftovers import LOCK_SUFFIX, LOCKLESS_AGE_S, make_dir
-from jobs.served_model import KIND_FILE
+from jobs.orchestration.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dirs
+from jobs.orchestration.leftovers import LOCK_SUFFIX, LOCKLESS_AGE_S, make_dir
+from jobs.orchestration.served_model import KIND_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 # the cleanup a worker's start runs, in the environment (TMPDIR, BENTOML_HOME) given
 NEXT_START = """
-from jobs.guard_job import remove_orphaned_job_dirs
-from jobs.model_store import VersionStore
+from jobs.orchestration.guard_job import remove_orphaned_job_dirs
+from jobs.orchestration.model_store import VersionStore
 for d in [*remove_orphaned_job_dirs(), *VersionStore("obliviate").remove_leftovers()]:
     print("removed", d)
 """
@@ -63,7 +63,7 @@ def _holder(parent: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], P
     proc = _start("""
         import sys, time
         from pathlib import Path
-        from jobs.leftovers import make_dir
+        from jobs.orchestration.leftovers import make_dir
         d = make_dir(Path(sys.argv[1]), sys.argv[2])
         (d.path / "half.npz").write_bytes(b"half a guard")
         print(d.path, flush=True)
@@ -121,7 +121,7 @@ def test_a_model_store_writer_killed_mid_save_leaves_nothing_after_the_next_star
     stays whole."""
     proc = _start("""
         import time
-        from jobs.model_store import VersionStore
+        from jobs.orchestration.model_store import VersionStore
         store = VersionStore("obliviate")
         store.write("v000001", {}, {}, lambda d: (d / "model.bin").write_bytes(b"v1"))
         def fill(d):
@@ -160,7 +160,7 @@ def test_a_worker_killed_mid_guard_job_leaves_nothing_after_the_next_start(
     proc = _start("""
         import sys, time
         from pathlib import Path
-        from jobs.guard_job import GuardJob, GuardProcess
+        from jobs.orchestration.guard_job import GuardJob, GuardProcess
         process = GuardProcess()
         manifest = {"learner": "dare", "content_hash": "-", "guard": {"content_hash": None}}
         job = GuardJob("v1", Path(sys.argv[1]), bytes(32), manifest, verify=True,

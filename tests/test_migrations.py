@@ -6,7 +6,7 @@
   registry's and the schema's new columns appear, and the whole ledger still verifies
   (hash chain, checkpoints, every fingerprint) and takes new requests.
 - A new database upgraded to head is exactly what the models declare (Alembic's own
-  comparison), so the migrations and ledger/models.py, jobs/registry.py,
+  comparison), so the migrations and ledger/models.py, jobs/orchestration/registry.py,
   jobs/adaptive/budget.py and service/usage.py cannot drift apart.
 - Processes opening one database at once upgrade it once; the constructors create no
   table of their own.
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from sqlalchemy import column, create_engine, inspect, table, text
 
-from jobs.registry import Registry
+from jobs.orchestration.registry import Registry
 from ledger import migrations
 from ledger.db import make_engine
 from ledger.store import Ledger

@@ -617,8 +617,8 @@ N_FEATURES = 30
 def predict_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """The BentoML service in-process (its ASGI app, middleware included) over a ledger
     with breast_cancer and a small DaRE forest, under a model name of its own."""
-    from jobs.registry import Registry
-    from jobs.worker import Worker, WorkerConfig
+    from jobs.orchestration.registry import Registry
+    from jobs.orchestration.worker import Worker, WorkerConfig
     from ledger import datasets
     from ledger.config import Settings
 

@@ -11,8 +11,8 @@ import pytest
 
 from jobs.adaptive.budget import BudgetExhausted, BudgetPolicy, SeedBudgets
 from jobs.adaptive.composition import epsilon_spent
-from jobs.registry import PublishConflict, Registry
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration.registry import PublishConflict, Registry
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.store import Ledger
 from service.model_holder import ModelHolder
 from tests.sidecar import Sidecar

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from jobs import metrics
-from jobs.registry import Registry
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration import worker_metrics as metrics
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.store import Ledger
-from service.processes import ManagedProcess
+from service.demo.processes import ManagedProcess
 from tests.conftest import HMAC_KEY, seed
 
 PARAMS = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},

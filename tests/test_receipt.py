@@ -24,9 +24,9 @@ import pytest
 from sqlalchemy import delete as sql_delete
 from starlette.testclient import TestClient
 
-from jobs.registry import Registry
-from jobs.retention import destroyed_versions
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.retention import destroyed_versions
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger import merkle
 from ledger import receipt as checker
 from ledger.forgotten import forgotten, receipt, render

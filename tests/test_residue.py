@@ -11,9 +11,9 @@ import torch
 from sklearn.datasets import load_breast_cancer
 
 from jobs import sealing
-from jobs.learners.dare import DaREForest
-from jobs.served_model import ServedModel
-from service.residue import TraceScanner
+from jobs.learners.dare.forest import DaREForest
+from jobs.orchestration.served_model import ServedModel
+from service.demo.residue import TraceScanner
 
 _SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
           "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},

@@ -32,8 +32,8 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
-from jobs.registry import Registry
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.local_broker import free_port
 from ledger.store import Ledger
 from service.http_api import AppContext, build_app

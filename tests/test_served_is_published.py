@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, create_engine, update
 
-from jobs import metrics, sealing
-from jobs.guard_job import ERROR_FILE, RESULT_FILE, fit_guard
-from jobs.registry import VERSIONS, Registry, VersionRefused
-from jobs.served_model import GUARD_DIR, LEARNER_DIR, ServedModel
-from jobs.worker import RollbackRefused, Worker, WorkerConfig
+from jobs import sealing
+from jobs.orchestration import worker_metrics as metrics
+from jobs.orchestration.guard_job import ERROR_FILE, RESULT_FILE, fit_guard
+from jobs.orchestration.registry import VERSIONS, Registry, VersionRefused
+from jobs.orchestration.served_model import GUARD_DIR, LEARNER_DIR, ServedModel
+from jobs.orchestration.worker import RollbackRefused, Worker, WorkerConfig
 from ledger.store import Ledger
 from service.model_holder import ModelHolder, NoModelError
 from tests.test_quarantine import PARAMS, delete, status
@@ -152,18 +153,18 @@ def test_a_version_published_before_guards_were_hashed_is_upgraded(
     """An upgrade meets versions whose manifest records no guard hash: their learner is held
     to the manifest, their guard is not loaded (noise-all, said in the log), and the worker
     refits the guard and publishes it, hashed; nothing is stuck."""
-    import jobs.worker
+    import jobs.orchestration.worker
 
     ledger = seeded60
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
-    real_manifest = jobs.worker.manifest
+    real_manifest = jobs.orchestration.worker.manifest
 
     def unhashed(*args: Any, **kwargs: Any) -> dict[str, Any]:
         man = real_manifest(*args, **kwargs)
         man["guard"].pop("content_hash")
         return man
 
-    monkeypatch.setattr(jobs.worker, "manifest", unhashed)
+    monkeypatch.setattr(jobs.orchestration.worker, "manifest", unhashed)
     old = _worker(ledger, reg).bootstrap("dare", PARAMS["dare"])
     monkeypatch.undo()
     assert "content_hash" not in reg.current().manifest["guard"]

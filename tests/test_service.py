@@ -33,7 +33,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.datasets import load
-from service.processes import free_port
+from service.demo.processes import free_port
 from service.service import MAX_BATCH
 from tests.sidecar import Sidecar
 from tests.test_deploy import _alert_exprs, _dashboard_exprs, metric_names

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from jobs import sealing
-from jobs.idp.sisa_bounds import ensemble_loo_set
-from jobs.registry import Registry
-from jobs.served_model import ShardVoteModel
-from jobs.worker import Worker, WorkerConfig
+from jobs.guard.lucid.shard_bounds import ensemble_loo_set
+from jobs.orchestration.registry import Registry
+from jobs.orchestration.served_model import ShardVoteModel
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.store import Ledger
 from tests.conftest import seed
 from tests.idp.test_sisa_bounds import _brute_force_stable
@@ -37,7 +37,7 @@ def _assert_sound(model: ShardVoteModel, Q: np.ndarray) -> np.ndarray:
     stable = _brute_force_stable(ens, loos, Q)
     assert not (certain & ~stable).any(), int((certain & ~stable).sum())
     S, C = len(ens.shard_sizes_), len(ens.classes_)
-    from jobs.idp.guard import sisa_certain
+    from jobs.guard.label_guard import sisa_certain
 
     _, free = sisa_certain(ens.shard_logits(Q), np.full((S, C), np.inf), ens.active_shards_)
     assert not (free & ~certain).any()  # bounds only add certain answers
@@ -131,9 +131,9 @@ def test_shards_whose_loo_set_is_too_large_stay_fragile(seeded90: Ledger, monkey
     """A shard whose LOO set is estimated above LOO_MAX_SECONDS on the CPU is not bounded:
     it stays fragile (+inf, sound), the manifest row says why, and the guard counts as
     complete, so the worker does not start guard jobs for it again and again."""
-    import jobs.served_model as served
-    from jobs.idp.sisa_bounds import shard_loo_work
-    from jobs.worker import _guard_coarse
+    import jobs.orchestration.served_model as served
+    from jobs.guard.lucid.shard_bounds import shard_loo_work
+    from jobs.orchestration.worker import _guard_coarse
 
     X, y = seeded90.record_data([f"r{i:03d}" for i in range(90)])
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from jobs.idp.sisa_bounds import ensemble_loo_set
+from jobs.guard.lucid.shard_bounds import ensemble_loo_set
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.keyed import prf_u64
-from jobs.learners.loo import MLPParams, schedule_keys, train_single
-from jobs.learners.nets import (
+from jobs.learners.networks.loo_training import MLPParams, schedule_keys, train_single
+from jobs.learners.networks.torch_nets import (
     build_net,
     epoch_batches,
     hash_state,
@@ -26,7 +26,7 @@ from jobs.learners.nets import (
     state_to_cpu,
     states_equal,
 )
-from jobs.learners.sisa import SISAEnsemble
+from jobs.learners.sisa.ensemble import SISAEnsemble
 from ledger import datasets
 from tests.leaks import traces_found
 
@@ -138,11 +138,11 @@ def test_sklearn_conventions():
 
 @pytest.mark.parametrize("hidden", [[8], [16, 8]])
 def test_compiled_mlp_training_is_torchs_adam_loop(hidden):
-    """An MLP on the CPU trains in one compiled loop (jobs.learners.mlp_kernels) instead of
+    """An MLP on the CPU trains in one compiled loop (jobs.learners.networks.mlp_kernels) instead of
     torch's per-step calls: the same batches, forward, cross-entropy, back-propagation and
     Adam, so the weights after a few epochs are torch's up to float32 summation order, and
     the same bits on every run (exact unlearning needs that, not torch's bits)."""
-    from jobs.learners import nets
+    from jobs.learners.networks import torch_nets as nets
 
     rng = np.random.default_rng(3)
     n, d, C = 300, 6, 3
@@ -631,7 +631,8 @@ def test_schedule_resolution_and_validation(tmp_path):
 
 
 def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
-    """schedule="loo": shard s is jobs.learners.loo.train_single on its live records with
+    """schedule="loo": shard s is jobs.learners.networks.loo_training.train_single on its live
+    records with
     shard_training_args(s) (which carry the shard's tombstones); the batch count follows
     the live shard size, also after a deletion that changes it."""
     ids, X, y = _pool(90)
@@ -769,7 +770,7 @@ def test_vote_rule_is_sound_when_records_sit_in_several_shards():
     """Every answer the bound-free vote rule certifies survives every single deletion."""
     import copy
 
-    from jobs.served_model import ShardVoteModel
+    from jobs.orchestration.served_model import ShardVoteModel
 
     ids, X, y = _pool(120, n_classes=2, seed=4)
     # a record in m shards can swing 2m votes: certifying needs many shards, few per record

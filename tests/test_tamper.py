@@ -15,10 +15,10 @@ import pytest
 from sqlalchemy import delete as sql_delete
 from sqlalchemy import insert, select, text, update
 
-from jobs.consistency import verify_registry
-from jobs.registry import POINTER, VERSIONS, Registry
-from jobs.retention import destroyed_versions
-from jobs.worker import Worker, WorkerConfig
+from jobs.orchestration.consistency import verify_registry
+from jobs.orchestration.registry import POINTER, VERSIONS, Registry
+from jobs.orchestration.retention import destroyed_versions
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger import audit, merkle
 from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
 from ledger.heads import HeadSigner, parse_public_key, verify_head

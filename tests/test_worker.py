@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from jobs.registry import PublishConflict, Registry
-from jobs.served_model import ForestModel, ServedModel
-from jobs.worker import Worker, WorkerConfig, _plan
+from jobs.orchestration.registry import PublishConflict, Registry
+from jobs.orchestration.served_model import ForestModel, ServedModel
+from jobs.orchestration.worker import Worker, WorkerConfig, _plan
 from ledger.chain import utc_now
 from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
-from service import metrics
+from service import service_metrics as metrics
 from service.model_holder import ModelHolder
 
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.registry import Registry, VersionUnavailable
-from jobs.worker import Worker
+from jobs.orchestration.registry import Registry, VersionUnavailable
+from jobs.orchestration.worker import Worker
 from ledger.store import Ledger
-from service.processes import ManagedProcess
+from service.demo.processes import ManagedProcess
 from tests.conftest import HMAC_KEY, seed
 
 

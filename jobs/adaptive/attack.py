@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jobs.adaptive.private_vote import private_vote
-from jobs.learners.sisa import SISAEnsemble
+from jobs.learners.sisa.ensemble import SISAEnsemble
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ never exceed what its budget allows, whatever the number of processes
 (reserved but unused answers count as spent: the accounting can only be
 pessimistic). When a lineage is exhausted, serving refuses fresh answers and
 the worker retrains with fresh seeds, which opens the next lineage
-(:meth:`jobs.worker.Worker` records why in a ``seeds_rotated`` event). The
+(:meth:`jobs.orchestration.worker.Worker` records why in a ``seeds_rotated`` event). The
 exhaustion is a fact of this table, so a worker that crashes before the
 retrain is published finds it again when it restarts.
 """

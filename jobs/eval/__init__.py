@@ -1,13 +1,13 @@
 """Privacy and utility evaluation of unlearning, for any learner with ``scores()``.
 
 :func:`evaluate_unlearning` is the entry point (the worker records its dict in the
-``applied`` event); :mod:`jobs.learners.attacks` holds the attackers (also the game's
-frozen ``M_A``), :mod:`jobs.learners.metrics` the plain metrics.
+``applied`` event); :mod:`jobs.learners.game.attacks` holds the attackers (also the game's
+frozen ``M_A``), :mod:`jobs.learners.scoring` the plain metrics.
 """
 
 from jobs.eval.unlearning import FrozenScores, evaluate_unlearning
-from jobs.learners.attacks import AttackConfig, Attacker, pair_features
-from jobs.learners.metrics import as_probabilities, mean_kl, priaa
+from jobs.learners.game.attacks import AttackConfig, Attacker, pair_features
+from jobs.learners.scoring import as_probabilities, mean_kl, priaa
 
 __all__ = [
     "AttackConfig",

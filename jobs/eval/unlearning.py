@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jobs.learners.attacks import (
+from jobs.learners.game.attacks import (
     DEFAULT_ATTACK,
     AttackConfig,
     Attacker,
@@ -16,7 +16,7 @@ from jobs.learners.attacks import (
     train_attacker,
 )
 from jobs.learners.keyed import prf_u64
-from jobs.learners.metrics import accuracy, agreement, as_probabilities, auc, mean_kl, priaa
+from jobs.learners.scoring import accuracy, agreement, as_probabilities, auc, mean_kl, priaa
 
 
 class Scorer(Protocol):
@@ -125,7 +125,7 @@ def evaluate_unlearning(
     """Privacy and utility of a model that was asked to forget ``(X_forget, y_forget)``.
 
     Works on anything with ``scores(X)`` (probabilities, votes or logits; see
-    :func:`jobs.learners.metrics.as_probabilities`) and, optionally, ``classes_``
+    :func:`jobs.learners.scoring.as_probabilities`) and, optionally, ``classes_``
     (labels are mapped through it; without it labels are class indices).
 
     Parameters

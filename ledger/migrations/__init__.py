@@ -1,7 +1,7 @@
 """The database schema, as Alembic migrations: every table of the sidecar, one history.
 
 The ledger's tables (:mod:`ledger.models`), the model registry's
-(:mod:`jobs.registry`), the seed lineages' budget (:mod:`jobs.adaptive.budget`)
+(:mod:`jobs.orchestration.registry`), the seed lineages' budget (:mod:`jobs.adaptive.budget`)
 and the guard's usage (:mod:`service.usage`) share one database, so they share
 one chain of revisions here (``versions/``). Nothing else creates or alters a
 table: the constructors of :class:`ledger.store.Ledger`, ``Registry``,

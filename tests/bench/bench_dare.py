@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.ensemble import RandomForestClassifier  # noqa: E402
 
-from jobs.learners.dare import DaREForest  # noqa: E402
+from jobs.learners.dare.forest import DaREForest  # noqa: E402
 from tests.bench.tables import classification  # noqa: E402
 
 DATASETS = ("classification", "quantised", "digits")

@@ -39,10 +39,10 @@ from sklearn.preprocessing import MinMaxScaler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jobs.learners.loo import train_loo, train_single  # noqa: E402
-from jobs.learners.loo_mlp import LeaveOneOutMLP  # noqa: E402
-from jobs.learners.sisa import SISAEnsemble  # noqa: E402
-from jobs.served_model import DEFAULT_PARAMS  # noqa: E402
+from jobs.learners.mlp.leave_one_out import LeaveOneOutMLP  # noqa: E402
+from jobs.learners.networks.loo_training import train_loo, train_single  # noqa: E402
+from jobs.learners.sisa.ensemble import SISAEnsemble  # noqa: E402
+from jobs.orchestration.served_model import DEFAULT_PARAMS  # noqa: E402
 from ledger.census import census_like  # noqa: E402
 
 SIDECAR_SISA = DEFAULT_PARAMS["sisa"]  # the served ensemble's network

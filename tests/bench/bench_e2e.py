@@ -102,7 +102,7 @@ def _share(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 def _shard_retrain_seconds(ds, params: dict) -> float:  # noqa: ANN001 - datasets.Dataset
     """One single-record deletion on the same ensemble: it retrains one shard."""
-    from jobs.served_model import ServedModel
+    from jobs.orchestration.served_model import ServedModel
 
     model = ServedModel.train("sisa", np.array(ds.record_ids, dtype=object), ds.X, ds.y,
                               params)
@@ -128,14 +128,14 @@ def _await_complete_guard(registry, timeout_s: float) -> float:  # noqa: ANN001 
 
 def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.0,
         rate: float = RATE) -> dict[str, float | int]:
-    from jobs.registry import Registry
-    from jobs.worker import Worker
+    from jobs.orchestration.registry import Registry
+    from jobs.orchestration.worker import Worker
     from ledger import datasets
     from ledger.config import Settings
     from ledger.consumer import ensure_topics
     from ledger.local_broker import LocalBroker
     from ledger.producer import paced, produce
-    from service.processes import LocalSidecar, sidecar_env
+    from service.demo.processes import LocalSidecar, sidecar_env
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-e2e-{learner}-"))
     with LocalBroker(log_path=work / "tansu.log") as broker:
@@ -253,7 +253,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
 
 def _mlp_baselines(ds, params: dict) -> tuple[float, float]:  # noqa: ANN001 - datasets.Dataset
     """(a deletion by LOO swap, a deletion that retrains the network), seconds."""
-    from jobs.served_model import ServedModel
+    from jobs.orchestration.served_model import ServedModel
 
     model = ServedModel.train("mlp", np.array(ds.record_ids, dtype=object), ds.X, ds.y,
                               params)
@@ -279,7 +279,7 @@ def main() -> int:
     n_records = args.records or (2000 if args.quick else max(16_000, n + 500))
     os.environ["BENTOML_HOME"] = tempfile.mkdtemp(prefix="bench-e2e-bentoml-")
     os.environ["BENTOML_DO_NOT_TRACK"] = "true"
-    from jobs.served_model import DEFAULT_PARAMS
+    from jobs.orchestration.served_model import DEFAULT_PARAMS
     from ledger import datasets
 
     lines = []

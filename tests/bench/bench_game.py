@@ -60,7 +60,7 @@ from sklearn.model_selection import train_test_split
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from jobs.eval import AttackConfig, FrozenScores, evaluate_unlearning  # noqa: E402
-from jobs.learners.game import GameUnlearningNet  # noqa: E402
+from jobs.learners.game.stackelberg import GameUnlearningNet  # noqa: E402
 
 
 def _split(X, y, seed=0):

@@ -40,18 +40,18 @@ Per data set:
    the memoised mechanism) on the same queries in the same run;
 5. falsifier: leaking inputs from 20,000 uniform samples + the training and
    test points + jitter around each class's MILP witness + the gradient search
-   of :func:`jobs.idp.search.find_leaking`; ``tightness`` = beta_c / the largest
+   of :func:`jobs.guard.lucid.falsifier.find_leaking`; ``tightness`` = beta_c / the largest
    leaking margin found (per class; "-" when no leaking input exists),
    ``violations`` = found inputs whose margin exceeds beta_c (must be 0).
 
 SISA-aware guard (``model=sisa``): the SERVED ensemble,
-:class:`~jobs.learners.sisa.SISAEnsemble` (S = 5 shards, ``n_slices=1``,
+:class:`~jobs.learners.sisa.ensemble.SISAEnsemble` (S = 5 shards, ``n_slices=1``,
 ``schedule="loo"``: MLP 2 x hidden, SGD lr 0.1, weight decay 1e-5, 30 epochs,
 batch 4, random_state 0); per-shard HiGHS bounds from
-:func:`jobs.idp.sisa_bounds.shard_bounds` (each shard's LOO set rebuilt from the
+:func:`jobs.guard.lucid.shard_bounds.shard_bounds` (each shard's LOO set rebuilt from the
 ensemble's own records; budget / S seconds per shard; ``bound_s``). On the test
 split, the fraction of queries answered as certain and the accuracy at eps 0 and 1
-(mean over ``--reps``) under three rules: ``sisa`` = :func:`~jobs.idp.guard.sisa_certain`
+(mean over ``--reps``) under three rules: ``sisa`` = :func:`~jobs.guard.label_guard.sisa_certain`
 with the per-shard bounds; ``free`` = the same vote rule with every bound +inf (what
 the sidecar serves without bounds: sound because one record lives in one shard);
 ``naive`` = the ensemble treated as one network, certain only when every shard's
@@ -61,11 +61,11 @@ by the ``sisa`` rule whose vote some single deletion (every record of every shar
 its exact LOO network through the float32 serving path) changes (must be 0).
 
 DaRE forest guard (``model=dare``): same data and split; a
-:class:`~jobs.learners.dare.DaREForest` (full: 50 trees, max_depth 8, k 10, d_rmax 1;
+:class:`~jobs.learners.dare.forest.DaREForest` (full: 50 trees, max_depth 8, k 10, d_rmax 1;
 ``--quick``: 20 trees, max_depth 6), record ids = the training ids, random_state 0, and
-:class:`~jobs.idp.forest_guard.ForestGuard` (``bound_s`` = its fit time: one exact
+:class:`~jobs.guard.forest.forest_guard.ForestGuard` (``bound_s`` = its fit time: one exact
 deletion per record + the tables). ``acc_eps*``: mean over ``--reps`` fresh
-:class:`~jobs.idp.guard.LabelGuard` s installed as ``ForestGuard.guard`` and answered
+:class:`~jobs.guard.label_guard.LabelGuard` s installed as ``ForestGuard.guard`` and answered
 through ``ForestGuard.answer``. Every LOO forest F_{-x} is built exactly (deep copy +
 ``delete([x])``, all records); ``naive_ms`` = all |D| + 1 forests per query (label iff
 all agree, else the memoised mechanism). ``access_ms`` is one query per call as above;
@@ -82,7 +82,8 @@ the uniform access queries (must be 0).
 Reference (LUCID Table 1): accuracy decrease 1.4 points at eps 0, 1.1 at
 eps 1; access 0.16 ms per query.
 
-Served SISA (``served=``, issue 17): the sidecar's own :class:`jobs.served_model.ShardVoteModel`
+Served SISA (``served=``, issue 17): the sidecar's own
+:class:`jobs.orchestration.served_model.ShardVoteModel`
 with the served defaults (5 shards, one hidden layer of 32, 20 epochs, batch 32,
 random_state 0) on breast cancer, digits (1,797 x 64, 10 classes) and a generated
 16,000-record table (``--served``; quick: breast cancer 200 x 10): ``served=inf`` as a
@@ -92,7 +93,8 @@ each; ``--quick``: 5 s in all, and 5 s for the mlp row); ``acc_eps0`` = the expe
 accuracy at eps 0; ``violations`` as above.
 ``synthetic<N>`` (``synthetic2667``, ``synthetic16k``) is a generated table of N records.
 The same for the sidecar's one-network learner (``model=mlp``,
-:class:`jobs.served_model.GuardedMLPModel`: ``served=inf`` is its noise-all mode before
+:class:`jobs.orchestration.served_model.GuardedMLPModel`: ``served=inf`` is its noise-all mode
+before
 the guard job, ``served=bounds`` after its LOO set and ``--budget`` s of bound).
 
 The last lines are, per data set,
@@ -126,21 +128,21 @@ from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jobs.idp.bab import BoundReport, compute_bounds  # noqa: E402
-from jobs.idp.forest_guard import ForestGuard  # noqa: E402
-from jobs.idp.guard import (  # noqa: E402
+from jobs.guard.forest.forest_guard import ForestGuard  # noqa: E402
+from jobs.guard.label_guard import (  # noqa: E402
     LabelGuard,
     clip_unit,
     lucid_certain,
     mechanism_probabilities,
     sisa_certain,
 )
-from jobs.idp.search import find_leaking, margins  # noqa: E402
-from jobs.idp.sisa_bounds import ensemble_loo_set, naive_certain, shard_bounds  # noqa: E402
-from jobs.idp.solvers import gurobi_available  # noqa: E402
-from jobs.learners.dare import DaREForest  # noqa: E402
-from jobs.learners.loo import LOOSet, train_loo  # noqa: E402
-from jobs.learners.sisa import SISAEnsemble  # noqa: E402
+from jobs.guard.lucid.branch_and_bound import BoundReport, compute_bounds  # noqa: E402
+from jobs.guard.lucid.falsifier import find_leaking, margins  # noqa: E402
+from jobs.guard.lucid.shard_bounds import ensemble_loo_set, naive_certain, shard_bounds  # noqa: E402
+from jobs.guard.lucid.solvers import gurobi_available  # noqa: E402
+from jobs.learners.dare.forest import DaREForest  # noqa: E402
+from jobs.learners.networks.loo_training import LOOSet, train_loo  # noqa: E402
+from jobs.learners.sisa.ensemble import SISAEnsemble  # noqa: E402
 from tests.bench.guarded_network import GuardedNetwork  # noqa: E402
 
 EPSILONS = (0.0, 0.2, 1.0)
@@ -505,7 +507,7 @@ def _served_rows(d: Data, kind: str, model: Any, bound: Callable[[], None],
 def bench_served(d: Data, args: argparse.Namespace) -> list[str]:
     """The sidecar's own code path for SISA (``ShardVoteModel`` with the served defaults):
     bounds by the guard job's ``refresh_guard`` (``args.budget / shards`` s per shard)."""
-    from jobs.served_model import DEFAULT_PARAMS, ShardVoteModel
+    from jobs.orchestration.served_model import DEFAULT_PARAMS, ShardVoteModel
 
     model = ShardVoteModel.train("sisa", np.array(d.ids, dtype=object), d.Xtr, d.ytr,
                                  params={"random_state": 0})
@@ -526,7 +528,7 @@ def bench_served_mlp(d: Data, args: argparse.Namespace) -> list[str]:
     """The sidecar's ``mlp`` learner (``GuardedMLPModel``): noise-all as a version is
     first published, then the guard job's ``refresh_guard`` (LOO set + ``args.budget`` s of
     bound); violations: certified answers some LOO network answers differently."""
-    from jobs.served_model import GuardedMLPModel
+    from jobs.orchestration.served_model import GuardedMLPModel
 
     if len(d.ids) > args.mlp_max_records:
         print(f"[{d.name}] served mlp skipped: its LOO set is {len(d.ids) + 1} networks of "

@@ -6,7 +6,8 @@ features, 2 classes, ``flip_y=0.05``, ``class_sep=0.8``: every value distinct) a
 ``table`` (what real tables look like: skewed amounts rounded to two significant digits,
 small counts, categories as codes, flags, 8% label noise: few distinct values per
 feature, so many ties); features scaled to [0, 1]; the sidecar's default forest
-(``jobs.served_model.DEFAULT_PARAMS["dare"]``: 50 trees, depth 8, k 10, d_rmax 1, a fixed
+(``jobs.orchestration.served_model.DEFAULT_PARAMS["dare"]``: 50 trees, depth 8, k 10, d_rmax 1, a
+fixed
 random-node domain). Per n, on 2,000 held-out queries:
 
 - ``fit_s``: time to fit the guard (fragility of every (node, record), the subtrees of the
@@ -62,9 +63,9 @@ def table(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def one(n: int, data: str) -> dict:
     from sklearn.datasets import make_classification
 
-    from jobs.idp.forest_guard import ForestGuard
-    from jobs.learners.dare import DaREForest
-    from jobs.served_model import DEFAULT_PARAMS
+    from jobs.guard.forest.forest_guard import ForestGuard
+    from jobs.learners.dare.forest import DaREForest
+    from jobs.orchestration.served_model import DEFAULT_PARAMS
 
     if data == "table":
         X, y = table(n + 2000)

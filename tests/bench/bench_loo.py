@@ -6,16 +6,17 @@ Data: make_moons (200 points, noise 0.2; --quick: 100 points) min-max scaled to
 [0, 1]^2; an MLP 2x50 (--quick: 2x10), SGD lr 0.1, weight decay 1e-5, 30
 epochs, batch 32 (LUCID's settings), one CPU thread.
 
-1. LOO training: all |D| + 1 networks batched (:func:`jobs.learners.loo.train_loo`)
+1. LOO training: all |D| + 1 networks batched
+(:func:`jobs.learners.networks.loo_training.train_loo`)
    against two sequential estimates -- ``train_single`` (the same kernel, one
    network) and a plain PyTorch loop (``nn.Module`` + autograd +
    ``torch.optim.SGD`` on the same keyed batches) -- each timed on a few
    networks and multiplied by |D| + 1. A few LOO networks are re-trained
    alone and compared bit for bit.
-2. Bounds: :func:`jobs.idp.bab.compute_bounds` (branch and bound, LP-tightened
+2. Bounds: :func:`jobs.guard.lucid.branch_and_bound.compute_bounds` (branch and bound, LP-tightened
    MILPs), per class beta_c, time, MILPs, sets explored.
 3. Falsifier: the largest confidence of a leaking input found by sampling
-   plus gradient search (:func:`jobs.idp.search.find_leaking`) and by
+   plus gradient search (:func:`jobs.guard.lucid.falsifier.find_leaking`) and by
    re-checking the final MILP's incumbent on the real networks; tightness =
    beta_c / that (>= 1 up to the 1e-4 safety margin; 1 is tight).
 
@@ -40,11 +41,11 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jobs.idp.bab import compute_bounds  # noqa: E402
-from jobs.idp.search import find_leaking  # noqa: E402
+from jobs.guard.lucid.branch_and_bound import compute_bounds  # noqa: E402
+from jobs.guard.lucid.falsifier import find_leaking  # noqa: E402
 from jobs.learners.keyed import prf_u64, prf_u64_many  # noqa: E402
-from jobs.learners.loo import train_loo, train_single  # noqa: E402
-from jobs.learners.nets import MLP, epoch_batches, init_net  # noqa: E402
+from jobs.learners.networks.loo_training import train_loo, train_single  # noqa: E402
+from jobs.learners.networks.torch_nets import MLP, epoch_batches, init_net  # noqa: E402
 
 
 def plain_torch_single(X, y, ids, exclude, cfg) -> float:

@@ -67,11 +67,11 @@ def main() -> int:
     args = ap.parse_args()
     rounds, seconds = (2, 2.5) if args.quick else (4, 10.0)
 
-    from jobs.registry import Registry
-    from jobs.worker import Worker
+    from jobs.orchestration.registry import Registry
+    from jobs.orchestration.worker import Worker
     from ledger import datasets
     from ledger.config import Settings
-    from service.processes import ManagedProcess, free_port, sidecar_env
+    from service.demo.processes import ManagedProcess, free_port, sidecar_env
 
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",

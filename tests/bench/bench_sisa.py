@@ -13,7 +13,7 @@ Equal training budget across R: a record of slice 0 is seen for
 SISA paper's convention).
 
 Training schedule (``SISAEnsemble(schedule="auto")``): the table MLP with
-R = 1 trains with the masked leave-one-out schedule of :mod:`jobs.learners.loo`
+R = 1 trains with the masked leave-one-out schedule of :mod:`jobs.learners.networks.loo_training`
 (``schedule="loo"``: SGD lr 0.3, weight decay 1e-5 -- the served, boundable
 configuration; of lr 0.1 and 0.3, 0.3 matched Adam's accuracy here: full run,
 S = 1: 0.847 vs Adam 0.857, S = 5: 0.670 vs 0.654; lr 0.1 lost 6-8 points);
@@ -34,7 +34,7 @@ compared bit for bit. The last line of each setting is
 SISA on tables (issue 16: "SISA that learns on tables"), two networks under
 ``schedule="loo"``, batch 32: ``net=default``, the learner's own defaults (two hidden
 layers of 64, 40 epochs, a floor of 8,000 SGD steps per shard, lr 0.2), and
-``net=sidecar``, the network the sidecar serves (``jobs.served_model.DEFAULT_PARAMS``:
+``net=sidecar``, the network the sidecar serves (``jobs.orchestration.served_model.DEFAULT_PARAMS``:
 one hidden layer of 32, 20 epochs, no floor, lr 0.5: small enough for the guard's
 LOO sets), at 1 and 5 shards (and 20 on census), against scikit-learn's
 ``RandomForestClassifier`` (100 trees, ``n_jobs=1``)
@@ -73,8 +73,8 @@ from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jobs.learners.sisa import SISAEnsemble  # noqa: E402
-from jobs.served_model import DEFAULT_PARAMS  # noqa: E402
+from jobs.learners.sisa.ensemble import SISAEnsemble  # noqa: E402
+from jobs.orchestration.served_model import DEFAULT_PARAMS  # noqa: E402
 from ledger.census import census_like  # noqa: E402
 from tests.bench.tables import classification  # noqa: E402
 

@@ -1,12 +1,13 @@
 """A guarded network: label-only, eps-iDP answers from one verified MLP (LUCID, Alg. 2).
 
 The benchmarks' and tests' stand-alone form of what the sidecar serves with
-``--learner mlp`` (:class:`jobs.served_model.GuardedMLPModel` with
-:class:`jobs.learners.loo_mlp.LeaveOneOutMLP`, the service's own guard and memo):
+``--learner mlp`` (:class:`jobs.orchestration.served_model.GuardedMLPModel` with
+:class:`jobs.learners.mlp.leave_one_out.LeaveOneOutMLP`, the service's own guard and memo):
 ``bench_guard.py`` measures accuracy through it without a ledger or a service.
 
-:class:`GuardedNetwork` serves the full network N of a :class:`~jobs.learners.loo.LOOSet`
-through :class:`~jobs.idp.guard.LabelGuard`:
+:class:`GuardedNetwork` serves the full network N of a
+:class:`~jobs.learners.networks.loo_training.LOOSet`
+through :class:`~jobs.guard.label_guard.LabelGuard`:
 
 * every query is clipped to [0, 1]^d (the box the bound was verified over);
 * the label c = argmax N(x) (lowest index on ties) is published as is when
@@ -58,10 +59,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jobs.idp.bab import BoundReport, compute_bounds
-from jobs.idp.binding import BoundBinding
-from jobs.idp.guard import LabelGuard, clip_unit, lucid_certain
-from jobs.learners.loo import LOOSet, MLPParams, schedule_keys, train_loo
+from jobs.guard.label_guard import LabelGuard, clip_unit, lucid_certain
+from jobs.guard.lucid.binding import BoundBinding
+from jobs.guard.lucid.branch_and_bound import BoundReport, compute_bounds
+from jobs.learners.networks.loo_training import LOOSet, MLPParams, schedule_keys, train_loo
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class GuardedNetwork:
     loo_set
         The LOO set (index 0 = the served network N).
     bound
-        A :class:`~jobs.idp.bab.BoundReport` computed on ``loo_set`` (or a
+        A :class:`~jobs.guard.lucid.branch_and_bound.BoundReport` computed on ``loo_set`` (or a
         :class:`BoundBinding`); without one, or with one for another set, the
         guard serves in noise-all mode until :meth:`set_bound` gets a match.
     epsilon

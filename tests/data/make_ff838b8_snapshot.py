@@ -32,7 +32,7 @@ def main(old_tree: str) -> None:
     from sqlmodel import SQLModel
 
     import jobs.adaptive.budget  # noqa: F401 - the other modules' tables of that commit
-    import jobs.registry  # noqa: F401
+    import jobs.orchestration.registry  # noqa: F401
     import ledger.models  # noqa: F401 - the ledger's tables
     import service.usage  # noqa: F401
     from ledger.store import Ledger

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import make_blobs, make_moons
 
-from jobs.learners.loo import LOOSet, train_loo
+from jobs.learners.networks.loo_training import LOOSet, train_loo
 
 TINY = dict(hidden=(8, 8), epochs=30, batch_size=8, seed=0)
 

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from jobs.idp.bab import bab_class, compute_bounds, split
-from jobs.idp.search import find_leaking
-from jobs.idp.solvers import gurobi_available
+from jobs.guard.lucid.branch_and_bound import bab_class, compute_bounds, split
+from jobs.guard.lucid.falsifier import find_leaking
+from jobs.guard.lucid.solvers import gurobi_available
 
 FAST_SEARCH = dict(n_samples=4000, n_starts=12, steps=80)
 
@@ -71,8 +71,8 @@ def test_anytime_bounds_are_sound(tiny) -> None:
 def test_a_class_no_network_can_flip_is_served_with_the_margin(tiny, monkeypatch) -> None:
     """Infeasible everywhere (-inf) is not served as a bound of 0: the class's bound is
     raised to the margin the sets owed, so tolerances are covered there too."""
-    from jobs.idp import bab
-    from jobs.idp.milp import SetBound
+    from jobs.guard.lucid import branch_and_bound as bab
+    from jobs.guard.lucid.milp import SetBound
 
     loo = tiny[0]
     monkeypatch.setattr(bab, "bound_set", lambda *a, **k: SetBound(

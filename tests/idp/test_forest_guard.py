@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_breast_cancer, make_classification, make_moons
 
-from jobs.idp.forest_guard import NOISE_ALL, SOUND, ForestGuard
+from jobs.guard.forest.forest_guard import NOISE_ALL, SOUND, ForestGuard
 from jobs.learners.base import hash_arrays
-from jobs.learners.dare import DaREForest
+from jobs.learners.dare.forest import DaREForest
 
 
 def _two_d(rng):
@@ -282,8 +282,8 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     """A record called stable at every node of its path in a tree must, when actually
     deleted, leave that tree with the same leaves (paths, boxes) and one leaf's counts one
     lower: the fact the closed form rests on. Fragile claims are the guard's caution."""
-    from jobs.idp.forest_fragility import domain_fragile, fragile_records
-    from jobs.learners import dare_view as dv
+    from jobs.guard.forest.fragility import domain_fragile, fragile_records
+    from jobs.learners.dare import view as dv
 
     rng = np.random.default_rng(11)
     if data == "tied":
@@ -443,7 +443,7 @@ def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
 def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params):
     """Nodes far from a tie skip the per-record rule for records that cannot move their
     listed pairs: the fragile sets must be exactly those of deciding every record."""
-    from jobs.idp.forest_fragility import fragile_records
+    from jobs.guard.forest.fragility import fragile_records
 
     rng = np.random.default_rng(21)
     n = 3000
@@ -467,7 +467,7 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
 def test_the_margin_shortcut_on_many_random_forests():
     """The same on 24 forests drawn at random: sizes, value levels (ties or none), classes,
     k, min_samples_leaf, criterion, and a batch of deletions and additions since the fit."""
-    from jobs.idp.forest_fragility import fragile_records
+    from jobs.guard.forest.fragility import fragile_records
 
     for seed in range(24):
         rng = np.random.default_rng(100 + seed)
@@ -501,7 +501,7 @@ def test_lists_kept_by_cached_nodes_are_the_split_search_s():
     fresh split search's over its records (its first k + buffer pairs; the all-pairs flag
     where the list is shorter than that), and a shorter prefix still holds k + 2 pairs,
     what one more deletion needs."""
-    from jobs.learners import dare_view as dv
+    from jobs.learners.dare import view as dv
 
     cached = prefixes = 0
     for seed in range(8):
@@ -574,7 +574,7 @@ def test_grown_subtrees_are_the_same_when_tasks_share_nodes():
     the tasks that repeat it (pairs whose deletions move a split the same way grow the
     same child away from the record). Every task's subtree must be the one it grows
     alone: many pairs of one node (duplicate children) and exact duplicate tasks."""
-    from jobs.learners import dare_view as dv
+    from jobs.learners.dare import view as dv
 
     rng = np.random.default_rng(21)
     X, y = _tied(rng, n=400, d=5, levels=6)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from jobs.idp.guard import (
+from jobs.guard.label_guard import (
     LabelGuard,
     LRUMemo,
     clip_unit,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.idp.bab import BoundReport, compute_bounds
-from jobs.idp.binding import BoundBinding
-from jobs.idp.guard import cell_centres, clip_unit, grid_cells, top_margin
-from jobs.learners.loo import LOOSet, schedule_keys, train_loo, train_single
+from jobs.guard.label_guard import cell_centres, clip_unit, grid_cells, top_margin
+from jobs.guard.lucid.binding import BoundBinding
+from jobs.guard.lucid.branch_and_bound import BoundReport, compute_bounds
+from jobs.learners.networks.loo_training import LOOSet, schedule_keys, train_loo, train_single
 from tests.bench.guarded_network import NOISE_ALL, SOUND, GuardedNetwork
 
 from ..leaks import traces_found

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.idp.ibp import (
+from jobs.guard.lucid.interval_bounds import (
     HyperNet,
     Net64,
     ibp,
@@ -15,7 +15,7 @@ from jobs.idp.ibp import (
     interval_affine_bounds,
     matched_bounds,
 )
-from jobs.idp.milp import tighten_lp
+from jobs.guard.lucid.milp import tighten_lp
 
 TOL = 1e-12
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from jobs.learners import loo as loo_mod
 from jobs.learners.keyed import prf_u64_many
-from jobs.learners.loo import LOOSet, schedule_keys, train_loo, train_single
-from jobs.learners.nets import MLP, init_net
+from jobs.learners.networks import loo_training as loo_mod
+from jobs.learners.networks.loo_training import LOOSet, schedule_keys, train_loo, train_single
+from jobs.learners.networks.torch_nets import MLP, init_net
 
 from .conftest import tiny_data
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from jobs.idp import solvers
-from jobs.idp.ibp import HyperNet, Net64
-from jobs.idp.milp import bound_set, encode, serving_margin, tighten_lp
-from jobs.idp.search import find_leaking, margins
-from jobs.idp.solvers import MILP, gurobi_available, solve
+from jobs.guard.lucid import solvers
+from jobs.guard.lucid.falsifier import find_leaking, margins
+from jobs.guard.lucid.interval_bounds import HyperNet, Net64
+from jobs.guard.lucid.milp import bound_set, encode, serving_margin, tighten_lp
+from jobs.guard.lucid.solvers import MILP, gurobi_available, solve
 
 FAST_SEARCH = dict(n_samples=4000, n_starts=12, steps=80)
 SLACK = 1e-9  # the bound includes a 1e-4 safety margin; found margins must not exceed it

@@ -17,17 +17,17 @@ import pytest
 import torch
 from sklearn.datasets import make_moons
 
-from jobs.idp.bab import BoundReport
-from jobs.idp.guard import sisa_certain
-from jobs.idp.sisa_bounds import (
+from jobs.guard.label_guard import sisa_certain
+from jobs.guard.lucid.branch_and_bound import BoundReport
+from jobs.guard.lucid.shard_bounds import (
     ShardMismatchError,
     ensemble_loo_set,
     naive_certain,
     shard_bounds,
 )
-from jobs.learners.loo import LOOSet, MLPParams
-from jobs.learners.nets import mlp_state, n_batches, states_equal
-from jobs.learners.sisa import SISAEnsemble
+from jobs.learners.networks.loo_training import LOOSet, MLPParams
+from jobs.learners.networks.torch_nets import mlp_state, n_batches, states_equal
+from jobs.learners.sisa.ensemble import SISAEnsemble
 
 S = 3
 KW = dict(

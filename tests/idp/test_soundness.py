@@ -13,7 +13,7 @@ Data sets (all min-max scaled to [0, 1]^d, MLP 2x8, 30 epochs, batch 8, seed 0):
 For each: compute bounds, then search hard for a leaking input above them
 (uniform samples, the training points, points on N's and on LOO networks'
 decision boundaries found by bisection, jitter around the MILP's witness, and
-:func:`jobs.idp.search.find_leaking`'s gradient search); check that every
+:func:`jobs.guard.lucid.falsifier.find_leaking`'s gradient search); check that every
 query the guard answers as certain is answered identically by ALL LOO
 networks; and check the mechanism's frequencies on uncertain queries through
 :class:`GuardedNetwork` (chi-square). A last test does the same agreement
@@ -28,17 +28,17 @@ import torch
 from scipy.stats import chisquare
 from sklearn.datasets import load_breast_cancer, make_blobs, make_moons
 
-from jobs.idp.bab import BoundReport, compute_bounds
-from jobs.idp.guard import (
+from jobs.guard.label_guard import (
     cell_centres,
     clip_unit,
     grid_cells,
     mechanism_probabilities,
     top_margin,
 )
-from jobs.idp.search import find_leaking, margins
-from jobs.idp.sisa_bounds import compute_shard_bounds, train_sharded_loo
-from jobs.learners.loo import LOOSet, train_loo
+from jobs.guard.lucid.branch_and_bound import BoundReport, compute_bounds
+from jobs.guard.lucid.falsifier import find_leaking, margins
+from jobs.guard.lucid.shard_bounds import compute_shard_bounds, train_sharded_loo
+from jobs.learners.networks.loo_training import LOOSet, train_loo
 from tests.bench.guarded_network import SOUND, GuardedNetwork
 
 torch.set_num_threads(1)

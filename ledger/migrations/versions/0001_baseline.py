@@ -83,7 +83,7 @@ def upgrade() -> None:
         sa.Column("name", sa.String(128), nullable=False),
         sa.Column("n_features", sa.Integer, nullable=False),
         sa.Column("classes", sa.JSON, nullable=False))
-    # the model registry (jobs/registry.py)
+    # the model registry (jobs/orchestration/registry.py)
     ops.create_table(
         "model_versions",
         sa.Column("name", sa.String(64), primary_key=True),

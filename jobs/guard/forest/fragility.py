@@ -1,0 +1,703 @@
+"""Which records could change a DaRE node's split if they alone were deleted.
+
+For the forest guard (:mod:`jobs.guard.forest.forest_guard`). Deleting one record x from a
+DaRE tree changes the counts along x's path; if no node on the path changes its
+decision, the tree after the deletion has the same splits, and its only change at
+any query is at x's own leaf, whose class probabilities become
+``(n_c - [c = y_x]) / (n - 1)``: a closed form. Here each (node, record) is decided
+"stable" (the node's decision is the same without the record) or "fragile" (it may
+change, or we could not tell); a record's tree then changes only at its leaf unless
+it is fragile at some node of its path, and then only below the highest such node.
+
+The decision replays the forest's own rules (:mod:`jobs.learners.dare.forest`) for one
+record removed:
+
+* every internal node: it becomes a leaf if ``n - 1 < 2 min_samples_leaf`` or its
+  records become pure;
+* random node: its draw stays the first draw inside the shrunk range iff both
+  children keep a record (a node with a fallback threshold, draw -1, is fragile);
+* greedy node, per sampled attribute: the candidate pairs are the first k valid
+  adjacent value pairs in keyed priority order. Removing x changes the pairs only
+  around x's value group w: if w keeps records, (prev, w) and (w, next) can only
+  turn invalid (w turning pure with the neighbour's label); if w vanishes, (w, next)
+  disappears and (prev, w) becomes (prev, next) under the same priority, which may
+  turn it valid (a new candidate at that priority) or invalid. The first k pairs of
+  the updated list are rescored with x's counts removed (the forest's own score
+  function) and the best one, with the forest's tie-breaks, must be the node's split
+  with the same upper value (else the threshold moves).
+
+Whatever cannot be decided exactly is fragile, which is sound (the guard then
+assumes the worst below that node): an attribute turning constant, a list that runs
+out of known pairs before k, or a new pair whose 32-bit priority ties a listed one. A
+record whose deletion moves the random nodes' value domain on an attribute is fragile
+at every random node on that attribute (:func:`domain_fragile`). Tests
+compare every claim of "stable" with the tree an actual deletion leaves
+(``tests/idp/test_forest_guard.py``).
+
+Far from a tie, most records need no look. Unless x's deletion changes the first k listed
+pairs of some attribute (x's value group is an end of one of them, or it vanishes and the
+pair that replaces it may rank among the first k) or makes the node pure, the candidates
+after the deletion are the listed ones with one record of x's class taken from one side.
+:func:`_margin_holds` scores every listed pair with ANY one record removed from either
+side; when the split's lowest such score beats every other pair's highest, the per-record
+rule would call all those records stable, and they are skipped. Only the others are
+decided one by one (same answer, ``tests/idp/test_forest_guard.py``); at 16k records this
+skips most of the records of the big nodes an update touches. Near a tie the same records
+(they change no listed pair) are decided from each listed pair's score with one record of
+class c taken from its left or right side, computed once per node; a record that does
+change listed pairs takes those scores for the pairs it leaves as they are, and only the
+pairs it changes are scored anew (a quarter of the fragility time at 16k records went to
+re-scoring unchanged pairs). A node's value groups
+are counted in a table over the attribute's value ranks where the node holds at least one
+record per 8 distinct values, and by sorting elsewhere.
+
+Leaves stay leaves under one deletion (fewer records cannot unmake purity, size,
+depth or a constant attribute), except one whose scored candidates all left fewer
+than ``min_samples_leaf`` records on a side: a pair from beyond the first k may
+split it after a deletion, so its records are fragile there (with the default
+``min_samples_leaf=1`` no such leaf exists).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit, prange
+
+from jobs.learners.dare import view as dv
+from jobs.learners.dare.forest import DaREForest
+from jobs.learners.dare.kernels import _TAG_THR, _sort_keys, h2, mix, score1
+
+_S32 = np.uint64(32)
+
+
+def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the internal `nodes` (default: all), the records fragile at each: (nodes,
+    off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
+    the per-record rule where a node is far from a tie (the same answer; False decides
+    every record, for tests)."""
+    v = dv.view(forest)
+    if nodes is None:
+        nodes = np.flatnonzero(v.used)
+    nodes = np.asarray(nodes, dtype=np.int64)
+    # leaves stay leaves under a deletion, but for one whose candidates all left too few
+    # records on a side: a pair from beyond the first k may then split it
+    nodes = nodes[(v.kind[nodes] != dv.LEAF) | (v.why[nodes] == dv.W_MSL)]
+    rows, off = dv.node_records(forest, nodes)
+    gi = np.flatnonzero(v.kind[nodes] == dv.GREEDY)
+    cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
+    slot_of = np.full(len(nodes), -1, dtype=np.int64)
+    slot_of[gi] = np.arange(len(gi))
+    frag = _fragile(
+        nodes, rows, off, slot_of,
+        _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
+        _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
+        _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
+    cnt = np.add.reduceat(frag.astype(np.int64), off[:-1]) if len(rows) else np.zeros(
+        len(nodes), np.int64)
+    if len(rows):
+        cnt[np.diff(off) == 0] = 0
+    return nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64), rows[frag]
+
+
+def domain_fragile(forest: DaREForest) -> list[tuple[int, int, float]]:
+    """(attribute, slot, new domain) for each record whose deletion moves a random node's
+    value domain: D_a = 2**e with 2**(e-1) <= max |x_a| < 2**e over the records, so it moves
+    when the record alone holds the largest |x_a| and the next largest has another e.
+    Every random node on that attribute is then re-drawn, wherever it is: the record is
+    fragile there. None with a fixed ``random_domain``. (The last record of a class is
+    not fragile beyond its path: a class with no record scores 0 in every split.)"""
+    if forest.d_rmax == 0 or forest.random_domain is not None:
+        return []
+    v = dv.view(forest)
+    live = np.flatnonzero(v.live)
+    out: list[tuple[int, int, float]] = []
+    if len(live) < 2:
+        return out
+    absx = np.abs(v.X[:, live])
+    for a in range(absx.shape[0]):
+        two = np.partition(absx[a], -2)[-2:]
+        top, second = float(two[1]), float(two[0])
+        if top > second and _domain(top) != _domain(second):
+            out.append((a, int(live[np.argmax(absx[a])]), _domain(second)))
+    return out
+
+
+def _domain(m: float) -> float:
+    return 1.0 if m == 0 else math.ldexp(1.0, min(math.frexp(m)[1], 1023))
+
+
+# --------------------------------------------------------------------------- the kernel
+
+@njit(cache=True)
+def _prio(nk, a, vmix, va, r):  # pragma: no cover - compiled
+    """The 32-bit priority of the pair named by value rank r (= the split search's)."""
+    sk = h2(nk ^ _TAG_THR, np.uint64(a))
+    return np.int64(mix(sk ^ vmix[va + r]) >> _S32)
+
+
+@njit(cache=True)
+def _pure_without(cnt, c):  # pragma: no cover - compiled
+    """(pure, label) of class counts `cnt` with one record of class c removed."""
+    lab = -1
+    for j in range(cnt.shape[0]):
+        m = cnt[j] - (1 if j == c else 0)
+        if m > 0:
+            if lab >= 0:
+                return False, -1
+            lab = j
+    return True, lab
+
+
+@njit(cache=True)
+def _group_pure(g_cnt, g):  # pragma: no cover - compiled
+    lab = -1
+    for j in range(g_cnt.shape[1]):
+        if g_cnt[g, j] > 0:
+            if lab >= 0:
+                return False, -1
+            lab = j
+    return True, lab
+
+
+@njit(cache=True)
+def _order(vals, vbits):  # pragma: no cover - compiled
+    """The positions of `vals` (non-negative, below 2**vbits) in ascending order: a radix
+    sort of (value, position) keys for a large node, where a comparison sort of every
+    attribute of every node on the updated paths was most of an update's time."""
+    n = vals.shape[0]
+    if n < 256:
+        return np.argsort(vals, kind="mergesort")
+    jbits = 1
+    while (1 << jbits) < n:
+        jbits += 1
+    keys = np.empty(n, np.int64)
+    for j in range(n):
+        keys[j] = (vals[j] << jbits) | j
+    keys = _sort_keys(keys, np.empty(n, np.int64), n, vbits + jbits)
+    mask = (np.int64(1) << jbits) - 1
+    out = np.empty(n, np.int64)
+    for j in range(n):
+        out[j] = keys[j] & mask
+    return out
+
+
+class _Nodes(NamedTuple):
+    """The forest's nodes, as the kernels read them (by the forest's node id)."""
+
+    kind: np.ndarray
+    attr: np.ndarray
+    r1: np.ndarray
+    thr: np.ndarray
+    draw: np.ndarray
+    cnt: np.ndarray  # (nodes, classes)
+    key: np.ndarray  # the keyed hash naming the node (pair priorities derive from it)
+
+
+class _Records(NamedTuple):
+    """The records' values (by slot): value ranks, raw values, labels, the value mixes
+    that key pair priorities and each attribute's offset into them."""
+
+    rank: np.ndarray  # (features, slots)
+    X: np.ndarray  # (features, slots)
+    y: np.ndarray
+    vmix: np.ndarray
+    voff: np.ndarray
+
+
+class _Rule(NamedTuple):
+    """The forest's split rule: min_samples_leaf, pairs scored per attribute, Gini or
+    entropy (with its x log x table)."""
+
+    msl: int
+    k: int
+    gini: bool
+    tab: np.ndarray
+
+
+class _Groups(NamedTuple):
+    """A greedy node's value groups per sampled attribute slot s: group of each record
+    ``of[s, j]``, their number ``n[s]``, value rank ``rank[s, g]`` ascending and class
+    counts ``cnt[s, g]``; per listed entry q the group of its lower value ``entry[s, q]``
+    and its priority ``prio[s, q]``."""
+
+    of: np.ndarray
+    n: np.ndarray
+    rank: np.ndarray
+    cnt: np.ndarray
+    entry: np.ndarray
+    prio: np.ndarray
+
+
+class _Selection(NamedTuple):
+    """Work space: the first k pairs per slot after one deletion (left counts, lower
+    value rank, slot, whether it is a merged pair (prev, next); for a listed pair left as
+    it is, its row in the listed scores and the record's side, else -1)."""
+
+    left: np.ndarray
+    r1: np.ndarray
+    slot: np.ndarray
+    merged: np.ndarray
+    listed: np.ndarray
+    side: np.ndarray
+
+
+@njit(cache=True)
+def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
+    """Whether no single deletion that leaves the first k listed pairs as they are can
+    change greedy node v's split: the split's pair, with ANY one record removed from either
+    side, still scores strictly above every other listed pair with any one record removed
+    (the per-record rule then says "stable" for each such record). `lscore`: the listed
+    pairs' scores with one record removed (:func:`_listed_scores`)."""
+    cnt = nd.cnt[v]
+    C = cnt.shape[0]
+    P = cand.attr.shape[1]
+    split_lo = np.inf
+    others_hi = -np.inf
+    found = False
+    q_ = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        m = cand.length[ci, s]
+        if m < k and not cand.all_pairs[ci, s]:
+            return False  # fewer than k known pairs: every record is "bad" anyway
+        for q in range(min(k, m)):
+            E = cand.off[ci, s] + q
+            is_split = a == nd.attr[v] and cand.e_r1[E] == nd.r1[v]
+            found = found or is_split
+            for side in range(2):
+                for c in range(C):
+                    held = cand.e_left[E, c] if side == 0 else cnt[c] - cand.e_left[E, c]
+                    if held == 0:
+                        continue  # no record of class c on that side
+                    sc = lscore[q_, side, c]
+                    if sc == -np.inf:  # a side falls below min_samples_leaf
+                        if is_split:
+                            return False  # the split itself may turn invalid
+                        continue
+                    if is_split:
+                        split_lo = min(split_lo, sc)
+                    else:
+                        others_hi = max(others_hi, sc)
+            q_ += 1
+    return found and split_lo > others_hi
+
+
+@njit(cache=True, parallel=True)
+def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
+             ):  # pragma: no cover - compiled
+    """fragile[j] for every record rows[j] of every node (see the module docstring)."""
+    C = nd.cnt.shape[1]
+    P = cand.attr.shape[1]
+    frag = np.zeros(rows.shape[0], np.bool_)
+    memo_size = C * (rule.k + 1) ** P
+    top = rec.rank.max() if rec.rank.size else 0
+    rbits = 1
+    while (np.int64(1) << rbits) <= top:
+        rbits += 1
+    if memo_size > 1 << 16:
+        memo_size = 0
+    for i in prange(nodes.shape[0]):  # nodes are independent: one thread each
+        v = nodes[i]
+        nt = off[i + 1] - off[i]
+        if nt == 0:
+            continue
+        out = frag[off[i]:off[i + 1]]
+        mine = rows[off[i]:off[i + 1]]
+        ci = slot_of[i]
+        if nd.kind[v] == 0 or nt - 1 < 2 * rule.msl:  # a leaf that may split; or turns one
+            out[:] = True
+        elif nd.kind[v] == 1:  # RANDOM
+            _random_fragile(out, mine, v, nd, rec)
+        elif (not cand.ok[ci] or cand.split_attr[ci] != nd.attr[v]
+              or cand.split_r1[ci] != nd.r1[v]):
+            out[:] = True  # the lists do not explain the split: assume the worst
+        else:
+            _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin, memo_size,
+                            rbits)
+    return frag
+
+
+@njit(cache=True)
+def _random_fragile(out, rows, v, nd, rec):  # pragma: no cover - compiled
+    """A random node keeps its draw unless a side empties or the node turns pure."""
+    a = nd.attr[v]
+    t = nd.thr[v]
+    nt = rows.shape[0]
+    nl = 0
+    for j in range(nt):
+        if rec.X[a, rows[j]] <= t:
+            nl += 1
+    for j in range(nt):
+        r = rows[j]
+        pure, _lab = _pure_without(nd.cnt[v], rec.y[r])
+        side = nl if rec.X[a, r] <= t else nt - nl
+        out[j] = pure or side == 1 or nd.draw[v] < 0
+
+
+@njit(cache=True)
+def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - compiled
+    """The node's value groups per sampled attribute slot (:class:`_Groups`): counted in a
+    table over the attribute's value ranks where the node holds at least one record per
+    8 distinct values (no sort), else by sorting its values."""
+    P = cand.attr.shape[1]
+    nt = rows.shape[0]
+    of = np.empty((P, nt), np.int64)
+    n = np.zeros(P, np.int64)
+    g_rank = np.empty((P, nt), np.int64)
+    g_cnt = np.zeros((P, nt, C), np.int64)
+    entry = np.empty((P, k + 16), np.int64)
+    prio = np.empty((P, k + 16), np.int64)
+    lab = np.empty(nt, np.int64)
+    for j in range(nt):
+        lab[j] = rec.y[rows[j]]
+    vals = np.empty(nt, np.int64)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        va = rec.voff[a]
+        nv = rec.voff[a + 1] - va
+        for j in range(nt):
+            vals[j] = rec.rank[a, rows[j]]
+        g = -1
+        if nv <= 8 * nt:
+            table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group
+            for j in range(nt):
+                table[vals[j]] += 1
+            for q in range(nv):
+                if table[q] > 0:
+                    g += 1
+                    g_rank[s, g] = q
+                    table[q] = g
+            for j in range(nt):
+                gg = table[vals[j]]
+                of[s, j] = gg
+                g_cnt[s, gg, lab[j]] += 1
+        else:
+            order = _order(vals, rbits)
+            last = -1
+            for q in range(nt):
+                j = order[q]
+                if g < 0 or vals[j] != last:
+                    g += 1
+                    g_rank[s, g] = vals[j]
+                    last = vals[j]
+                of[s, j] = g
+                g_cnt[s, g, lab[j]] += 1
+        n[s] = g + 1
+        for q in range(cand.length[ci, s]):
+            E = cand.off[ci, s] + q
+            entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
+            prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
+    return _Groups(of, n, g_rank, g_cnt, entry, prio)
+
+
+@njit(cache=True)
+def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
+    """Per slot and value group: whether deleting one record of the group can change the
+    first k listed pairs (an end of one of them; a vanishing group whose pair (prev,
+    next) may rank among them, or that leaves the attribute constant)."""
+    P = cand.attr.shape[1]
+    near = np.zeros((P, grp.of.shape[1]), np.bool_)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        m = cand.length[ci, s]
+        kk = min(k, m)
+        ng = grp.n[s]
+        for q in range(kk):
+            near[s, grp.entry[s, q]] = True
+            if grp.entry[s, q] + 1 < ng:
+                near[s, grp.entry[s, q] + 1] = True
+        for g in range(ng):
+            if grp.cnt[s, g].sum() != 1:
+                continue  # the group keeps records
+            if ng == 2:
+                near[s, g] = True  # the attribute may turn constant
+            elif 0 < g < ng - 1 and (
+                    m < k or kk == 0
+                    or _prio(nk, a, rec.vmix, rec.voff[a], grp.rank[s, g - 1])
+                    <= grp.prio[s, kk - 1]):
+                near[s, g] = True  # (prev, next) may enter the first k
+    return near
+
+
+@njit(cache=True)
+def _listed_scores(ci, cnt, nt, cand, rule):  # pragma: no cover - compiled
+    """Per listed pair among the first k of each slot (slot by slot, in list order), its
+    score with one record of class c taken from the left (side 0) or right (1); -inf
+    where a side would fall below min_samples_leaf."""
+    P = cand.attr.shape[1]
+    C = cnt.shape[0]
+    m = 0
+    for s in range(P):
+        if cand.attr[ci, s] >= 0:
+            m += min(rule.k, cand.length[ci, s])
+    out = np.full((m, 2, C), -np.inf)
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    q_ = 0
+    for s in range(P):
+        if cand.attr[ci, s] < 0:
+            continue
+        for q in range(min(rule.k, cand.length[ci, s])):
+            E = cand.off[ci, s] + q
+            for side in range(2):
+                for c in range(C):
+                    nl = 0
+                    for cc in range(C):
+                        L[0, cc] = cand.e_left[E, cc]
+                        R[0, cc] = cnt[cc] - cand.e_left[E, cc]
+                        nl += L[0, cc]
+                    if side == 0:
+                        if L[0, c] == 0:
+                            continue
+                        L[0, c] -= 1
+                        nl -= 1
+                    else:
+                        if R[0, c] == 0:
+                            continue
+                        R[0, c] -= 1
+                    nr = (nt - 1) - nl
+                    if nl >= rule.msl and nr >= rule.msl:
+                        out[q_, side, c] = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
+            q_ += 1
+    return out
+
+
+@njit(cache=True)
+def _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore):  # pragma: no cover - compiled
+    """Whether deleting record r (class c), which leaves the listed pairs as they are,
+    moves greedy node v's split: the best of the first k pairs with r taken from its
+    side (the earliest on equal scores, as the split search) is not the split's."""
+    P = cand.attr.shape[1]
+    best = -np.inf
+    b_slot = -1
+    b_r1 = -1
+    q_ = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        x = rec.rank[a, r]
+        for q in range(min(k, cand.length[ci, s])):
+            E = cand.off[ci, s] + q
+            sc = lscore[q_, 0 if x <= cand.e_r1[E] else 1, c]
+            if sc > best:
+                best = sc
+                b_slot = s
+                b_r1 = cand.e_r1[E]
+            q_ += 1
+    return b_slot < 0 or cand.attr[ci, b_slot] != nd.attr[v] or b_r1 != nd.r1[v]
+
+
+@njit(cache=True)
+def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size, rbits
+                    ):  # pragma: no cover - compiled
+    """out[j] for each record rows[j] of greedy node v (candidate lists ci)."""
+    C = nd.cnt.shape[1]
+    P = cand.attr.shape[1]
+    k = rule.k
+    nt = rows.shape[0]
+    cnt = nd.cnt[v]
+    nk = nd.key[v]
+    memo = np.full(memo_size, -1, np.int8)
+    sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.int64))
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    cnt_after = np.zeros(C, np.int64)
+    grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits)
+    # only records whose deletion changes the listed pairs (value groups at their ends; a
+    # vanishing group whose new pair may rank among the first k) or makes the node pure
+    # need the per-record rule: for the others the first k pairs stay as listed, with the
+    # record taken from one side. Far from a tie (the margin) those are stable without a
+    # look; near one they are scored, once per (label, sides)
+    # each listed pair's score with one record of class c taken from its left or right
+    # side (the same integers score1 gets, so the same bits)
+    lscore = _listed_scores(ci, cnt, nt, cand, rule)
+    fast = use_margin and _margin_holds(ci, v, nd, cand, k, lscore)
+    near = _near(ci, nk, grp, rec, cand, k)
+    short = False  # a slot lists fewer than k pairs, not all: the search would look further
+    for s in range(P):
+        if cand.attr[ci, s] >= 0 and cand.length[ci, s] < k and not cand.all_pairs[ci, s]:
+            short = True
+    for j in range(nt):
+        r = rows[j]
+        c = rec.y[r]
+        pure, _lab = _pure_without(cnt, c)
+        if pure:
+            out[j] = True
+            continue
+        look = False
+        for s in range(P):
+            if cand.attr[ci, s] >= 0 and near[s, grp.of[s, j]]:
+                look = True
+                break
+        if not look:
+            if fast or short:
+                out[j] = short
+            else:
+                out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
+            continue
+        bad, modified, nsel = _select(j, r, c, ci, nk, grp, rec, cand, k, sel)
+        if bad:
+            out[j] = True
+            continue
+        # records with one label and the same side of every selected threshold score
+        # the same: remember the outcome per (label, sides) where nothing else moved
+        code = -1
+        if not modified and memo.shape[0] > 0:
+            code = c
+            mult = C
+            for s in range(P):
+                if cand.attr[ci, s] < 0:
+                    continue
+                below = 0
+                for q in range(min(k, cand.length[ci, s])):
+                    if cand.e_r1[cand.off[ci, s] + q] < rec.rank[cand.attr[ci, s], r]:
+                        below += 1
+                code += below * mult
+                mult *= k + 1
+            if memo[code] >= 0:
+                out[j] = memo[code] == 1
+                continue
+        for cc in range(C):
+            cnt_after[cc] = cnt[cc] - (1 if cc == c else 0)
+        best = -np.inf
+        bi = -1
+        for q in range(nsel):
+            if sel.listed[q] >= 0:  # the same integers, so the same score (-inf: a side
+                sc = lscore[sel.listed[q], sel.side[q], c]  # under min_samples_leaf)
+            else:
+                nl = 0
+                for cc in range(C):
+                    nl += sel.left[q, cc]
+                nr = (nt - 1) - nl
+                if nl < rule.msl or nr < rule.msl:
+                    continue
+                for cc in range(C):
+                    L[0, cc] = sel.left[q, cc]
+                    R[0, cc] = cnt_after[cc] - sel.left[q, cc]
+                sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
+            if sc > best:
+                best = sc
+                bi = q
+        out[j] = (bi < 0 or cand.attr[ci, sel.slot[bi]] != nd.attr[v]
+                  or sel.r1[bi] != nd.r1[v] or sel.merged[bi])
+        if code >= 0:
+            memo[code] = 1 if out[j] else 0
+
+
+@njit(cache=True)
+def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - compiled
+    """The first k pairs of every slot after deleting record r (the node's j-th, label c)
+    into `sel`: (bad: could not be told, modified: not the listed pairs as they are,
+    how many)."""
+    P = cand.attr.shape[1]
+    C = grp.cnt.shape[2]
+    modified = False
+    nsel = 0
+    base = 0  # the slot's first row in the listed scores (_listed_scores' order)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        ng = grp.n[s]
+        w = grp.of[s, j]
+        alive = grp.cnt[s, w].sum() > 1  # w's group keeps records
+        if not alive and ng == 2:
+            return True, modified, nsel  # the attribute turns constant: the slots shift
+        has_prev = w > 0
+        has_next = w + 1 < ng
+        pp, lp = _group_pure(grp.cnt[s], w - 1) if has_prev else (False, -1)
+        pn, ln_ = _group_pure(grp.cnt[s], w + 1) if has_next else (False, -1)
+        pw, lw = _pure_without(grp.cnt[s, w], c) if alive else (True, c)
+        # the new pair (prev, next) where (prev, w) was not valid before
+        new_pair = False
+        new_prio = np.int64(0)
+        if not alive and has_prev and has_next:
+            was_valid = not (pp and lp == c)  # w was {x}: pure with label c
+            now_valid = not (pp and pn and lp == ln_)
+            if now_valid and not was_valid:
+                new_pair = True
+                new_prio = _prio(nk, a, rec.vmix, rec.voff[a], grp.rank[s, w - 1])
+        taken = 0
+        q = 0
+        m = cand.length[ci, s]
+        while taken < k:
+            # the next candidate: listed entry q, or the new pair if it comes first
+            use_new = False
+            if new_pair:
+                if q < m:
+                    if new_prio == grp.prio[s, q]:
+                        return True, modified, nsel  # a priority tie: order by indices
+                    use_new = new_prio < grp.prio[s, q]
+                elif cand.all_pairs[ci, s]:
+                    use_new = True
+                else:
+                    return True, modified, nsel  # beyond the known list: place unknown
+            if use_new:
+                modified = True
+                for cc in range(C):  # the counts of groups 0..w-1
+                    sel.left[nsel, cc] = 0
+                    for g in range(w):
+                        sel.left[nsel, cc] += grp.cnt[s, g, cc]
+                sel.r1[nsel] = grp.rank[s, w - 1]
+                sel.slot[nsel] = s
+                sel.merged[nsel] = True
+                sel.listed[nsel] = -1
+                nsel += 1
+                taken += 1
+                new_pair = False
+                continue
+            if q >= m:
+                break
+            E = cand.off[ci, s] + q
+            gq = grp.entry[s, q]
+            q += 1
+            merged = False
+            if gq == w - 1:  # (prev, w)
+                if alive:
+                    if pp and pw and lp == lw:
+                        modified = True
+                        continue  # turns invalid
+                else:
+                    modified = True
+                    if not has_next:
+                        continue  # (prev, w) with no next: gone
+                    if pp and pn and lp == ln_:
+                        continue  # (prev, next) is not valid
+                    merged = True
+            elif gq == w:  # (w, next)
+                if not alive:
+                    modified = True
+                    continue  # disappears with w
+                if pw and pn and lw == ln_:
+                    modified = True
+                    continue  # turns invalid
+            xl = rec.rank[a, r] <= cand.e_r1[E]
+            sel.r1[nsel] = cand.e_r1[E]
+            sel.slot[nsel] = s
+            sel.merged[nsel] = merged
+            sel.listed[nsel] = -1
+            if not merged and q - 1 < k:  # listed as it is, among the scored first k
+                sel.listed[nsel] = base + q - 1
+                sel.side[nsel] = 0 if xl else 1
+            else:
+                for cc in range(C):
+                    sel.left[nsel, cc] = cand.e_left[E, cc] - (1 if xl and cc == c else 0)
+            nsel += 1
+            taken += 1
+        if taken < k and not cand.all_pairs[ci, s]:
+            return True, modified, nsel  # fewer than k known pairs: the search looks further
+        base += min(k, cand.length[ci, s])
+    return False, modified, nsel

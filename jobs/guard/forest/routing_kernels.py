@@ -1,0 +1,133 @@
+"""The forest guard's compiled kernels: routing queries to leaves and, per query, the
+largest gain a single deletion can give a class (:mod:`jobs.guard.forest.forest_guard`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+
+class PairIndex(NamedTuple):
+    """Per compact node (CSR): the exact pairs' records and subtree roots, and the
+    worst-case pairs' records."""
+
+    f_off: np.ndarray
+    f_rec: np.ndarray
+    f_root: np.ndarray
+    w_off: np.ndarray
+    w_rec: np.ndarray
+
+
+@njit(cache=True)
+def route(Q, tr):  # pragma: no cover - compiled
+    """Leaf (compact id) of every (tree, query), shape (T, n); `tr`: ForestStructure.kernel()."""
+    root, kind, left, right, attr, thr = tr[:6]
+    n = Q.shape[0]
+    T = root.shape[0]
+    out = np.empty((T, n), dtype=np.int64)
+    for i in range(n):
+        for t in range(T):
+            k = root[t]
+            while kind[k] != 0:
+                k = left[k] if Q[i, attr[k]] <= thr[k] else right[k]
+            out[t, i] = k
+    return out
+
+
+@njit(cache=True)
+def gains(Q, tr, ix, g_, n_records, depth_max):  # pragma: no cover - compiled
+    """Per query i: H[i, a, b] = max over records x of sum_t (hi_{t,x,b} - lo_{t,x,a}) / T
+    and delta[i] = max over x, c of the largest |sum_t| of its bounds / T, where a tree's
+    (hi, lo) for x is its exact change (closed form for a stable record of q's leaf; for
+    an exact fragile pair on q's path, the leaf of its grown subtree that q reaches
+    against q's leaf), or the worst a tree can do for a worst-case pair on q's path:
+    hi_b = 1 - p_b, lo_a = -p_a. Records whose deletion changes nothing at q give 0.
+    `tr`: the trees (:meth:`ForestStructure.kernel`), `ix`: the pairs by node
+    (:class:`PairIndex`), `g_`: their grown subtrees (:meth:`FragilePairs.pool`)."""
+    root, kind, left, right, attr, thr, cnt, nn, rec_off, rec, y = tr
+    f_off, f_rec, f_root, w_off, w_rec = ix
+    g_leaf, g_attr, g_thr, g_left, g_right, g_cnt, g_n = g_
+    n = Q.shape[0]
+    T = root.shape[0]
+    C = cnt.shape[1]
+    hi = np.zeros((n_records, C))
+    lo = np.zeros((n_records, C))
+    stamp = np.full(n_records, -1, np.int64)
+    met = np.zeros(n_records, np.bool_)
+    touched = np.empty(n_records, np.int64)
+    path = np.empty(depth_max + 2, np.int64)
+    p = np.empty(C)
+    H = np.zeros((n, C, C))
+    delta = np.zeros(n)
+    for i in range(n):
+        nt = 0
+        for t in range(T):
+            k = root[t]
+            d = 0
+            while kind[k] != 0:
+                path[d] = k
+                d += 1
+                k = left[k] if Q[i, attr[k]] <= thr[k] else right[k]
+            path[d] = k
+            d += 1
+            nl = nn[k]
+            for c in range(C):
+                p[c] = cnt[k, c] / max(nl, 1)
+            for j in range(d):
+                u = path[j]
+                for e in range(f_off[u], f_off[u + 1]):  # exact pair: its grown subtree
+                    x = f_rec[e]
+                    stamp[x] = t
+                    if not met[x]:
+                        met[x] = True
+                        touched[nt] = x
+                        nt += 1
+                    g = f_root[e]
+                    while not g_leaf[g]:
+                        g = g_left[g] if Q[i, g_attr[g]] <= g_thr[g] else g_right[g]
+                    for c in range(C):
+                        dc = g_cnt[g, c] / max(g_n[g], 1) - p[c]
+                        hi[x, c] += dc
+                        lo[x, c] += dc
+                for e in range(w_off[u], w_off[u + 1]):  # worst-case pair
+                    x = w_rec[e]
+                    stamp[x] = t
+                    if not met[x]:
+                        met[x] = True
+                        touched[nt] = x
+                        nt += 1
+                    for c in range(C):
+                        hi[x, c] += 1.0 - p[c]
+                        lo[x, c] -= p[c]
+            for e in range(rec_off[k], rec_off[k + 1]):  # stable in q's leaf: closed form
+                x = rec[e]
+                if stamp[x] == t or nl <= 1:
+                    continue
+                if not met[x]:
+                    met[x] = True
+                    touched[nt] = x
+                    nt += 1
+                yx = y[x]
+                for c in range(C):
+                    dc = (cnt[k, c] - (1.0 if c == yx else 0.0)) / (nl - 1) - p[c]
+                    hi[x, c] += dc
+                    lo[x, c] += dc
+        base = 0.0 if nt < n_records else -np.inf
+        for a in range(C):
+            for b in range(C):
+                H[i, a, b] = base if a != b else 0.0
+        for m in range(nt):
+            x = touched[m]
+            for a in range(C):
+                delta[i] = max(delta[i], max(abs(hi[x, a]), abs(lo[x, a])) / T)
+                for b in range(C):
+                    if a != b:
+                        H[i, a, b] = max(H[i, a, b], (hi[x, b] - lo[x, a]) / T)
+            for c in range(C):
+                hi[x, c] = 0.0
+                lo[x, c] = 0.0
+            stamp[x] = -1
+            met[x] = False
+    return H, delta

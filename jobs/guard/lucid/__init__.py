@@ -1,0 +1,2 @@
+"""LUCID's bounds for ReLU networks: interval bounds, the MILP, branch and bound over
+leave-one-out sets, and per-shard bounds for SISA (docs/guard.md)."""

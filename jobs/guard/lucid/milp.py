@@ -1,0 +1,463 @@
+"""LUCID's MILP (Eq. 3): the largest confidence of a leaking input, for N and a set S.
+
+For class ``c`` and a set S of LOO networks with hyper-network N#_S::
+
+    maximise beta  s.t.  x in [0, 1]^d feeds N and N#_S
+        z_{L,c} - z_{L,c'} >= beta                for all c' != c    (N confident)
+        some network of S has margin_c(x) <= 0                       (it may flip)
+
+Encoding (variables: x, beta, N's unstable ReLU outputs and their binaries,
+the hyper-network's ReLU outputs and binaries, one binary per class c' when
+there are more than two classes):
+
+* N: pre-activations are linear expressions (substituted, no variables);
+  a stably active neuron (``l >= 0``) passes its expression on, a stably
+  inactive one (``u <= 0``) is 0; an unstable one gets ``z in [0, u]`` and a
+  binary ``a``: ``z >= zhat``, ``z <= zhat - l (1 - a)``, ``z <= u a``.
+* N#: the interval affine layer ``b_lo + W_lo z# <= zhat# <= b_hi + W_hi z#``
+  (valid because every layer input of N# is >= 0: x in [0,1]^d, then ReLU
+  outputs) with ``zhat#`` projected out: for an unstable neuron with binary,
+  ``z# >= b_lo + W_lo z#_prev``, ``z# <= b_hi + W_hi z#_prev - l# (1 - a#)``,
+  ``z# <= u# a#``; stably active: ``lo_expr <= z# <= hi_expr``; stably
+  inactive: 0. Relax-if-similar (Sec. 5.4): if the neuron's post-ReLU
+  difference interval is at most ``tau`` wide, the binary is replaced by the
+  triangle ``z# >= lo_expr``, ``z# <= u#/(u#-l#) (hi_expr - l#)``, ``z# >= 0``.
+* matching dependencies: ``z + dl <= z# <= z + du`` for every hidden neuron.
+* output, N#: for each c', the lower end of the logit-difference row over S,
+  ``min_S(W_c - W_c') . z# + min_S(b_c - b_c') <= M_c' (1 - alpha_c')``
+  (tighter than the difference of two interval logits, and still implied by
+  any network of S flipping via c'); ``sum alpha >= 1``. With two classes (or
+  one candidate c') there is no binary: the row is ``<= 0``.
+* output matching (beyond the paper, same argument as the matching
+  dependencies): ``margin_N,c'(x) + dm_c' <= M'_c' (1 - alpha_c')`` where
+  ``dm_c'`` is an interval-arithmetic lower bound of ``margin_n,c' -
+  margin_N,c'`` over n in S.
+* ``beta in [min_c' lower(margin_c'), min_c' upper(margin_c')]`` (IBP).
+
+Soundness: every constraint is satisfied by the concrete witness -- a leaking
+input x, N's true activations, the flipping network's true activations as
+z#, alpha = its flipping class -- because every bound used (IBP, difference
+intervals, big-M constants) holds for every network of S at every x in the
+box (:mod:`jobs.guard.lucid.interval_bounds`, widened outwards). Hence the MILP optimum, and the
+solver's DUAL bound above it, is >= beta*_{c,S}. The solver runs with
+floating-point tolerances and serving may evaluate the logits in float32, so a
+margin is added to the dual bound (:func:`serving_margin`): ``safety_margin``
+(default 1e-4) plus ``RELATIVE_MARGIN`` times the largest magnitude in play (the
+variables' finite bounds: pre-activations, logits, big-M constants; the bound
+itself), since both errors grow with the numbers they act on.
+
+Infeasible (no network of S can disagree anywhere): the set's bound is ``-inf``
+(branch and bound stops there), and the class's bound is raised to the margin
+(:func:`jobs.guard.lucid.branch_and_bound.bab_class`): a tolerance that could hide a
+disagreement would hide it there too.
+For a singleton S without relaxation (``tau = 0``) the MILP is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+from jobs.guard.lucid.interval_bounds import (
+    EPS,
+    HyperNet,
+    LayerBounds,
+    Net64,
+    affine_bounds,
+    ibp,
+    matched_bounds,
+)
+from jobs.guard.lucid.solvers import MILP, SolveResult, lp_ranges, solve
+
+DEFAULT_SAFETY_MARGIN = 1e-4
+#: the margin's relative part: HiGHS accepts rows violated by 1e-7 (LP) to 1e-6 (MIP) on
+#: coefficients as large as the variables' bounds, and float32 logits round each term
+#: by 6e-8 relative, summed over a layer's width: 1e-5 of the largest magnitude covers
+#: both with room
+RELATIVE_MARGIN = 1e-5
+
+
+def _widen_hi(v: float, mag: float) -> float:
+    return float(v + EPS * (1.0 + mag))
+
+
+def _widen_lo(v: float, mag: float) -> float:
+    return float(v - EPS * (1.0 + mag))
+
+
+class _Builder:
+    def __init__(self, nmax: int) -> None:
+        self.nmax = nmax
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+
+    def var(self, lb: float, ub: float, integer: bool = False) -> int:
+        self.lb.append(float(lb))
+        self.ub.append(float(ub))
+        self.integer.append(bool(integer))
+        if len(self.lb) > self.nmax:
+            raise RuntimeError("variable budget exceeded")
+        return len(self.lb) - 1
+
+    def row(self, coef: np.ndarray, lo: float, hi: float) -> None:
+        """``lo <= coef . v <= hi`` (dense coefficients over the variable budget)."""
+        idx = np.flatnonzero(coef)
+        if len(idx) == 0:
+            return
+        self.rows.append((idx, coef[idx].copy(), float(lo), float(hi)))
+
+    def unit(self, j: int) -> np.ndarray:
+        v = np.zeros(self.nmax)
+        v[j] = 1.0
+        return v
+
+    def build(self, obj_col: int) -> MILP:
+        n = len(self.lb)
+        indptr = [0]
+        indices: list[np.ndarray] = []
+        data: list[np.ndarray] = []
+        for idx, val, _lo, _hi in self.rows:
+            indices.append(idx)
+            data.append(val)
+            indptr.append(indptr[-1] + len(idx))
+        A = sp.csr_matrix(
+            (np.concatenate(data) if data else np.zeros(0),
+             np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64),
+             np.asarray(indptr)),
+            shape=(len(self.rows), n),
+        )
+        obj = np.zeros(n)
+        obj[obj_col] = 1.0
+        return MILP(obj, np.asarray(self.lb), np.asarray(self.ub),
+                    np.asarray(self.integer, dtype=bool), A,
+                    np.asarray([r[2] for r in self.rows], dtype=np.float64),
+                    np.asarray([r[3] for r in self.rows], dtype=np.float64))
+
+
+@dataclass
+class Encoding:
+    """A built MILP (or a decision made without one) and what went into it."""
+
+    milp: MILP | None
+    decided: float | None  # -inf when no network of S can flip anywhere
+    beta_col: int
+    x_cols: list[int]
+    stats: dict = field(default_factory=dict)
+    bounds: list[LayerBounds] = field(default_factory=list, repr=False)
+
+
+def encode(
+    net: Net64,
+    hyper: HyperNet,
+    c: int,
+    *,
+    tau: float = 0.01,
+    matching: bool = True,
+    output_matching: bool = True,
+    n_pre: list[tuple[np.ndarray, np.ndarray]] | None = None,
+) -> Encoding:
+    """Build the MILP of LUCID's Eq. 3 for class ``c`` (see the module doc)."""
+    d = net.weights[0].shape[1]
+    C = net.weights[-1].shape[0]
+    if not 0 <= c < C:
+        raise ValueError(f"class {c} out of range for {C} classes")
+    L = len(net.weights)
+    hidden = [W.shape[0] for W in net.weights[:-1]]
+    lo, hi = np.zeros(d), np.ones(d)
+    B = matched_bounds(net, hyper, lo, hi, n_pre=n_pre)
+    nmax = d + 1 + 4 * sum(hidden) + C
+    bld = _Builder(nmax)
+    x_cols = [bld.var(0.0, 1.0) for _ in range(d)]
+    E = np.zeros((d, nmax))  # N's current layer outputs as expressions E v + e
+    E[np.arange(d), x_cols] = 1.0
+    e = np.zeros(d)
+    EH = E.copy()  # N#'s outputs: variables (or 0), never with a constant
+    stats = {"n_unstable_N": 0, "n_unstable_H": 0, "n_relaxed_H": 0, "n_binary": 0,
+             "n_stable_N": 0, "n_stable_H": 0}
+    beta_col = -1
+    post_lo_n, post_hi_n = lo, hi
+    post_lo_h, post_hi_h = lo, hi
+    for i in range(L - 1):
+        lb_i = B[i]
+        W, b = net.weights[i], net.biases[i]
+        Z = W @ E
+        zc = W @ e + b
+        h = W.shape[0]
+        newE = np.zeros((h, nmax))
+        newe = np.zeros(h)
+        for k in range(h):
+            lk, uk = float(lb_i.n_lo[k]), float(lb_i.n_hi[k])
+            if lk >= 0:
+                newE[k], newe[k] = Z[k], zc[k]
+                stats["n_stable_N"] += 1
+            elif uk <= 0:
+                stats["n_stable_N"] += 1
+            else:
+                z = bld.var(0.0, uk)
+                a = bld.var(0.0, 1.0, integer=True)
+                stats["n_unstable_N"] += 1
+                stats["n_binary"] += 1
+                uz, ua = bld.unit(z), bld.unit(a)
+                bld.row(Z[k] - uz, -np.inf, -zc[k])  # z >= zhat
+                bld.row(uz - Z[k] - lk * ua, -np.inf, zc[k] - lk)  # z <= zhat - l (1 - a)
+                bld.row(uz - uk * ua, -np.inf, 0.0)  # z <= u a
+                newE[k, z] = 1.0
+        # hyper-network layer
+        Wl, Wh = hyper.W_lo[i], hyper.W_hi[i]
+        LO, loc = Wl @ EH, hyper.b_lo[i].copy()
+        HI, hic = Wh @ EH, hyper.b_hi[i].copy()
+        newEH = np.zeros((h, nmax))
+        for k in range(h):
+            lk, uk = float(lb_i.h_lo[k]), float(lb_i.h_hi[k])
+            if uk <= 0:
+                stats["n_stable_H"] += 1
+                continue
+            if lk >= 0:
+                zh = bld.var(lk, uk)
+                uz = bld.unit(zh)
+                bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
+                bld.row(uz - HI[k], -np.inf, hic[k])  # z# <= hi_expr
+                stats["n_stable_H"] += 1
+            else:
+                zh = bld.var(0.0, uk)
+                uz = bld.unit(zh)
+                stats["n_unstable_H"] += 1
+                bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
+                width = float(lb_i.dpost_hi[k] - lb_i.dpost_lo[k])
+                if width <= tau:
+                    s = uk / (uk - lk)
+                    bld.row(uz - s * HI[k], -np.inf, s * (hic[k] - lk))
+                    stats["n_relaxed_H"] += 1
+                else:
+                    ah = bld.var(0.0, 1.0, integer=True)
+                    ua = bld.unit(ah)
+                    stats["n_binary"] += 1
+                    bld.row(uz - HI[k] - lk * ua, -np.inf, hic[k] - lk)
+                    bld.row(uz - uk * ua, -np.inf, 0.0)
+            newEH[k, zh] = 1.0
+        if matching:
+            for k in range(h):
+                coef = newEH[k] - newE[k]
+                const = -newe[k]  # z# - z = coef . v + const
+                dl, du = float(lb_i.dpost_lo[k]), float(lb_i.dpost_hi[k])
+                bld.row(coef, dl - const, du - const)
+        E, e, EH = newE, newe, newEH
+        post_lo_n, post_hi_n = lb_i.n_post()
+        post_lo_h, post_hi_h = lb_i.h_post()
+
+    # ---- output layer
+    W, b = net.weights[-1], net.biases[-1]
+    others = [k for k in range(C) if k != c]
+    dl_prev = B[-2].dpost_lo if L > 1 else np.zeros(d)
+    du_prev = B[-2].dpost_hi if L > 1 else np.zeros(d)
+    margin_lo, margin_hi = [], []
+    rowsN = []
+    for c2 in others:
+        Dn = W[c] - W[c2]
+        dn = float(b[c] - b[c2])
+        Dp, Dm = np.maximum(Dn, 0), np.minimum(Dn, 0)
+        mag = float(np.abs(Dn) @ post_hi_n + abs(dn))
+        margin_lo.append(_widen_lo(Dp @ post_lo_n + Dm @ post_hi_n + dn, mag))
+        margin_hi.append(_widen_hi(Dp @ post_hi_n + Dm @ post_lo_n + dn, mag))
+        rowsN.append((Dn @ E, float(Dn @ e + dn)))
+    beta_lo, beta_hi = min(margin_lo), min(margin_hi)
+    beta_col = bld.var(beta_lo, beta_hi)
+    ub = bld.unit(beta_col)
+    for coef, const in rowsN:
+        bld.row(coef - ub, -const, np.inf)  # margin_c2 >= beta
+
+    # flip candidates
+    flip = []  # (c2, hyper row coef, const, M, md_row or None)
+    always = False
+    for j, c2 in enumerate(others):
+        Dlo, dlo = hyper.D_lo[c, c2], float(hyper.d_lo[c, c2])
+        mag = float(np.abs(Dlo) @ post_hi_h + abs(dlo))
+        lhs_hi = _widen_hi(np.maximum(Dlo * post_lo_h, Dlo * post_hi_h).sum() + dlo, mag)
+        lhs_lo = _widen_lo(np.minimum(Dlo * post_lo_h, Dlo * post_hi_h).sum() + dlo, mag)
+        # lower bound of margin_n - margin_N over n in S (output matching)
+        Dn = W[c] - W[c2]
+        A_lo, A_hi = Dlo - Dn, hyper.D_hi[c, c2] - Dn
+        t2 = np.minimum.reduce([A_lo * post_lo_h, A_lo * post_hi_h,
+                                A_hi * post_lo_h, A_hi * post_hi_h]).sum()
+        t1 = (np.maximum(Dn, 0) @ dl_prev + np.minimum(Dn, 0) @ du_prev)
+        dm = float(dlo - (b[c] - b[c2]) + t1 + t2)
+        dmag = float(np.abs(Dn) @ np.maximum(np.abs(dl_prev), np.abs(du_prev))
+                     + np.maximum(np.abs(A_lo), np.abs(A_hi)) @ post_hi_h + abs(dlo) + abs(dn))
+        dm = _widen_lo(dm, dmag)
+        md_hi = margin_hi[j] + dm  # upper bound of margin_N + dm
+        md_lo = margin_lo[j] + dm
+        if lhs_lo > 0 or (output_matching and md_lo > 0):
+            continue  # no network of S flips via c2 anywhere
+        if lhs_hi <= 0:
+            always = True  # the relaxed flip via c2 holds everywhere: no flip constraint
+            break
+        md = None
+        if output_matching and md_hi > 0:
+            coef, const = rowsN[j]
+            md = (coef, const + dm, md_hi)
+        flip.append((c2, Dlo @ EH, dlo, lhs_hi, md))
+    stats["flip_candidates"] = len(flip)
+    stats["always_flips"] = bool(always)
+    if not always:
+        if not flip:
+            return Encoding(None, -math.inf, beta_col, x_cols, stats, B)
+        if len(flip) == 1:
+            _c2, coef, const, _M, md = flip[0]
+            bld.row(coef, -np.inf, -const)
+            if md is not None:
+                bld.row(md[0], -np.inf, -md[1])
+        else:
+            alphas = []
+            for _c2, coef, const, M, md in flip:
+                al = bld.var(0.0, 1.0, integer=True)
+                stats["n_binary"] += 1
+                alphas.append(al)
+                ua = bld.unit(al)
+                bld.row(coef + M * ua, -np.inf, M - const)  # row <= M (1 - alpha)
+                if md is not None:
+                    mcoef, mconst, Mm = md
+                    bld.row(mcoef + Mm * ua, -np.inf, Mm - mconst)
+            s = np.zeros(nmax)
+            s[alphas] = 1.0
+            bld.row(s, 1.0, np.inf)
+    milp = bld.build(beta_col)
+    stats.update({"n_vars": milp.n_vars, "n_rows": milp.n_rows, "n_int": milp.n_int,
+                  "beta_box": [beta_lo, beta_hi]})
+    return Encoding(milp, None, beta_col, x_cols, stats, B)
+
+
+def tighten_lp(net: Net64, *, time_limit: float = 30.0
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """N's pre-activation bounds over [0, 1]^d, tightened by LP (MIPVerify's "lp").
+
+    Layer by layer: the bounds of layer m are the min / max of each neuron over
+    the LP in which the earlier layers' unstable ReLUs are triangle-relaxed
+    (with the already tightened bounds); each result is intersected with IBP,
+    so it is never looser. Done once per network N and reused by every MILP
+    (``n_pre=`` of :func:`encode`), whatever the set S and class c.
+    """
+    d = net.weights[0].shape[1]
+    lo, hi = np.zeros(d), np.ones(d)
+    pre = [(a.copy(), b.copy()) for a, b in ibp(net, lo, hi)]
+    L = len(net.weights)
+    hidden = [W.shape[0] for W in net.weights[:-1]]
+    t0 = time.perf_counter()
+    for m in range(1, L - 1):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0:
+            break
+        nmax = d + 2 * sum(hidden) + 1
+        bld = _Builder(nmax)
+        x_cols = [bld.var(0.0, 1.0) for _ in range(d)]
+        E = np.zeros((d, nmax))
+        E[np.arange(d), x_cols] = 1.0
+        e = np.zeros(d)
+        for j in range(m):
+            W, b = net.weights[j], net.biases[j]
+            Z, zc = W @ E, W @ e + b
+            newE, newe = np.zeros((W.shape[0], nmax)), np.zeros(W.shape[0])
+            for k in range(W.shape[0]):
+                lk, uk = float(pre[j][0][k]), float(pre[j][1][k])
+                if lk >= 0:
+                    newE[k], newe[k] = Z[k], zc[k]
+                elif uk > 0:
+                    z = bld.var(0.0, uk)
+                    uz = bld.unit(z)
+                    bld.row(Z[k] - uz, -np.inf, -zc[k])  # z >= zhat
+                    s = uk / (uk - lk)
+                    bld.row(uz - s * Z[k], -np.inf, s * (zc[k] - lk))  # triangle
+                    newE[k, z] = 1.0
+            E, e = newE, newe
+        W, b = net.weights[m], net.biases[m]
+        Z, zc = W @ E, W @ e + b
+        lp = bld.build(0)
+        lo_k, hi_k = lp_ranges(lp, Z[:, :lp.n_vars], time_limit=left)
+        mag = np.abs(Z).sum(1) + np.abs(zc)
+        new_lo = np.maximum(pre[m][0], lo_k + zc - EPS * (1 + mag))
+        new_hi = np.minimum(pre[m][1], hi_k + zc + EPS * (1 + mag))
+        pre[m] = (new_lo, new_hi)
+        if m + 1 < L:
+            nl, nh = affine_bounds(net.weights[m + 1], net.biases[m + 1],
+                                   np.maximum(new_lo, 0.0), np.maximum(new_hi, 0.0))
+            pre[m + 1] = (np.maximum(pre[m + 1][0], nl), np.minimum(pre[m + 1][1], nh))
+    return pre
+
+
+@dataclass
+class SetBound:
+    """Sound upper bound on beta*_{c,S} for one set S (safety margin included)."""
+
+    bound: float
+    dual_bound: float
+    result: SolveResult | None
+    stats: dict
+    x: np.ndarray | None = None  # the solver's incumbent input (diagnostics only)
+    margin: float = DEFAULT_SAFETY_MARGIN  # what was (or, for -inf, is owed) on top
+
+    def record(self) -> dict:
+        from jobs.guard.lucid.solvers import jsonable_float
+
+        rec = {"bound": jsonable_float(self.bound), "dual_bound": jsonable_float(self.dual_bound),
+               "margin": self.margin}
+        if self.result is not None:
+            rec.update(self.result.record())
+        else:
+            rec.update({"solver": None, "status": "decided by bounds", "time_s": 0.0})
+        rec["stats"] = {k: v for k, v in self.stats.items() if k != "beta_box"}
+        return rec
+
+
+def bound_set(
+    net: Net64,
+    hyper: HyperNet,
+    c: int,
+    *,
+    solver: str = "highs",
+    time_limit: float = 60.0,
+    mip_gap: float = 1e-4,
+    tau: float = 0.01,
+    matching: bool = True,
+    output_matching: bool = True,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    threads: int = 1,
+    seed: int = 0,
+    n_pre: list[tuple[np.ndarray, np.ndarray]] | None = None,
+) -> SetBound:
+    """Solve the MILP for (N, S, c) and return the DUAL bound plus :func:`serving_margin`."""
+    enc = encode(net, hyper, c, tau=tau, matching=matching, output_matching=output_matching,
+                 n_pre=n_pre)
+    if enc.milp is None:
+        d = float(enc.decided)
+        margin = serving_margin(None, d, safety_margin)
+        return SetBound(d + margin if math.isfinite(d) else d, d, None, enc.stats,
+                        margin=margin)
+    res = solve(enc.milp, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
+                threads=threads, seed=seed)
+    dual = res.dual_bound
+    margin = serving_margin(enc.milp, dual, safety_margin)
+    bound = dual + margin if math.isfinite(dual) else dual
+    x = res.x[enc.x_cols] if res.x is not None else None
+    return SetBound(bound, dual, res, enc.stats, x, margin)
+
+
+def serving_margin(milp: MILP | None, dual: float, safety_margin: float) -> float:
+    """What a dual bound gets on top (see the module doc): ``safety_margin`` plus
+    ``RELATIVE_MARGIN`` times the largest finite variable bound of the MILP, or the
+    bound itself, and at least 1."""
+    scale = abs(dual) if math.isfinite(dual) else 0.0
+    if milp is not None:
+        lim = np.concatenate([milp.lb, milp.ub])
+        lim = lim[np.isfinite(lim)]
+        if lim.size:
+            scale = max(scale, float(np.abs(lim).max()))
+    return safety_margin + RELATIVE_MARGIN * max(scale, 1.0)
+
+
+__all__ = ["DEFAULT_SAFETY_MARGIN", "RELATIVE_MARGIN", "Encoding", "SetBound", "bound_set",
+           "encode", "serving_margin", "tighten_lp"]

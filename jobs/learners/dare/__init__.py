@@ -1,0 +1,1 @@
+"""DaRE random forests that forget exactly (docs/learners.md, "DaRE")."""

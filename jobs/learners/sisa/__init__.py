@@ -1,0 +1,1 @@
+"""SISA: a sharded, sliced ensemble that forgets exactly (docs/learners.md, "SISA")."""
