@@ -192,27 +192,10 @@ def evaluate_unlearning(
     out.update(_mia(P, yi, halves, seed, attack_config))
 
     if original is not None:
-        Po = {k: _probs(original, v) for k, v in X.items()}
-        out["acc_test_original"] = accuracy(Po["test"], yi["test"])
-        out["acc_forget_original"] = accuracy(Po["forget"], yi["forget"])
-        pairs = {k: pair_features_np(Po[k], P[k]) for k in X if len(X[k])}
         if attacker == "auto":
             attacker = getattr(model, "attacker_", None)
-        if isinstance(attacker, Attacker) and "forget" in pairs:
-            out["priaa_frozen"], out["priaa_frozen_avg"] = priaa(
-                attacker.predict_proba(pairs["forget"]))
-        if len(pairs.get("forget", ())) >= 2:
-            m = min(len(X["retain"]), len(X["test"]))
-            neg = np.concatenate([pairs["retain"][rng.permutation(len(X["retain"]))[:m]],
-                                  pairs["test"][rng.permutation(len(X["test"]))[:m]]])
-            p_pos, p_neg = cross_val_attack(pairs["forget"], neg, folds=folds,
-                                            seed=prf_u64(seed, "pair-attack"),
-                                            config=attack_config)
-            if np.isfinite(p_pos).all():
-                out["priaa_retrained"], out["priaa_retrained_avg"] = priaa(p_pos)
-                out["attack_auc_retrained"] = auc(p_pos, p_neg)
-                out["attack_p_forget_retrained"] = float(p_pos.mean())
-
+        out.update(_against_original(original, attacker, X, yi, P, rng, seed, folds,
+                                     attack_config))
     if retrained is not None:
         Pr = {k: _probs(retrained, v) for k, v in X.items()}
         for k in ("test", "retain", "forget"):
@@ -220,4 +203,31 @@ def evaluate_unlearning(
             out[f"acc_gap_{k}"] = out[f"acc_{k}"] - out[f"acc_{k}_retrained"]
             out[f"kl_{k}"] = mean_kl(Pr[k], P[k])
         out["agreement_test"] = agreement(Pr["test"], P["test"])
+    return out
+
+
+def _against_original(original: Scorer, attacker: Attacker | str | None,
+                      X: dict[str, np.ndarray], yi: dict[str, np.ndarray],
+                      P: dict[str, np.ndarray], rng: np.random.Generator, seed: int,
+                      folds: int, attack_config: AttackConfig) -> dict[str, float]:
+    """What comparing the model with its state before the deletion shows: the frozen pair
+    attacker's PriAA, and an attacker retrained against this pair of models."""
+    Po = {k: _probs(original, v) for k, v in X.items()}
+    out = {"acc_test_original": accuracy(Po["test"], yi["test"]),
+           "acc_forget_original": accuracy(Po["forget"], yi["forget"])}
+    pairs = {k: pair_features_np(Po[k], P[k]) for k in X if len(X[k])}
+    if isinstance(attacker, Attacker) and "forget" in pairs:
+        out["priaa_frozen"], out["priaa_frozen_avg"] = priaa(
+            attacker.predict_proba(pairs["forget"]))
+    if len(pairs.get("forget", ())) >= 2:
+        m = min(len(X["retain"]), len(X["test"]))
+        neg = np.concatenate([pairs["retain"][rng.permutation(len(X["retain"]))[:m]],
+                              pairs["test"][rng.permutation(len(X["test"]))[:m]]])
+        p_pos, p_neg = cross_val_attack(pairs["forget"], neg, folds=folds,
+                                        seed=prf_u64(seed, "pair-attack"),
+                                        config=attack_config)
+        if np.isfinite(p_pos).all():
+            out["priaa_retrained"], out["priaa_retrained_avg"] = priaa(p_pos)
+            out["attack_auc_retrained"] = auc(p_pos, p_neg)
+            out["attack_p_forget_retrained"] = float(p_pos.mean())
     return out

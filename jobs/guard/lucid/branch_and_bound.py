@@ -138,6 +138,89 @@ def _jsonable_ids(ids: np.ndarray) -> list:
     return [v.item() if isinstance(v, np.generic) else v for v in ids.tolist()]
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """How one class's search solves its sets (see :func:`bab_class`)."""
+
+    c: int
+    solver: str
+    milp_time_limit: float
+    mip_gap: float
+    tau: float
+    safety_margin: float
+    random_state: int
+    final_gap: float
+    final_tau: float
+    max_milps: int | None
+
+    @property
+    def needs_refine(self) -> bool:
+        return self.mip_gap > self.final_gap or self.tau > self.final_tau
+
+
+class _ClassSearch:
+    """The branch-and-bound state of one class: the heap of sets with their bounds, the
+    MILPs solved so far and their incumbents. The heap holds (-bound, seq, set, solved,
+    point, refined)."""
+
+    def __init__(self, loo: LOOSet, N: Net64, n_pre: list[tuple[np.ndarray, np.ndarray]] | None,
+                 settings: _Settings, deadline: float) -> None:
+        self.loo, self.N, self.n_pre, self.cfg, self.deadline = loo, N, n_pre, settings, deadline
+        self.heap: list[tuple[float, int, np.ndarray, bool, bool, bool]] = []
+        self.seq = 0
+        self.n_milps = 0
+        self.milps: list[dict] = []
+        self.root_bound = math.inf
+        self.incumbents: dict[int, np.ndarray] = {}
+        self.closed: dict[int, bool] = {}  # seq -> solved to optimality, final settings
+        self.floor = settings.safety_margin  # the largest margin owed by any set
+
+    def out_of_budget(self) -> bool:
+        return time.perf_counter() >= self.deadline or (
+            self.cfg.max_milps is not None and self.n_milps >= self.cfg.max_milps)
+
+    def solve(self, S: np.ndarray, final: bool = False) -> tuple[SetBound, bool]:
+        """Bound set S (with the final gap and tau when `final`), recording the MILP."""
+        cfg = self.cfg
+        hyper = HyperNet.from_stack(self.loo.weights, self.loo.biases, S)
+        left = max(0.0, self.deadline - time.perf_counter())
+        sb = bound_set(self.N, hyper, cfg.c, solver=cfg.solver,
+                       time_limit=min(cfg.milp_time_limit, left),
+                       mip_gap=cfg.final_gap if final else cfg.mip_gap,
+                       tau=cfg.final_tau if final else cfg.tau,
+                       safety_margin=cfg.safety_margin, seed=cfg.random_state,
+                       n_pre=self.n_pre)
+        self.n_milps += 1
+        self.floor = max(self.floor, sb.margin)
+        rec = sb.record()
+        rec["set_size"] = int(len(S))
+        rec["final"] = final
+        self.milps.append(rec)
+        if sb.x is not None:
+            self.incumbents[self.seq] = sb.x
+        ok = sb.result is None or sb.result.status == "Optimal"
+        self.closed[self.seq] = ok and (final or not cfg.needs_refine) and (
+            cfg.final_tau if final else cfg.tau) == 0.0
+        return sb, hyper.is_point
+
+    def push(self, bound: float, S: np.ndarray, solved: bool, point: bool,
+             refined: bool) -> None:
+        heapq.heappush(self.heap, (-bound, self.seq, S, solved, point, refined))
+        self.seq += 1
+
+    def expand(self, todo: list[tuple[np.ndarray, float]]) -> None:
+        """Bound each new set (capped by its parent's bound); once out of budget, push the
+        rest with their parent's bound, unsolved."""
+        for S, parent in todo:
+            if self.out_of_budget():
+                self.push(parent, S, False, False, False)
+                continue
+            sb, point = self.solve(S)
+            if self.n_milps == 1:
+                self.root_bound = sb.bound
+            self.push(min(sb.bound, parent), S, True, point, not self.cfg.needs_refine)
+
+
 def bab_class(
     loo: LOOSet,
     c: int,
@@ -167,128 +250,77 @@ def bab_class(
     the last bound is the singleton's exact value up to ``final_gap``.
     """
     t0 = time.perf_counter()
-    deadline = t0 + float(time_budget_s)
     N = Net64.from_params(loo.full())
     if n_pre is None and tighten == "lp":
         n_pre = tighten_lp(N, time_limit=max(1.0, 0.1 * float(time_budget_s)))
     elif tighten not in ("lp", "none"):
         raise ValueError(f"tighten must be 'lp' or 'none', not {tighten!r}")
     everyone = np.arange(1, loo.n_networks) if members is None else np.asarray(members)
-    # (-bound, seq, set, solved, point, refined)
-    heap: list[tuple[float, int, np.ndarray, bool, bool, bool]] = []
-    seq = 0
-    n_milps = 0
-    milps: list[dict] = []
+    search = _ClassSearch(loo, N, n_pre, _Settings(
+        c, solver, milp_time_limit, mip_gap, tau, safety_margin, random_state, final_gap,
+        final_tau, max_milps), t0 + float(time_budget_s))
     history: list[dict] = []
-    root_bound = math.inf
     todo: list[tuple[np.ndarray, float]] = [(everyone, math.inf)]
-    beta = math.inf
     explored = 0
-    stop_reason = "time"
-    exact = False
-    last: np.ndarray = everyone
-
-    needs_refine = mip_gap > final_gap or tau > final_tau
-    incumbents: dict[int, np.ndarray] = {}
-    closed: dict[int, bool] = {}  # seq -> solved to optimality with the final settings
-
-    def is_closed(sb: SetBound, final: bool) -> bool:
-        ok = sb.result is None or sb.result.status == "Optimal"
-        return ok and (final or not needs_refine) and (final_tau if final else tau) == 0.0
-
-    def solve_set(S: np.ndarray, final: bool = False) -> tuple[SetBound, bool]:
-        hyper = HyperNet.from_stack(loo.weights, loo.biases, S)
-        left = max(0.0, deadline - time.perf_counter())
-        sb = bound_set(N, hyper, c, solver=solver, time_limit=min(milp_time_limit, left),
-                       mip_gap=final_gap if final else mip_gap,
-                       tau=final_tau if final else tau, safety_margin=safety_margin,
-                       seed=random_state, n_pre=n_pre)
-        return sb, hyper.is_point
-
-    floor = safety_margin  # the largest margin owed by any set (see the end)
-
-    def record(sb: SetBound, S: np.ndarray, final: bool) -> None:
-        nonlocal floor
-        floor = max(floor, sb.margin)
-        rec = sb.record()
-        rec["set_size"] = int(len(S))
-        rec["final"] = final
-        milps.append(rec)
-
     while True:
-        for S, parent in todo:
-            out_of_time = time.perf_counter() >= deadline or (
-                max_milps is not None and n_milps >= max_milps)
-            if out_of_time:
-                heapq.heappush(heap, (-parent, seq, S, False, False, False))
-                seq += 1
-                continue
-            sb, point = solve_set(S)
-            n_milps += 1
-            record(sb, S, False)
-            b = min(sb.bound, parent)
-            if n_milps == 1:
-                root_bound = sb.bound
-            if sb.x is not None:
-                incumbents[seq] = sb.x
-            closed[seq] = is_closed(sb, False)
-            heapq.heappush(heap, (-b, seq, S, True, point, not needs_refine))
-            seq += 1
+        search.expand(todo)
         todo = []
-        negb, popped_seq, S, solved, point, refined = heapq.heappop(heap)
+        negb, popped_seq, S, solved, point, refined = heapq.heappop(search.heap)
         beta = -negb
-        last = S
         explored += 1
-        elapsed = time.perf_counter() - t0
-        event = {"class": c, "bound": beta, "popped_size": int(len(S)), "open_sets": len(heap),
-                 "n_milps": n_milps, "elapsed_s": elapsed}
-        history.append({k: jsonable_float(v) if isinstance(v, float) else v
-                        for k, v in event.items()})
-        log.info("class %s: bound %.6g, popped |S|=%d, %d open, %d MILPs, %.1fs",
-                 c, beta, len(S), len(heap), n_milps, elapsed)
-        if progress is not None:
-            progress(event)
-        if beta == -math.inf:
-            stop_reason, exact = "no leaking input", True
-            break
-        if solved and (len(S) == 1 or point) and refined:
-            stop_reason, exact = "singleton", closed.get(popped_seq, False)
-            break
-        if time.perf_counter() >= deadline:
-            stop_reason = "time"
-            break
-        if max_milps is not None and n_milps >= max_milps:
-            stop_reason = "max_milps"
+        _report(history, progress, {
+            "class": c, "bound": beta, "popped_size": int(len(S)),
+            "open_sets": len(search.heap), "n_milps": search.n_milps,
+            "elapsed_s": time.perf_counter() - t0})
+        stop_reason, exact = _stop(search, beta, solved, point, refined, len(S), popped_seq)
+        if stop_reason is not None:
             break
         if solved and (len(S) == 1 or point):  # refine: tight gap, no relaxation
-            sb, _ = solve_set(S, final=True)
-            n_milps += 1
-            record(sb, S, True)
-            if sb.x is not None:
-                incumbents[seq] = sb.x
-            closed[seq] = is_closed(sb, True)
-            heapq.heappush(heap, (-min(sb.bound, beta), seq, S, True, True, True))
-            seq += 1
-            continue
-        if len(S) == 1 or point:  # not solved yet (budget ran out earlier): solve it now
+            sb, _ = search.solve(S, final=True)
+            search.push(min(sb.bound, beta), S, True, True, True)
+        elif len(S) == 1 or point:  # not solved yet (budget ran out earlier): solve it now
             todo = [(S, beta)]
-            continue
-        groups = split(loo.flat_params(S), k_choices=k_choices, random_state=random_state)
-        todo = [(S[g], beta) for g in groups]
-    heap_left = len(heap)
+        else:
+            groups = split(loo.flat_params(S), k_choices=k_choices, random_state=random_state)
+            todo = [(S[g], beta) for g in groups]
     witness = None
-    if stop_reason == "singleton" and popped_seq in incumbents:
-        witness = _witness(loo, c, incumbents[popped_seq], S)
+    if stop_reason == "singleton" and popped_seq in search.incumbents:
+        witness = _witness(loo, c, search.incumbents[popped_seq], S)
     # a bound below the margins (-inf: infeasible everywhere; or negative) is raised to
     # them: raising a bound is sound, and the tolerances they cover act there too
     return ClassBound(
-        c=c, beta=max(beta, floor), exact=exact, stop_reason=stop_reason,
-        root_bound=root_bound,
-        n_milps=n_milps, sets_explored=explored, open_sets=heap_left,
+        c=c, beta=max(beta, search.floor), exact=exact, stop_reason=stop_reason,
+        root_bound=search.root_bound,
+        n_milps=search.n_milps, sets_explored=explored, open_sets=len(search.heap),
         elapsed_s=time.perf_counter() - t0,
-        last_set=_jsonable_ids(loo.record_ids[np.asarray(last) - 1]) if len(last) <= 16 else [],
-        milps=milps, history=history, witness=witness,
+        last_set=_jsonable_ids(loo.record_ids[np.asarray(S) - 1]) if len(S) <= 16 else [],
+        milps=search.milps, history=history, witness=witness,
     )
+
+
+def _report(history: list[dict], progress: ProgressFn | None, event: dict) -> None:
+    history.append({k: jsonable_float(v) if isinstance(v, float) else v
+                    for k, v in event.items()})
+    log.info("class %s: bound %.6g, popped |S|=%d, %d open, %d MILPs, %.1fs",
+             event["class"], event["bound"], event["popped_size"], event["open_sets"],
+             event["n_milps"], event["elapsed_s"])
+    if progress is not None:
+        progress(event)
+
+
+def _stop(search: _ClassSearch, beta: float, solved: bool, point: bool, refined: bool,
+          size: int, popped_seq: int) -> tuple[str | None, bool]:
+    """Why the search stops after popping a set (None: it goes on), and whether the bound
+    is then exact."""
+    if beta == -math.inf:
+        return "no leaking input", True
+    if solved and (size == 1 or point) and refined:
+        return "singleton", search.closed.get(popped_seq, False)
+    if time.perf_counter() >= search.deadline:
+        return "time", False
+    if search.cfg.max_milps is not None and search.n_milps >= search.cfg.max_milps:
+        return "max_milps", False
+    return None, False
 
 
 def _witness(loo: LOOSet, c: int, x: np.ndarray, S: np.ndarray) -> dict:

@@ -152,6 +152,21 @@ class Encoding:
     bounds: list[LayerBounds] = field(default_factory=list, repr=False)
 
 
+@dataclass
+class _Layer:
+    """The MILP's view of a layer's outputs: N's as expressions ``E v + e`` over the
+    variables v (substituted, no variables of their own where stable), N#'s as ``EH v``
+    (variables or 0, never a constant), and their post-ReLU boxes."""
+
+    E: np.ndarray
+    e: np.ndarray
+    EH: np.ndarray
+    post_lo_n: np.ndarray
+    post_hi_n: np.ndarray
+    post_lo_h: np.ndarray
+    post_hi_h: np.ndarray
+
+
 def encode(
     net: Net64,
     hyper: HyperNet,
@@ -174,114 +189,165 @@ def encode(
     nmax = d + 1 + 4 * sum(hidden) + C
     bld = _Builder(nmax)
     x_cols = [bld.var(0.0, 1.0) for _ in range(d)]
-    E = np.zeros((d, nmax))  # N's current layer outputs as expressions E v + e
+    E = np.zeros((d, nmax))
     E[np.arange(d), x_cols] = 1.0
-    e = np.zeros(d)
-    EH = E.copy()  # N#'s outputs: variables (or 0), never with a constant
+    layer = _Layer(E, np.zeros(d), E.copy(), lo, hi, lo, hi)
     stats = {"n_unstable_N": 0, "n_unstable_H": 0, "n_relaxed_H": 0, "n_binary": 0,
              "n_stable_N": 0, "n_stable_H": 0}
-    beta_col = -1
-    post_lo_n, post_hi_n = lo, hi
-    post_lo_h, post_hi_h = lo, hi
     for i in range(L - 1):
-        lb_i = B[i]
-        W, b = net.weights[i], net.biases[i]
-        Z = W @ E
-        zc = W @ e + b
-        h = W.shape[0]
-        newE = np.zeros((h, nmax))
-        newe = np.zeros(h)
-        for k in range(h):
-            lk, uk = float(lb_i.n_lo[k]), float(lb_i.n_hi[k])
-            if lk >= 0:
-                newE[k], newe[k] = Z[k], zc[k]
-                stats["n_stable_N"] += 1
-            elif uk <= 0:
-                stats["n_stable_N"] += 1
-            else:
-                z = bld.var(0.0, uk)
-                a = bld.var(0.0, 1.0, integer=True)
-                stats["n_unstable_N"] += 1
-                stats["n_binary"] += 1
-                uz, ua = bld.unit(z), bld.unit(a)
-                bld.row(Z[k] - uz, -np.inf, -zc[k])  # z >= zhat
-                bld.row(uz - Z[k] - lk * ua, -np.inf, zc[k] - lk)  # z <= zhat - l (1 - a)
-                bld.row(uz - uk * ua, -np.inf, 0.0)  # z <= u a
-                newE[k, z] = 1.0
-        # hyper-network layer
-        Wl, Wh = hyper.W_lo[i], hyper.W_hi[i]
-        LO, loc = Wl @ EH, hyper.b_lo[i].copy()
-        HI, hic = Wh @ EH, hyper.b_hi[i].copy()
-        newEH = np.zeros((h, nmax))
-        for k in range(h):
-            lk, uk = float(lb_i.h_lo[k]), float(lb_i.h_hi[k])
-            if uk <= 0:
-                stats["n_stable_H"] += 1
-                continue
-            if lk >= 0:
-                zh = bld.var(lk, uk)
-                uz = bld.unit(zh)
-                bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
-                bld.row(uz - HI[k], -np.inf, hic[k])  # z# <= hi_expr
-                stats["n_stable_H"] += 1
-            else:
-                zh = bld.var(0.0, uk)
-                uz = bld.unit(zh)
-                stats["n_unstable_H"] += 1
-                bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
-                width = float(lb_i.dpost_hi[k] - lb_i.dpost_lo[k])
-                if width <= tau:
-                    s = uk / (uk - lk)
-                    bld.row(uz - s * HI[k], -np.inf, s * (hic[k] - lk))
-                    stats["n_relaxed_H"] += 1
-                else:
-                    ah = bld.var(0.0, 1.0, integer=True)
-                    ua = bld.unit(ah)
-                    stats["n_binary"] += 1
-                    bld.row(uz - HI[k] - lk * ua, -np.inf, hic[k] - lk)
-                    bld.row(uz - uk * ua, -np.inf, 0.0)
-            newEH[k, zh] = 1.0
-        if matching:
-            for k in range(h):
-                coef = newEH[k] - newE[k]
-                const = -newe[k]  # z# - z = coef . v + const
-                dl, du = float(lb_i.dpost_lo[k]), float(lb_i.dpost_hi[k])
-                bld.row(coef, dl - const, du - const)
-        E, e, EH = newE, newe, newEH
-        post_lo_n, post_hi_n = lb_i.n_post()
-        post_lo_h, post_hi_h = lb_i.h_post()
+        layer = _hidden_layer(bld, stats, net, hyper, i, B[i], layer, tau, matching)
+    margins = _output_margins(bld, net, c, layer)
+    dprev = ((B[-2].dpost_lo, B[-2].dpost_hi) if L > 1 else (np.zeros(d), np.zeros(d)))
+    flip, always = _flip_candidates(hyper, net, c, layer, margins, dprev, output_matching)
+    stats["flip_candidates"] = len(flip)
+    stats["always_flips"] = bool(always)
+    if not always:
+        if not flip:
+            return Encoding(None, -math.inf, margins.beta_col, x_cols, stats, B)
+        _flip_rows(bld, stats, flip)
+    milp = bld.build(margins.beta_col)
+    stats.update({"n_vars": milp.n_vars, "n_rows": milp.n_rows, "n_int": milp.n_int,
+                  "beta_box": [margins.beta_lo, margins.beta_hi]})
+    return Encoding(milp, None, margins.beta_col, x_cols, stats, B)
 
-    # ---- output layer
+
+def _hidden_layer(bld: _Builder, stats: dict, net: Net64, hyper: HyperNet, i: int,
+                  lb_i: LayerBounds, prev: _Layer, tau: float, matching: bool) -> _Layer:
+    """Hidden layer ``i`` of N and of N#, and (with `matching`) the matching dependencies
+    ``z + dl <= z# <= z + du`` of its neurons."""
+    newE, newe = _network_relus(bld, stats, net.weights[i] @ prev.E,
+                                net.weights[i] @ prev.e + net.biases[i], lb_i)
+    newEH = _hyper_relus(bld, stats, hyper, i, prev.EH, lb_i, tau)
+    if matching:
+        for k in range(len(newe)):
+            coef = newEH[k] - newE[k]
+            const = -newe[k]  # z# - z = coef . v + const
+            dl, du = float(lb_i.dpost_lo[k]), float(lb_i.dpost_hi[k])
+            bld.row(coef, dl - const, du - const)
+    return _Layer(newE, newe, newEH, *lb_i.n_post(), *lb_i.h_post())
+
+
+def _network_relus(bld: _Builder, stats: dict, Z: np.ndarray, zc: np.ndarray,
+                   lb_i: LayerBounds) -> tuple[np.ndarray, np.ndarray]:
+    """N's ReLUs over pre-activations ``Z v + zc``: stable ones pass their expression on
+    (or 0), an unstable one gets ``z in [0, u]`` and a binary."""
+    h, nmax = Z.shape
+    newE = np.zeros((h, nmax))
+    newe = np.zeros(h)
+    for k in range(h):
+        lk, uk = float(lb_i.n_lo[k]), float(lb_i.n_hi[k])
+        if lk >= 0:
+            newE[k], newe[k] = Z[k], zc[k]
+            stats["n_stable_N"] += 1
+        elif uk <= 0:
+            stats["n_stable_N"] += 1
+        else:
+            z = bld.var(0.0, uk)
+            a = bld.var(0.0, 1.0, integer=True)
+            stats["n_unstable_N"] += 1
+            stats["n_binary"] += 1
+            uz, ua = bld.unit(z), bld.unit(a)
+            bld.row(Z[k] - uz, -np.inf, -zc[k])  # z >= zhat
+            bld.row(uz - Z[k] - lk * ua, -np.inf, zc[k] - lk)  # z <= zhat - l (1 - a)
+            bld.row(uz - uk * ua, -np.inf, 0.0)  # z <= u a
+            newE[k, z] = 1.0
+    return newE, newe
+
+
+def _hyper_relus(bld: _Builder, stats: dict, hyper: HyperNet, i: int, EH: np.ndarray,
+                 lb_i: LayerBounds, tau: float) -> np.ndarray:
+    """N#'s interval layer ``i`` and its ReLUs (relaxed where the difference interval is
+    at most `tau` wide)."""
+    LO, loc = hyper.W_lo[i] @ EH, hyper.b_lo[i].copy()
+    HI, hic = hyper.W_hi[i] @ EH, hyper.b_hi[i].copy()
+    h, nmax = LO.shape
+    newEH = np.zeros((h, nmax))
+    for k in range(h):
+        lk, uk = float(lb_i.h_lo[k]), float(lb_i.h_hi[k])
+        if uk <= 0:
+            stats["n_stable_H"] += 1
+            continue
+        if lk >= 0:
+            zh = bld.var(lk, uk)
+            uz = bld.unit(zh)
+            bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
+            bld.row(uz - HI[k], -np.inf, hic[k])  # z# <= hi_expr
+            stats["n_stable_H"] += 1
+        else:
+            zh = bld.var(0.0, uk)
+            uz = bld.unit(zh)
+            stats["n_unstable_H"] += 1
+            bld.row(LO[k] - uz, -np.inf, -loc[k])  # z# >= lo_expr
+            width = float(lb_i.dpost_hi[k] - lb_i.dpost_lo[k])
+            if width <= tau:
+                s = uk / (uk - lk)
+                bld.row(uz - s * HI[k], -np.inf, s * (hic[k] - lk))
+                stats["n_relaxed_H"] += 1
+            else:
+                ah = bld.var(0.0, 1.0, integer=True)
+                ua = bld.unit(ah)
+                stats["n_binary"] += 1
+                bld.row(uz - HI[k] - lk * ua, -np.inf, hic[k] - lk)
+                bld.row(uz - uk * ua, -np.inf, 0.0)
+        newEH[k, zh] = 1.0
+    return newEH
+
+
+@dataclass
+class _Margins:
+    """N's logit margins ``z_c - z_c'`` (per other class c': its IBP interval and its row
+    over the variables) and the objective beta with ``margin_c' >= beta``."""
+
+    others: list[int]
+    lo: list[float]
+    hi: list[float]
+    rows: list[tuple[np.ndarray, float]]
+    beta_col: int
+    beta_lo: float
+    beta_hi: float
+
+
+def _output_margins(bld: _Builder, net: Net64, c: int, layer: _Layer) -> _Margins:
     W, b = net.weights[-1], net.biases[-1]
-    others = [k for k in range(C) if k != c]
-    dl_prev = B[-2].dpost_lo if L > 1 else np.zeros(d)
-    du_prev = B[-2].dpost_hi if L > 1 else np.zeros(d)
-    margin_lo, margin_hi = [], []
-    rowsN = []
+    others = [k for k in range(W.shape[0]) if k != c]
+    margin_lo, margin_hi, rows = [], [], []
     for c2 in others:
         Dn = W[c] - W[c2]
         dn = float(b[c] - b[c2])
         Dp, Dm = np.maximum(Dn, 0), np.minimum(Dn, 0)
-        mag = float(np.abs(Dn) @ post_hi_n + abs(dn))
-        margin_lo.append(_widen_lo(Dp @ post_lo_n + Dm @ post_hi_n + dn, mag))
-        margin_hi.append(_widen_hi(Dp @ post_hi_n + Dm @ post_lo_n + dn, mag))
-        rowsN.append((Dn @ E, float(Dn @ e + dn)))
+        mag = float(np.abs(Dn) @ layer.post_hi_n + abs(dn))
+        margin_lo.append(_widen_lo(Dp @ layer.post_lo_n + Dm @ layer.post_hi_n + dn, mag))
+        margin_hi.append(_widen_hi(Dp @ layer.post_hi_n + Dm @ layer.post_lo_n + dn, mag))
+        rows.append((Dn @ layer.E, float(Dn @ layer.e + dn)))
     beta_lo, beta_hi = min(margin_lo), min(margin_hi)
     beta_col = bld.var(beta_lo, beta_hi)
     ub = bld.unit(beta_col)
-    for coef, const in rowsN:
+    for coef, const in rows:
         bld.row(coef - ub, -const, np.inf)  # margin_c2 >= beta
+    return _Margins(others, margin_lo, margin_hi, rows, beta_col, beta_lo, beta_hi)
 
-    # flip candidates
-    flip = []  # (c2, hyper row coef, const, M, md_row or None)
-    always = False
-    for j, c2 in enumerate(others):
+
+# (c2, hyper row coef, const, big M, output-matching row (coef, const, M) or None)
+_Flip = tuple[int, np.ndarray, float, float, tuple[np.ndarray, float, float] | None]
+
+
+def _flip_candidates(hyper: HyperNet, net: Net64, c: int, layer: _Layer, m: _Margins,
+                     dprev: tuple[np.ndarray, np.ndarray], output_matching: bool
+                     ) -> tuple[list[_Flip], bool]:
+    """The classes c' via which some network of S may flip (and whether one flips via c'
+    everywhere, so that no flip constraint is needed)."""
+    W, b = net.weights[-1], net.biases[-1]
+    dl_prev, du_prev = dprev
+    post_lo_h, post_hi_h = layer.post_lo_h, layer.post_hi_h
+    flip: list[_Flip] = []
+    for j, c2 in enumerate(m.others):
         Dlo, dlo = hyper.D_lo[c, c2], float(hyper.d_lo[c, c2])
         mag = float(np.abs(Dlo) @ post_hi_h + abs(dlo))
         lhs_hi = _widen_hi(np.maximum(Dlo * post_lo_h, Dlo * post_hi_h).sum() + dlo, mag)
         lhs_lo = _widen_lo(np.minimum(Dlo * post_lo_h, Dlo * post_hi_h).sum() + dlo, mag)
         # lower bound of margin_n - margin_N over n in S (output matching)
         Dn = W[c] - W[c2]
+        dn = float(b[c] - b[c2])
         A_lo, A_hi = Dlo - Dn, hyper.D_hi[c, c2] - Dn
         t2 = np.minimum.reduce([A_lo * post_lo_h, A_lo * post_hi_h,
                                 A_hi * post_lo_h, A_hi * post_hi_h]).sum()
@@ -290,46 +356,42 @@ def encode(
         dmag = float(np.abs(Dn) @ np.maximum(np.abs(dl_prev), np.abs(du_prev))
                      + np.maximum(np.abs(A_lo), np.abs(A_hi)) @ post_hi_h + abs(dlo) + abs(dn))
         dm = _widen_lo(dm, dmag)
-        md_hi = margin_hi[j] + dm  # upper bound of margin_N + dm
-        md_lo = margin_lo[j] + dm
+        md_hi = m.hi[j] + dm  # upper bound of margin_N + dm
+        md_lo = m.lo[j] + dm
         if lhs_lo > 0 or (output_matching and md_lo > 0):
             continue  # no network of S flips via c2 anywhere
         if lhs_hi <= 0:
-            always = True  # the relaxed flip via c2 holds everywhere: no flip constraint
-            break
+            return flip, True  # the relaxed flip via c2 holds everywhere
         md = None
         if output_matching and md_hi > 0:
-            coef, const = rowsN[j]
+            coef, const = m.rows[j]
             md = (coef, const + dm, md_hi)
-        flip.append((c2, Dlo @ EH, dlo, lhs_hi, md))
-    stats["flip_candidates"] = len(flip)
-    stats["always_flips"] = bool(always)
-    if not always:
-        if not flip:
-            return Encoding(None, -math.inf, beta_col, x_cols, stats, B)
-        if len(flip) == 1:
-            _c2, coef, const, _M, md = flip[0]
-            bld.row(coef, -np.inf, -const)
-            if md is not None:
-                bld.row(md[0], -np.inf, -md[1])
-        else:
-            alphas = []
-            for _c2, coef, const, M, md in flip:
-                al = bld.var(0.0, 1.0, integer=True)
-                stats["n_binary"] += 1
-                alphas.append(al)
-                ua = bld.unit(al)
-                bld.row(coef + M * ua, -np.inf, M - const)  # row <= M (1 - alpha)
-                if md is not None:
-                    mcoef, mconst, Mm = md
-                    bld.row(mcoef + Mm * ua, -np.inf, Mm - mconst)
-            s = np.zeros(nmax)
-            s[alphas] = 1.0
-            bld.row(s, 1.0, np.inf)
-    milp = bld.build(beta_col)
-    stats.update({"n_vars": milp.n_vars, "n_rows": milp.n_rows, "n_int": milp.n_int,
-                  "beta_box": [beta_lo, beta_hi]})
-    return Encoding(milp, None, beta_col, x_cols, stats, B)
+        flip.append((c2, Dlo @ layer.EH, dlo, lhs_hi, md))
+    return flip, False
+
+
+def _flip_rows(bld: _Builder, stats: dict, flip: list[_Flip]) -> None:
+    """Some network of S flips: via the one candidate, or via one of several (a binary
+    alpha per candidate, ``sum alpha >= 1``)."""
+    if len(flip) == 1:
+        _c2, coef, const, _M, md = flip[0]
+        bld.row(coef, -np.inf, -const)
+        if md is not None:
+            bld.row(md[0], -np.inf, -md[1])
+        return
+    alphas = []
+    for _c2, coef, const, M, md in flip:
+        al = bld.var(0.0, 1.0, integer=True)
+        stats["n_binary"] += 1
+        alphas.append(al)
+        ua = bld.unit(al)
+        bld.row(coef + M * ua, -np.inf, M - const)  # row <= M (1 - alpha)
+        if md is not None:
+            mcoef, mconst, Mm = md
+            bld.row(mcoef + Mm * ua, -np.inf, Mm - mconst)
+    s = np.zeros(bld.nmax)
+    s[alphas] = 1.0
+    bld.row(s, 1.0, np.inf)
 
 
 def tighten_lp(net: Net64, *, time_limit: float = 30.0
