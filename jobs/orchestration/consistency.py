@@ -36,8 +36,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from jobs.orchestration.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry
-from jobs.orchestration.retention import manifest_sha256
+from jobs.orchestration.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry, manifest_sha256
 from ledger.config import Settings
 from ledger.forgotten import PUBLICATIONS
 from ledger.log_check import Problem

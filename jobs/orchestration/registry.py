@@ -11,6 +11,7 @@ the same version.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 from datetime import datetime
@@ -34,7 +35,7 @@ from sqlmodel import Field, SQLModel
 from jobs import sealing
 from jobs.orchestration.model_store import VersionStore
 from ledger import migrations
-from ledger.chain import iso, utc_now
+from ledger.chain import canonical_json, iso, utc_now
 from ledger.db import upsert
 from ledger.keystore import LedgerKeys
 from ledger.tables import EVENTS
@@ -220,8 +221,6 @@ class Registry:
     def vouched_manifest(self, row: ModelVersion) -> dict[str, Any]:
         """`row`'s manifest, once the event that published it carries its digest (the
         ledger vouches for it); VersionRefused otherwise (the row was edited)."""
-        from jobs.orchestration.retention import manifest_sha256
-
         with self.engine.connect() as conn:
             payload = conn.execute(
                 select(EVENTS.c.payload)
@@ -373,3 +372,8 @@ def first_line(exc: BaseException) -> str:
     """An error in one line, for a reason or a log line (never a traceback)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """The digest the ledger's publication and `destroyed` events give for a manifest."""
+    return hashlib.sha256(canonical_json(manifest).encode()).hexdigest()

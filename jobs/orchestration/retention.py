@@ -26,15 +26,14 @@ current version has moved past them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from datetime import timedelta
 
 from sqlalchemy import Connection, select, update
 
-from jobs.orchestration.registry import POINTER, VERSIONS, Registry
-from ledger.chain import canonical_json, iso, utc_now
+from jobs.orchestration.registry import POINTER, VERSIONS, Registry, manifest_sha256
+from ledger.chain import iso, utc_now
 from ledger.store import Ledger
 
 log = logging.getLogger("obliviate.retention")
@@ -42,11 +41,6 @@ log = logging.getLogger("obliviate.retention")
 
 class _AlreadyDestroyed(Exception):
     """Another worker destroyed the version first (the transaction is rolled back)."""
-
-
-def manifest_sha256(manifest: dict) -> str:
-    """The digest a `destroyed` event gives for the version's manifest."""
-    return hashlib.sha256(canonical_json(manifest).encode()).hexdigest()
 
 
 def destroy_due(registry: Registry, ledger: Ledger, grace_s: float) -> list[str]:

@@ -69,9 +69,10 @@ from jobs.orchestration.registry import (
     VersionUnavailable,
     first_line,
     manifest,
+    manifest_sha256,
     version_tag,
 )
-from jobs.orchestration.retention import destroy_due, manifest_sha256, sweep
+from jobs.orchestration.retention import destroy_due, sweep
 from jobs.orchestration.served_model import ServedModel, fresh_seed, guard_owed
 from jobs.sealing import sealed_with
 from ledger.chain import as_utc, utc_now
