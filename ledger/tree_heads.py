@@ -193,14 +193,14 @@ class TreeHeads:
                 "log_id": new.log_id}
 
     # ------------------------------------------------------------------ internals
-    def covered(self, conn: Connection) -> int:
+    def _covered(self, conn: Connection) -> int:
         """Events the latest head covers: this log's signed heads, else the checkpoints."""
         if self.signer is not None:
             return self.signing.covered(conn)
         return conn.execute(select(func.max(CHECKPOINTS.c.tree_size))).scalar() or 0
 
     def _due(self, conn: Connection, size: int) -> bool:
-        last = self.covered(conn)
+        last = self._covered(conn)
         if size <= last:
             return False
         if size - last >= self.checkpoint_every:
