@@ -109,27 +109,8 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
                             "(a fork)")
     leaves: list[bytes] | None = None
     if events is not None:
-        sizes = {h["tree_size"] for h in saved_heads} | {h["tree_size"] for h in current_heads}
-        keep = consistency is None
-        rotated: list[tuple[int, str]] = []
-        roots, leaves, n = _replay(events, sizes, keep, problems, rotated)
-        out.events = n
-        if _upto(rotated, newest) != _upto([(r["event"]["seq"], r["event"]["hash"])
-                                            for r in rotations], newest):
-            problems.append("the key rotations the heads document lists are not the "
-                            "`key_rotated` events of the log")
-        for label, hs in (("saved", saved_heads), ("current", current_heads)):
-            for h in hs:
-                size = h["tree_size"]
-                if size > n:
-                    problems.append(f"{label} head {size}: covers {size} events, the export "
-                                    f"has {n} (events removed, or an export not from event 1)")
-                elif roots[size] != h["root_hash"]:
-                    problems.append(f"{label} head {size}: the events do not rebuild its root "
-                                    "(the log was rewritten)")
-        if n > newest["tree_size"]:
-            notes.append(f"events {newest['tree_size'] + 1}..{n} come after the newest signed "
-                         "head: nothing checks them until the next head")
+        leaves = _check_events(events, saved_heads, current_heads, rotations,
+                               consistency is None, out)
     else:
         notes.append("no events given: their chain and roots were not checked")
     if consistency is None:
@@ -140,6 +121,44 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
 
         def consistency(old: int, new: int) -> list[bytes]:
             return merkle.consistency_proof(held[:new], old)
+    _check_saved_heads(saved_heads, newest, by_size, consistency, problems)
+    return out
+
+
+def _check_events(events: Iterable[dict[str, Any]], saved_heads: list[dict[str, Any]],
+                  current_heads: list[dict[str, Any]], rotations: list[dict[str, Any]],
+                  keep: bool, out: AuditResult) -> list[bytes] | None:
+    """Replay the events: every head's root rebuilt, the rotations held to the log's
+    `key_rotated` events; the leaves when `keep` (to prove consistency with)."""
+    problems, newest = out.problems, out.newest
+    sizes = {h["tree_size"] for h in saved_heads} | {h["tree_size"] for h in current_heads}
+    rotated: list[tuple[int, str]] = []
+    roots, leaves, n = _replay(events, sizes, keep, problems, rotated)
+    out.events = n
+    if _upto(rotated, newest) != _upto([(r["event"]["seq"], r["event"]["hash"])
+                                        for r in rotations], newest):
+        problems.append("the key rotations the heads document lists are not the "
+                        "`key_rotated` events of the log")
+    for label, hs in (("saved", saved_heads), ("current", current_heads)):
+        for h in hs:
+            size = h["tree_size"]
+            if size > n:
+                problems.append(f"{label} head {size}: covers {size} events, the export "
+                                f"has {n} (events removed, or an export not from event 1)")
+            elif roots[size] != h["root_hash"]:
+                problems.append(f"{label} head {size}: the events do not rebuild its root "
+                                "(the log was rewritten)")
+    if n > newest["tree_size"]:
+        out.notes.append(f"events {newest['tree_size'] + 1}..{n} come after the newest signed "
+                         "head: nothing checks them until the next head")
+    return leaves
+
+
+def _check_saved_heads(saved_heads: list[dict[str, Any]], newest: dict[str, Any],
+                       by_size: dict[int, str], consistency: Proofs,
+                       problems: list[str]) -> None:
+    """Each saved head is a prefix of the newest current one: same root for its size,
+    and a consistency proof between the two."""
     for h in sorted(saved_heads, key=lambda h: h["tree_size"]):
         old, new = h["tree_size"], newest["tree_size"]
         if by_size.get(old, h["root_hash"]) != h["root_hash"]:
@@ -159,7 +178,6 @@ def audit(saved: Any, current: Any, *, public_key: bytes | None = None,
                                          bytes.fromhex(newest["root_hash"]), proof):
             problems.append(f"saved head {old}: not consistent with the newest head {new} "
                             "(the log was rewritten)")
-    return out
 
 
 def _upto(rotations: list[tuple[int, str]], head: dict[str, Any]) -> list[tuple[int, str]]:

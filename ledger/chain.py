@@ -43,6 +43,11 @@ def iso(ts: datetime) -> str:
     return as_utc(ts).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def parse_iso(ts: str) -> datetime:
+    """An event's `created_at` (ISO 8601, UTC, `Z`) as an aware datetime."""
+    return as_utc(datetime.fromisoformat(ts))
+
+
 def event_entry(seq: int, request_id: str | None, kind: str, payload: str,
                 model_version: str | None, created_at: str, prev_hash: str) -> bytes:
     """The exact bytes an event's hash is taken over."""

@@ -19,27 +19,27 @@ from typing import TYPE_CHECKING, Any
 from ledger import audit
 
 if TYPE_CHECKING:
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
     from ledger.log_check import Problem
     from ledger.store import Ledger
 
 # a check of tables other packages own (the model registry's: jobs.orchestration.consistency), which
 # the assembled command line (service.cli) hands to `ledger verify`
-VerifyCheck = Callable[["Ledger", "Settings"], "list[Problem]"]
+VerifyCheck = Callable[["Ledger"], "list[Problem]"]
 # = ledger.datasets.NAMES (not imported: a CSV load needs no scikit-learn)
 DATASETS = ("breast_cancer", "digits", "wine", "iris", "synthetic", "census")
 log = logging.getLogger("obliviate")
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    from ledger.config import Settings
+def settings_from(args: argparse.Namespace) -> LedgerSettings:
+    from ledger.config import LedgerSettings
 
-    return Settings.from_env(database_url=getattr(args, "db", None),
-                             kafka_bootstrap=getattr(args, "bootstrap", None),
-                             requests_topic=getattr(args, "topic", None))
+    return LedgerSettings.from_env(database_url=getattr(args, "db", None),
+                                   kafka_bootstrap=getattr(args, "bootstrap", None),
+                                   requests_topic=getattr(args, "topic", None))
 
 
-def open_ledger(args: argparse.Namespace, settings: Settings | None = None,
+def open_ledger(args: argparse.Namespace, settings: LedgerSettings | None = None,
                 sign: bool = True) -> Ledger:
     """The ledger, its schema brought to the newest migration; says so when it moved.
     `sign`: with the deployment's signing key (else its public half only)."""
@@ -54,29 +54,7 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
     led = sub.add_parser("ledger", help="inspect and prove the ledger")
     lsub = led.add_subparsers(dest="ledger_command", required=True)
 
-    p = lsub.add_parser("init", help="seed the record store with a training table",
-                        description="Load the initial training table. Features are kept in "
-                        "the model's input space, [0, 1]: each feature is min-max scaled "
-                        "with its range in this table (widened to round numbers), and that "
-                        "scaling is stored in the ledger, so queries and additions send raw "
-                        "values (`obliviate ledger schema` shows it).")
-    p.add_argument("--dataset", default="breast_cancer",
-                   help=f"a bundled table: one of {', '.join(DATASETS)} (default "
-                        "breast_cancer)")
-    p.add_argument("--csv", metavar="FILE", help="load this CSV file instead: a header line, "
-                   "numeric feature columns, an integer label column")
-    p.add_argument("--label-column", default="label", metavar="NAME",
-                   help="the CSV column holding the class label (default: label)")
-    p.add_argument("--subject-column", metavar="NAME",
-                   help="the CSV column naming the person (subject) each row belongs to; "
-                        "`delete` by subject_id removes all their rows. Without it each "
-                        "row is its own subject (s0000, s0001, ...)")
-    p.add_argument("--id-column", metavar="NAME",
-                   help="the CSV column holding each row's record id (unique); default "
-                        "r0000, r0001, ... by row")
-    p.add_argument("--records-per-subject", type=int, default=3,
-                   help="bundled tables: rows per made-up subject (default 3)")
-    p.set_defaults(func=cmd_init)
+    _add_init_command(lsub)
 
     p = lsub.add_parser("schema", help="features (names, ranges, scaling) and classes")
     p.add_argument("--json", action="store_true", help="as GET /v1/schema answers it")
@@ -118,6 +96,38 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
     audit.add_arguments(p)
     p.set_defaults(func=cmd_audit_check)
 
+    _add_intake_commands(sub)
+
+
+def _add_init_command(lsub: argparse._SubParsersAction) -> None:
+    """`ledger init`: the training table, bundled or a CSV file."""
+    p = lsub.add_parser("init", help="seed the record store with a training table",
+                        description="Load the initial training table. Features are kept in "
+                        "the model's input space, [0, 1]: each feature is min-max scaled "
+                        "with its range in this table (widened to round numbers), and that "
+                        "scaling is stored in the ledger, so queries and additions send raw "
+                        "values (`obliviate ledger schema` shows it).")
+    p.add_argument("--dataset", default="breast_cancer",
+                   help=f"a bundled table: one of {', '.join(DATASETS)} (default "
+                        "breast_cancer)")
+    p.add_argument("--csv", metavar="FILE", help="load this CSV file instead: a header line, "
+                   "numeric feature columns, an integer label column")
+    p.add_argument("--label-column", default="label", metavar="NAME",
+                   help="the CSV column holding the class label (default: label)")
+    p.add_argument("--subject-column", metavar="NAME",
+                   help="the CSV column naming the person (subject) each row belongs to; "
+                        "`delete` by subject_id removes all their rows. Without it each "
+                        "row is its own subject (s0000, s0001, ...)")
+    p.add_argument("--id-column", metavar="NAME",
+                   help="the CSV column holding each row's record id (unique); default "
+                        "r0000, r0001, ... by row")
+    p.add_argument("--records-per-subject", type=int, default=3,
+                   help="bundled tables: rows per made-up subject (default 3)")
+    p.set_defaults(func=cmd_init)
+
+
+def _add_intake_commands(sub: argparse._SubParsersAction) -> None:
+    """The ways requests come in: `submit` one, `produce` to Kafka, `consume` from it."""
     p = sub.add_parser("submit", help="record one request (JSON argument, file or '-')")
     p.add_argument("request", help="a JSON object, a path to one, or - for standard input")
     p.set_defaults(func=cmd_submit)
@@ -189,7 +199,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from ledger import datasets
 
     ledger = open_ledger(args)
-    existing = ledger.input_transform()
+    existing = ledger.records.input_transform()
     stored = existing if existing is not None and existing.fitted else None
     if args.csv:
         ds = datasets.load_csv(args.csv, args.label_column, args.subject_column,
@@ -203,7 +213,7 @@ def cmd_init(args: argparse.Namespace) -> int:
                                    transform=stored)
     # a ledger from before stored transforms keeps its identity transform
     transform = None if existing is not None and stored is None else ds.transform
-    seq = ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+    seq = ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
                               transform=transform)
     print(f"loaded {len(ds.record_ids)} records of {ds.name!r} "
           f"({ds.X.shape[1]} features, {len(set(ds.y.tolist()))} classes) as event {seq}")
@@ -217,7 +227,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    schema = open_ledger(args).schema()
+    schema = open_ledger(args).records.schema()
     if schema is None:
         print("the ledger holds no records yet: run `obliviate ledger init`", file=sys.stderr)
         return 1
@@ -251,11 +261,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
-    ledger = open_ledger(args, settings, sign=False)
+    ledger = open_ledger(args, sign=False)
     result = ledger.verify()
     for check in getattr(args, "verify_checks", ()):
-        result.problems.extend(check(ledger, settings))
+        result.problems.extend(check(ledger))
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if not result.problems:
@@ -312,7 +321,7 @@ def cmd_receipt(args: argparse.Namespace) -> int:
                                                 for c in args.request_id) + ".json")
     out.write_text(text)
     print(f"wrote {out}: check it with `python -m ledger.receipt {out} --key "
-          f"{ledger.public_key.hex()}`")
+          f"{ledger.heads.public_key.hex()}`")
     return 0
 
 
@@ -320,18 +329,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     since: str | int | None = args.since
     if since is not None and since.isdigit():
         since = int(since)
-    for event in open_ledger(args).export(since):
+    for event in open_ledger(args).events.export(since):
         sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
     return 0
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     ledger = open_ledger(args)
-    cp = ledger.checkpoint()
+    cp = ledger.heads.checkpoint()
     if cp is None:
         print("the ledger has no events yet")
         return 0
-    head = ledger.published_heads(since=cp.tree_size - 1, limit=1)["heads"]
+    head = ledger.heads.published(since=cp.tree_size - 1, limit=1)["heads"]
     signed = (f" signed={head[0]['signature'][:16]}... log_id={head[0]['log_id']}"
               if head and head[0]["tree_size"] == cp.tree_size else " (not signed)")
     print(f"tree_size={cp.tree_size} root={cp.root_hash} created_at={cp.created_at}{signed}")
@@ -341,7 +350,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 def cmd_key(args: argparse.Namespace) -> int:
     from ledger.heads import public_key_pem
 
-    public = open_ledger(args).public_key
+    public = open_ledger(args).heads.public_key
     print(public_key_pem(public).rstrip() if args.pem else public.hex())
     return 0
 
@@ -350,8 +359,8 @@ def cmd_rotate_key(args: argparse.Namespace) -> int:
     from ledger.config import key_file_seed
 
     ledger = open_ledger(args)
-    old = ledger.public_key.hex()
-    done = ledger.rotate_key(key_file_seed(args.new_key_file))
+    old = ledger.heads.public_key.hex()
+    done = ledger.heads.rotate_key(key_file_seed(args.new_key_file))
     print(f"event {done['seq']} hands the log over from key {old} to key "
           f"{done['public_key']} (log {done['log_id']}), signed by the old key, whose last "
           f"head covers it. Give every process the new key (OBLIVIATE_LEDGER_SIGNING_KEY_FILE="
@@ -360,14 +369,14 @@ def cmd_rotate_key(args: argparse.Namespace) -> int:
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
-    doc = open_ledger(args).published_heads(args.since, args.limit)
+    doc = open_ledger(args).heads.published(args.since, args.limit)
     print(json.dumps(doc, indent=1))
     return 0
 
 
 def cmd_consistency(args: argparse.Namespace) -> int:
     try:
-        proof = open_ledger(args).consistency(args.old_size, args.new_size)
+        proof = open_ledger(args).events.consistency(args.old_size, args.new_size)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -385,12 +394,12 @@ def cmd_audit_check(args: argparse.Namespace) -> int:
         current = audit.fetch_json(args.url, "/v1/ledger/heads")
     else:
         ledger = open_ledger(args, sign=False)
-        current = ledger.published_heads()
+        current = ledger.heads.published()
     events = None
     if args.events:
         events = audit.read_events(args.events)
     elif not args.url:
-        events = (ledger or open_ledger(args, sign=False)).export()
+        events = (ledger or open_ledger(args, sign=False)).events.export()
     result = audit.audit(audit.read_json(args.heads), current,
                          public_key=audit.key_argument(args.public_key), events=events,
                          consistency=audit.http_consistency(args.url) if args.url else None)
@@ -403,7 +412,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     result = ledger.receive(text.encode(), source="cli")
     answer = result.as_dict()
     if result.status == "accepted":  # the subject's key to GET /v1/requests/{id}/receipt
-        answer["receipt_token"] = ledger.receipt_token(result.request_id)
+        answer["receipt_token"] = ledger.events.receipt_token(result.request_id)
     print(json.dumps(answer))
     return 0 if result.status in ("accepted", "duplicate") else 2
 
@@ -419,12 +428,12 @@ def cmd_produce(args: argparse.Namespace) -> int:
                          if line.strip())
     else:
         ledger = open_ledger(args, s)
-        schema = ledger.schema()
+        schema = ledger.records.schema()
         if schema is None:
             print("the ledger holds no records: run `obliviate ledger init` first",
                   file=sys.stderr)
             return 1
-        live = ledger.live_records()
+        live = ledger.records.live()
         messages = request_stream(list(live.record_ids), list(live.subject_ids),
                                   schema.n_features, schema.classes, args.count,
                                   random_state=args.seed, invalid_fraction=args.invalid_fraction,

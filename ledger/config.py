@@ -1,19 +1,21 @@
-"""Deployment settings, read from the environment with embedded defaults.
+"""The ledger's deployment settings, read from the environment with embedded defaults.
 
 The defaults run everything on one machine: a SQLite ledger and a key file
 under `.obliviate/`, a broker on localhost. Production sets
 OBLIVIATE_DATABASE_URL to PostgreSQL and supplies the HMAC key as a secret.
+The jobs' settings are in :mod:`jobs.orchestration.job_settings`, the service's
+in :mod:`service.service_settings`; every layer reads them the same way
+(:class:`ledger.env_settings.EnvSettings`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+from ledger.env_settings import EnvSettings
 from ledger.heads import HeadSigner
 from ledger.keystore import DEFAULT_DIR as DEFAULT_KEY_STORE_DIR
 from ledger.keystore import DirectoryKeyStore, KeyStoreError
@@ -25,7 +27,10 @@ DEFAULT_SIGNING_KEY_FILE = str(STATE_DIR / "ledger-signing.key")
 
 
 @dataclass(frozen=True)
-class Settings:
+class LedgerSettings(EnvSettings):
+    """Where the ledger lives, its keys, its Kafka topics, and how often it takes heads
+    and erases purged bytes."""
+
     database_url: str = f"sqlite:///{STATE_DIR / 'ledger.db'}"
     hmac_key_hex: str | None = None
     hmac_key_file: str = str(STATE_DIR / "hmac.key")
@@ -49,50 +54,7 @@ class Settings:
     head_interval_s: float = 60.0  # a head once events are this old (and every checkpoint_every)
     # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
     purge_maintenance_s: float | None = None
-    # the sidecar (jobs and service read these; the ledger only stores them)
-    model_name: str = "obliviate"
-    learner: str = "dare"
-    guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
-    evaluate: str = "off"  # "on": the worker measures each deletion's privacy (jobs.eval)
-    # "private": SISA answers by noisy vote, private in the shard seeds (jobs.adaptive)
-    answers: str = "guard"
-    private_epsilon: float = 0.5  # eps0 of one private answer
-    seed_epsilon_budget: float = 10.0  # (eps, delta) of a seed lineage's answers
-    seed_delta: float = 1e-5
-    admin_token: str | None = None
-    admin_token_file: str = str(STATE_DIR / "admin.token")
-    epsilon: float = 1.0
-    epsilon_budget: float = 1000.0
-    memo_size: int = 100_000
-    registry_poll_s: float = 0.1
-    # versions superseded by a deletion are destroyed this long after it was published;
-    # a serving process that could not check the registry for half of it stops answering
-    destroy_grace_s: float = 30.0
-    worker_metrics_port: int = 9101
-    consumer_metrics_port: int = 9102
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> Settings:
-        """OBLIVIATE_<FIELD> variables override the defaults; keyword overrides win."""
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            env = os.environ.get(f"OBLIVIATE_{f.name.upper()}")
-            if env is not None:
-                try:
-                    values[f.name] = _PARSERS.get(str(f.type), str)(env)
-                except ValueError:
-                    raise ValueError(f"OBLIVIATE_{f.name.upper()}={env!r} is not "
-                                     f"a valid {f.type}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return replace(cls(), **values)
-
-    def choice(self, name: str, options: tuple[str, ...]) -> str:
-        """The setting `name`, which must be one of `options` (ValueError naming its variable)."""
-        value = getattr(self, name)
-        if value not in options:
-            raise ValueError(f"OBLIVIATE_{name.upper()} must be one of {', '.join(options)}; "
-                             f"got {value!r}")
-        return value
+    consumer_metrics_port: int = 9102  # `obliviate consume` serves its metrics here
 
     def topic_configs(self) -> dict[str, dict[str, str]]:
         """Retention settings of the requests and dead-letter topics, when created here."""
@@ -103,7 +65,7 @@ class Settings:
         """The deployment secret for record fingerprints; created on first use if embedded."""
         if self.hmac_key_hex:
             return bytes.fromhex(self.hmac_key_hex)
-        return bytes.fromhex(_secret_file(self.hmac_key_file))
+        return bytes.fromhex(secret_file(self.hmac_key_file))
 
     def ledger_signing_key(self) -> bytes | None:
         """The 32-byte Ed25519 seed that signs the ledger's tree heads: the hex setting,
@@ -116,15 +78,6 @@ class Settings:
             return None
         return signing_seed(text, "OBLIVIATE_LEDGER_SIGNING_KEY_HEX" if
                             self.ledger_signing_key_hex else self.ledger_signing_key_file)
-
-    def guard_noise_secret(self) -> bytes:
-        """The key of the guard's noise draws, the same in every serving process (derived
-        from the deployment secret, so nothing more to distribute)."""
-        return hmac.new(self.hmac_key(), b"obliviate guard noise", hashlib.sha256).digest()
-
-    def admin_bearer_token(self) -> str:
-        """The token admin endpoints require; created on first use if embedded."""
-        return self.admin_token or _secret_file(self.admin_token_file)
 
     def open_ledger(self, sign: bool = True) -> Ledger:
         """The ledger. With `sign` it signs heads with the deployment's one key and
@@ -156,7 +109,7 @@ class Settings:
         ledger = self._ledger()
         try:
             if seed is None:
-                held = ledger.signing_log()
+                held = ledger.heads.signing_log()
                 if held is not None:
                     raise SigningKeyRefused(
                         f"no ledger signing key at {self.ledger_signing_key_file}, and the "
@@ -164,7 +117,7 @@ class Settings:
                         "would start a second log; point OBLIVIATE_LEDGER_SIGNING_KEY_FILE (or "
                         "_HEX) at that log's key")
                 seed = key_file_seed(self.ledger_signing_key_file)
-            ledger.use_signing_key(seed)
+            ledger.heads.use_key(seed)
         except BaseException:
             ledger.close()
             raise
@@ -174,11 +127,6 @@ class Settings:
         return Ledger(self.database_url, self.hmac_key(), self.checkpoint_every,
                       self.purge_maintenance_s, head_interval_s=self.head_interval_s,
                       public_key=public_key, key_store=DirectoryKeyStore(self.key_store_dir))
-
-
-# how an OBLIVIATE_<FIELD> value is read, by the field's annotation (default: the string)
-_PARSERS = {"int": int, "float": float,
-            "float | None": lambda v: None if v.strip() in ("", "auto") else float(v)}
 
 
 def retention_configs(retention_s: float) -> dict[str, str]:
@@ -203,10 +151,10 @@ def signing_seed(text: str, where: str) -> bytes:
 
 def key_file_seed(path: str) -> bytes:
     """The signing key kept in the file `path`, created (0600) when there is none."""
-    return signing_seed(_secret_file(path), path)
+    return signing_seed(secret_file(path), path)
 
 
-def _secret_file(path_str: str) -> str:
+def secret_file(path_str: str) -> str:
     """A 256-bit hex secret kept in a 0600 file, created once (racing creators agree)."""
     path = Path(path_str)
     if not path.exists():

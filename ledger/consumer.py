@@ -7,7 +7,7 @@ is offset+1 committed to Kafka. A message seen again after a crash is
 recognised by its offset (or its request_id) and has no second effect.
 
 No message stops the consumer: whatever cannot be parsed, validated or stored is
-rejected with a reason (`Ledger.receive_batch`). A dead-letter copy that would not
+rejected with a reason (`RequestIntake.receive_batch`). A dead-letter copy that would not
 fit the broker's message limit is cut to a prefix, with headers that say so
 (`obliviate-truncated`: the original size) and the SHA-256 of the whole message
 (`obliviate-sha256`, the `message_sha256` of its `rejected` event). A batch is
@@ -149,7 +149,7 @@ class RequestConsumer:
         last_message = time.monotonic()
         try:
             while not self._stop.is_set():
-                self.ledger.maybe_sign_head()  # an idle tail gets its signed head too
+                self.ledger.heads.maybe_sign()  # an idle tail gets its signed head too
                 polled = consumer.poll(timeout_ms=self.poll_timeout_ms,
                                        max_records=self.batch_size)
                 if not polled:
@@ -183,7 +183,7 @@ class RequestConsumer:
             metrics.DEAD_LETTERS.inc(len(pairs))
 
         try:
-            results = self.ledger.receive_batch(msgs, before_commit=dead_letter)
+            results = self.ledger.intake.receive_batch(msgs, before_commit=dead_letter)
         except KafkaError as exc:  # dead letters not flushed: nothing was recorded
             log.warning("dead-letter topic unavailable (%s); retrying the batch", exc)
             self._rewind(consumer, polled)

@@ -188,7 +188,7 @@ def receipt(ledger: Ledger, request_id: str) -> dict[str, Any]:
     if first is None:
         raise ValueError(f"{request_id!r} is not applied yet: no version is served without "
                          "its records")
-    head = ledger.sign_head()
+    head = ledger.heads.sign()
     if head is None:
         raise ValueError("the ledger has no signed head to prove the receipt against (no "
                          "signing key, or signing refused: see `obliviate ledger verify`)")
@@ -199,11 +199,11 @@ def receipt(ledger: Ledger, request_id: str) -> dict[str, Any]:
             *(link["event_seq"] for link in chain["links"])}
     if chain["checked"]:
         seqs.add(chain["checked"]["event_seq"])
-    proofs = ledger.inclusion_proofs(sorted(seqs), head["tree_size"])
+    proofs = ledger.events.inclusion_proofs(sorted(seqs), head["tree_size"])
     with ledger.engine.connect() as conn:
         events = [{**stored_event(r), "inclusion_proof": proofs[r.seq]} for r in conn.execute(
             select(EVENTS).where(EVENTS.c.seq.in_(sorted(seqs))).order_by(EVENTS.c.seq))]
-    heads = ledger.published_heads(since=head["tree_size"] - 1)
+    heads = ledger.heads.published(since=head["tree_size"] - 1)
     named = next((h for h in heads["heads"] if h["tree_size"] == head["tree_size"]), None)
     if named is None:
         raise ValueError(f"the head over {head['tree_size']} events is not one of this log's "

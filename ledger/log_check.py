@@ -1,5 +1,5 @@
-"""What `Ledger.verify` reports, and the facts it gathers from the log to hold the working
-tables to."""
+"""What `LedgerVerifier.verify` reports, and the facts it gathers from the log to hold the
+working tables to."""
 
 from __future__ import annotations
 

@@ -112,8 +112,8 @@ class SealedPayload(SQLModel, table=True):
     sealed: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
 
 
-class PurgeMaintenance(SQLModel, table=True):
-    """One row: which purges have left the database files (`Ledger.purge_maintenance`).
+class PurgeMaintenanceState(SQLModel, table=True):
+    """One row: which purges have left the database files (`PurgeMaintenance.run`).
 
     `purges` counts purging transactions; `erased` is the value of `purges` that the
     last successful maintenance covered, so a crash between a purge and its

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ledger.models import (
     Checkpoint,
     Event,
-    PurgeMaintenance,
+    PurgeMaintenanceState,
     RecordPayload,
     Request,
     SealedPayload,
@@ -19,7 +19,7 @@ REQUESTS = Request.__table__
 RECORDS = TrainingRecord.__table__
 PAYLOADS = RecordPayload.__table__
 SEALED = SealedPayload.__table__
-MAINTENANCE = PurgeMaintenance.__table__
+MAINTENANCE = PurgeMaintenanceState.__table__
 CHECKPOINTS = Checkpoint.__table__
 HEADS = SignedHead.__table__
 OFFSETS = SourceOffset.__table__

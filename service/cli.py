@@ -26,11 +26,11 @@ from ledger import commands as ledger_cli
 SERVICE = "service.service:Obliviate"
 
 
-def _registry_check(ledger, settings):  # noqa: ANN001, ANN202 - see ledger.commands.VerifyCheck
+def _registry_check(ledger):  # noqa: ANN001, ANN202 - see ledger.commands.VerifyCheck
     """`ledger verify`'s check of the model registry (imported when verify runs)."""
     from jobs.orchestration.consistency import registry_check
 
-    return registry_check(ledger, settings)
+    return registry_check(ledger)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,11 +80,12 @@ def _serve(args: argparse.Namespace) -> int:
     The ledger is opened first: the database migrations run here, and an unreachable
     database is one line of error rather than a serving process's traceback.
     """
+    from jobs.orchestration.job_settings import JobSettings
     from jobs.orchestration.registry import Registry
 
-    s = ledger_cli.settings_from(args)
-    ledger = ledger_cli.open_ledger(args, s)
-    if Registry(ledger.engine, s.model_name, ledger.keys).current() is None:
+    model_name = JobSettings.from_env().model_name
+    ledger = ledger_cli.open_ledger(args)
+    if Registry(ledger.engine, model_name, ledger.keys).current() is None:
         print("obliviate: warning: no model version is published yet: /v1/predict answers "
               "503 until one is (`obliviate model train`, or `obliviate worker --train`)",
               file=sys.stderr)
@@ -150,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_url() -> str:
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
 
-    return Settings.database_url
+    return LedgerSettings.database_url
 
 
 def _first_line(exc: BaseException) -> str:

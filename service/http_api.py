@@ -162,7 +162,7 @@ def build_app(ctx: AppContext) -> Starlette:
         if result.status == "rejected":  # every 4xx body has an "error"
             answer["error"] = result.reason
         if result.status == "accepted":  # for the subject: GET /v1/requests/{id}/receipt
-            answer["receipt_token"] = ctx.ledger.receipt_token(result.request_id)
+            answer["receipt_token"] = ctx.ledger.events.receipt_token(result.request_id)
         return JSONResponse(answer, status_code=result.http_status)
 
     async def request_history(request: Request) -> Response:
@@ -185,7 +185,7 @@ def build_app(ctx: AppContext) -> Starlette:
 
     async def subject_requests(request: Request) -> Response:
         sid = _path_id(request, "subject_id")
-        rows = await run_in_threadpool(ctx.ledger.requests_of_subject, sid)
+        rows = await run_in_threadpool(ctx.ledger.lifecycle.requests_of_subject, sid)
         return JSONResponse({"subject_id": sid, "requests": rows})
 
     async def models(request: Request) -> Response:
@@ -210,14 +210,14 @@ def build_app(ctx: AppContext) -> Starlette:
         """Public: signed tree heads are meant to be published (and saved by auditors)."""
         since = _int_param(request, "since", 0, 0, _MAX_BIGINT)
         limit = _int_param(request, "limit", 1000, 1, 10_000)
-        return JSONResponse(await run_in_threadpool(ctx.ledger.published_heads, since, limit))
+        return JSONResponse(await run_in_threadpool(ctx.ledger.heads.published, since, limit))
 
     async def ledger_consistency(request: Request) -> Response:
         """Public: an RFC 6962 consistency proof between two tree sizes (hashes only)."""
         old = _int_param(request, "old", None, 0, _MAX_BIGINT)
         new = _int_param(request, "new", None, 0, _MAX_BIGINT)
         try:
-            proof = await run_in_threadpool(ctx.ledger.consistency, old, new)
+            proof = await run_in_threadpool(ctx.ledger.events.consistency, old, new)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
         return JSONResponse(proof)
@@ -228,7 +228,7 @@ def build_app(ctx: AppContext) -> Starlette:
 
     async def schema(request: Request) -> Response:
         """Public: what /v1/predict takes (feature names and ranges, scaling, classes)."""
-        doc = await run_in_threadpool(ctx.ledger.schema)
+        doc = await run_in_threadpool(ctx.ledger.records.schema)
         if doc is None:
             return JSONResponse({"error": "the ledger holds no records yet: run `obliviate "
                                           "ledger init`"}, status_code=503)
@@ -272,7 +272,7 @@ def _receipt_handler(ctx: AppContext, bearer: Callable[[Request], str | None],
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         rid = _path_id(request, "request_id")
         if not (is_admin(request) or secrets.compare_digest(
-                token.encode(), ctx.ledger.receipt_token(rid).encode())):
+                token.encode(), ctx.ledger.events.receipt_token(rid).encode())):
             return JSONResponse({"error": "neither this request's receipt token nor the "
                                           "admin token"}, status_code=403)
         try:

@@ -4,7 +4,9 @@
 are a Starlette app mounted beside it (:mod:`service.http_api`). BentoML
 provides `/healthz`, `/readyz` and `/metrics` (aggregated over its worker
 processes); `__metrics__` adds the gauges read from the ledger database.
-Configuration comes from OBLIVIATE_* variables (:class:`ledger.config.Settings`).
+Configuration comes from OBLIVIATE_* variables, each layer's own
+(:class:`ledger.config.LedgerSettings`, :class:`jobs.orchestration.job_settings.JobSettings`,
+:class:`service.service_settings.ServiceSettings`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.responses import JSONResponse
 
 from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
+from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import Registry
-from ledger.config import Settings
+from ledger.config import LedgerSettings
 from ledger.transform import InputTransform
 from service.http_api import AppContext, BodyLimit, ErrorShape, build_app, template_paths
 from service.model_holder import ModelHolder, NoModelError
 from service.service_metrics import LedgerCollector
+from service.service_settings import ServiceSettings, guard_noise_secret
 from service.usage import GuardUsage
 
 MAX_BATCH = 10_000
@@ -109,24 +113,27 @@ class Obliviate:
     """One serving process: a model holder watching the registry, and the ledger."""
 
     def __init__(self) -> None:
-        settings = Settings.from_env()
-        guard = settings.choice("guard", ("on", "off"))
-        self.ledger = settings.open_ledger()  # applies the database migrations
+        ledger_settings = LedgerSettings.from_env()
+        job_settings = JobSettings.from_env()
+        settings = ServiceSettings.from_env()
+        guard = job_settings.choice("guard", ("on", "off"))
+        self.ledger = ledger_settings.open_ledger()  # applies the database migrations
         log.info("%s", self.ledger.schema_upgrade.describe())
         self._input_transform: InputTransform | None = None
-        self.registry = Registry(self.ledger.engine, settings.model_name, self.ledger.keys)
+        self.registry = Registry(self.ledger.engine, job_settings.model_name, self.ledger.keys)
         self.usage = GuardUsage(self.ledger.engine)
-        self.budgets = (SeedBudgets(self.ledger.engine, settings.model_name)
-                        if budget_policy(settings) else None)
+        self.budgets = (SeedBudgets(self.ledger.engine, job_settings.model_name)
+                        if budget_policy(job_settings) else None)
         self.holder = ModelHolder(self.registry, epsilon=settings.epsilon,
                                   memo_size=settings.memo_size,
                                   epsilon_budget=settings.epsilon_budget,
                                   poll_s=settings.registry_poll_s,
                                   guarded=guard == "on", usage=self.usage,
                                   budgets=self.budgets,
-                                  max_unconfirmed_s=settings.destroy_grace_s / 2,
-                                  noise_secret=settings.guard_noise_secret()).start()
-        # a quiet ledger still gets its tail signed (Ledger.maybe_sign_head never raises)
+                                  max_unconfirmed_s=job_settings.destroy_grace_s / 2,
+                                  noise_secret=guard_noise_secret(
+                                      ledger_settings.hmac_key())).start()
+        # a quiet ledger still gets its tail signed (TreeHeads.maybe_sign never raises)
         threading.Thread(target=self._sign_heads, name="ledger-heads", daemon=True).start()
         CONTEXT.ledger, CONTEXT.registry, CONTEXT.usage = self.ledger, self.registry, self.usage
         CONTEXT.admin_token = settings.admin_bearer_token()
@@ -162,7 +169,7 @@ class Obliviate:
     def _transform(self) -> InputTransform | None:
         """The input transform stored at `ledger init` (fixed once set: read once)."""
         if self._input_transform is None:
-            self._input_transform = self.ledger.input_transform()
+            self._input_transform = self.ledger.records.input_transform()
         return self._input_transform
 
     def __is_ready__(self) -> bool:
@@ -174,7 +181,7 @@ class Obliviate:
     def _sign_heads(self) -> None:
         while True:
             time.sleep(1.0)
-            self.ledger.maybe_sign_head()
+            self.ledger.heads.maybe_sign()
 
     def _seed_budget_spent(self) -> float:
         """Share of the current seed lineage's budget spent (0 outside private mode)."""
@@ -184,11 +191,11 @@ class Obliviate:
         return budget.spent_ratio if budget is not None else 0.0
 
     def _pending(self) -> int:
-        counts = self.ledger.status_counts()
+        counts = self.ledger.lifecycle.status_counts()
         return counts.get("received", 0) + counts.get("claimed", 0)
 
     def _unverified(self) -> int:
-        return self.ledger.status_counts().get("applied", 0)
+        return self.ledger.lifecycle.status_counts().get("applied", 0)
 
 
 # Outermost first: the body limit before anything reads the body (every path; the mounted

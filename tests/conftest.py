@@ -68,7 +68,7 @@ def ledger(db_url: str) -> Iterator[Ledger]:
 def seed(ledger: Ledger, n: int = 30, n_features: int = 4, per_subject: int = 3) -> None:
     """n records r000..; subjects s00.. own `per_subject` records each; labels 0/1/2."""
     rng = np.random.default_rng(0)
-    ledger.load_records([f"r{i:03d}" for i in range(n)],
+    ledger.records.load([f"r{i:03d}" for i in range(n)],
                         [f"s{i // per_subject:02d}" for i in range(n)],
                         rng.random((n, n_features)), np.arange(n) % 3, name="toy")
 

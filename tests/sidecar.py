@@ -229,16 +229,16 @@ class Sidecar:
     def seed(self) -> int:
         """Load the data set into the ledger's record store (in this process); its event seq."""
         from ledger import datasets
-        from ledger.config import Settings
+        from ledger.config import LedgerSettings
 
         ds = (datasets.load(self.dataset, records_per_subject=self.records_per_subject)
               if isinstance(self.dataset, str) else self.dataset)
-        ledger = Settings(database_url=self.database_url,
-                          hmac_key_file=str(self.hmac_key_file),
-                          ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
-                          key_store_dir=self.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
+        ledger = LedgerSettings(
+            database_url=self.database_url, hmac_key_file=str(self.hmac_key_file),
+            ledger_signing_key_file=self.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+            key_store_dir=self.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
         try:
-            return ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+            return ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
                                        transform=ds.transform)
         finally:
             ledger.close()

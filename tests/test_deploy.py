@@ -3,7 +3,9 @@ every metric the alerts and the dashboard query is one the code exports.
 
 No servers: the compose file, the Kubernetes manifests, the Prometheus config
 and rules and the Grafana dashboard are parsed and compared with each other,
-with `ledger.config.Settings` and with the metric objects of `ledger.intake_metrics`,
+with the settings of every layer (`ledger.config.LedgerSettings`,
+`jobs.orchestration.job_settings.JobSettings`, `service.service_settings.ServiceSettings`)
+and with the metric objects of `ledger.intake_metrics`,
 `jobs.orchestration.worker_metrics` and `service.service_metrics`.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from jobs.orchestration import worker_metrics as job_metrics
+from jobs.orchestration.job_settings import JobSettings
 from ledger import intake_metrics as ledger_metrics
-from ledger.config import Settings, retention_configs
+from ledger.config import LedgerSettings, retention_configs
 from service import service_metrics
+from service.service_settings import ServiceSettings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
@@ -44,7 +47,7 @@ K8S_DEPLOYMENTS = {f"obliviate-{name}": name for name in OBLIVIATE_SERVICES}
 K8S_KINDS = {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Deployment",
              "Service", "Kustomization"}
 
-# Environment names other modules read besides Settings' OBLIVIATE_<FIELD> ones.
+# Environment names other modules read besides the settings' OBLIVIATE_<FIELD> ones.
 EXTRA_ENV = {
     "OBLIVIATE_ADMIN_TOKEN",            # service: bearer token of the admin endpoints
     "OBLIVIATE_WORKER_METRICS_PORT",    # worker: metrics port
@@ -222,7 +225,8 @@ def _unknown_metrics(exprs: list[tuple[str, str]]) -> list[str]:
 
 
 def _allowed_env() -> set[str]:
-    return {f"OBLIVIATE_{f.name.upper()}" for f in fields(Settings)} | EXTRA_ENV
+    return (LedgerSettings.variables() | JobSettings.variables() | ServiceSettings.variables()
+            | EXTRA_ENV)
 
 
 # --------------------------------------------------------------------------- every file loads
@@ -272,7 +276,7 @@ def test_compose_obliviate_service(name: str) -> None:
     env = svc["environment"]
     assert isinstance(env, dict), f"{name}: environment must be a mapping"
     unknown = sorted(set(env) - _allowed_env())
-    assert not unknown, (f"{name}: environment names that neither ledger.config.Settings "
+    assert not unknown, (f"{name}: environment names that no layer's settings "
                          f"(OBLIVIATE_<FIELD>) nor EXTRA_ENV know: {unknown}")
     assert not REQUIRED_ENV - set(env), f"{name}: missing {sorted(REQUIRED_ENV - set(env))}"
     assert env["OBLIVIATE_KAFKA_BOOTSTRAP"] == "kafka:9092"
@@ -568,7 +572,7 @@ def test_k8s_configuration_names() -> None:
     secret = _k8s("Secret")["obliviate-secrets"]["stringData"]
     allowed = _allowed_env()
     unknown = sorted((set(config) | set(secret)) - allowed)
-    assert not unknown, f"names neither Settings nor EXTRA_ENV know: {unknown}"
+    assert not unknown, f"names neither the settings nor EXTRA_ENV know: {unknown}"
     assert not SECRET_ENV & set(config), "secrets belong in the Secret, not the ConfigMap"
     assert not REQUIRED_ENV - set(config) - set(secret)
     assert set(secret) == SECRET_ENV
@@ -580,7 +584,7 @@ def test_topics_are_created_with_the_documented_retention() -> None:
     """Raw requests (additions carry features) live in Kafka for the retention
     docs/operations.md states, and segments roll often enough for it to be kept (Kafka
     deletes whole ones)."""
-    s = Settings()
+    s = LedgerSettings()
     want = {s.requests_topic: retention_configs(s.requests_retention_s),
             s.dead_letter_topic: retention_configs(s.dead_letter_retention_s)}
     assert want == s.topic_configs()

@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 
 from jobs.orchestration.model_store import VersionStore
 from jobs.orchestration.registry import Registry
-from ledger.config import Settings
+from ledger.config import LedgerSettings
 from ledger.datasets import load
 from ledger.local_broker import LocalBroker
 from ledger.models import RecordPayload, TrainingRecord
@@ -93,9 +93,10 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             applied = [e for e in h["events"] if e["kind"] == "applied"]
             assert len(applied) == 1 and _seq(applied[0]["model_version"]) <= _seq(served)
 
-        ledger = Settings(database_url=sc.database_url, hmac_key_file=str(sc.hmac_key_file),
-                          ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
-                          key_store_dir=sc.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
+        ledger = LedgerSettings(
+            database_url=sc.database_url, hmac_key_file=str(sc.hmac_key_file),
+            ledger_signing_key_file=sc.env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+            key_store_dir=sc.env["OBLIVIATE_KEY_STORE_DIR"]).open_ledger()
         try:
             # that version, from the registry (the sidecar's model store): without the
             # deleted records, with the added one, and exactly what retraining gives
@@ -104,7 +105,7 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
                 model = Registry(ledger.engine, "obliviate", ledger.keys).load(served)
             held = set(model.learner.record_ids_.tolist())
             assert held.isdisjoint(DELETED) and ADDED in held
-            assert held == set(ledger.live_records().record_ids.tolist())
+            assert held == set(ledger.records.live().record_ids.tolist())
             assert len(held) == 569 - len(DELETED) + 1
             report = model.learner.verify()
             assert report.exact, (report.served_hash, report.retrained_hash)
@@ -121,7 +122,7 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
             assert left == 0
             # the addition is kept sealed under its own key (ledger.sealed_payloads)
             assert rows[ADDED].state == "live" and in_clear == 0
-            assert ledger.record_data([ADDED])[1].tolist() == [1]
+            assert ledger.records.data([ADDED])[1].tolist() == [1]
         finally:
             ledger.close()
 

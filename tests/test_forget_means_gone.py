@@ -46,7 +46,7 @@ def _stream(ledger: Ledger, tag: str):
     ids = [f"{tag}-r{i:03d}" for i in range(N)]
     subjects = [f"{tag}-s{i // 3:02d}" for i in range(N)]
     X = rng.random((N, D))
-    ledger.load_records(ids, subjects, X, np.arange(N) % 3, name="forget")
+    ledger.records.load(ids, subjects, X, np.arange(N) % 3, name="forget")
     return ids, X, rng
 
 

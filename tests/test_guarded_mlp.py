@@ -252,7 +252,7 @@ def test_the_worker_swaps_a_deletion_in_and_the_guard_job_bounds_the_rest(
     # no stored file holds r004: the served version's LOO set is of the records left, and
     # the versions before the deletion are destroyed (the loop a deployed worker runs)
     w.run(max_seconds=2.0)
-    X, _ = ledger.record_data([f"r{i:03d}" for i in range(60) if i != 4])
+    X, _ = ledger.records.data([f"r{i:03d}" for i in range(60) if i != 4])
     gone_x = np.random.default_rng(0).random((60, 4))[4]  # conftest.seed's features of r004
     assert TraceScanner({"r004": gone_x}, kept=X).scan_model_store(reg) == []
 

@@ -79,7 +79,7 @@ def dead_letters(broker: LocalBroker, topic: str, n: int) -> list:
 
 
 def event_counts(ledger: Ledger) -> Counter:
-    return Counter(e["kind"] for e in ledger.export())
+    return Counter(e["kind"] for e in ledger.events.export())
 
 
 def test_stream_is_recorded_once_and_rejects_are_dead_lettered(broker, topics, tmp_path) -> None:
@@ -186,7 +186,8 @@ def test_sigkill_mid_stream_then_restart_loses_and_repeats_nothing(broker, topic
     out, _ = second.communicate(timeout=30)
     assert second.returncode == 0, out  # graceful stop
 
-    per_request = Counter(e["request_id"] for e in ledger.export() if e["kind"] == "received")
+    per_request = Counter(e["request_id"] for e in ledger.events.export()
+                          if e["kind"] == "received")
     accepted_ids = {m["request_id"] for m in messages if isinstance(m, dict)}
     assert set(per_request) == accepted_ids, "a request was lost"
     assert max(per_request.values()) == 1, "a request was recorded twice"

@@ -52,17 +52,23 @@ def _add(rid: str, record_id: str, features: list[float]) -> dict:
 
 def _seeded(ledger: Ledger, n: int = 60) -> None:
     rng = np.random.default_rng(7)
-    ledger.load_records([f"r{i:03d}" for i in range(n)], [f"s{i // 3:02d}" for i in range(n)],
+    ledger.records.load([f"r{i:03d}" for i in range(n)], [f"s{i // 3:02d}" for i in range(n)],
                         rng.random((n, D)), np.arange(n) % 2, name="toy")
 
 
 def _run_until_settled(worker: Worker, ledger: Ledger, passes: int = 200) -> None:
     for _ in range(passes):
         worker.step()
-        counts = ledger.status_counts()
+        counts = ledger.lifecycle.status_counts()
         if not counts.get("received") and not counts.get("claimed"):
             return
-    raise AssertionError(f"requests did not settle: {ledger.status_counts()}")
+    raise AssertionError(f"requests did not settle: {ledger.lifecycle.status_counts()}")
+
+
+def _apply(ledger: Ledger, version: str) -> None:
+    """Claim the waiting requests and mark them applied on `version`."""
+    ledger.lifecycle.mark_applied([r.request_id for r in ledger.lifecycle.claim(10, worker="w")],
+                                  version)
 
 
 def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
@@ -80,7 +86,7 @@ def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
     added = _values(424242)
     assert ledger.receive(_add("a1", "n1", added)).status == "accepted"
     _run_until_settled(worker, ledger)
-    assert ledger.record_data(["n1"])[0].tolist() == [added]
+    assert ledger.records.data(["n1"])[0].tolist() == [added]
     assert ledger.receive({"request_id": "d1", "op": "delete",
                            "record_ids": ["n1", "r004"]}).status == "accepted"
     _run_until_settled(worker, ledger)
@@ -92,7 +98,7 @@ def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
     assert all(registry.get(v).destroyed_at is not None for v in keys)
     assert not any(registry.has_key(v) for v in keys)
     with pytest.raises(KeyError):
-        ledger.record_data(["n1"])
+        ledger.records.data(["n1"])
 
     with ledger.engine.connect() as conn:
         conn.execute(text("CHECKPOINT"))
@@ -109,7 +115,7 @@ def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
             for seg, data in wal.items() if pat in data]
     assert not hits, hits
     # not vacuous: a loaded record's values, inserted as JSON text, are in the WAL
-    live = ledger.record_data(["r000"])[0][0].tolist()
+    live = ledger.records.data(["r000"])[0][0].tolist()
     assert any(repr(live[0]).encode() in data for data in wal.values())
     ledger.close()
 
@@ -127,10 +133,10 @@ def test_an_addition_is_ciphertext_under_a_key_of_its_own(ledger: Ledger) -> Non
     assert not any(p in blob for p in _representations(values).values())
     assert ledger.sealer.open("n1", blob) == (values, 1)
     # a copy of the row (a backup, a WAL record) opens until the key is destroyed
-    claimed = [r.request_id for r in ledger.claim(10, worker="w")]
-    ledger.mark_applied(claimed, "v1")
+    claimed = [r.request_id for r in ledger.lifecycle.claim(10, worker="w")]
+    ledger.lifecycle.mark_applied(claimed, "v1")
     ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["n1"]})
-    ledger.mark_applied([r.request_id for r in ledger.claim(10, worker="w")], "v2")
+    _apply(ledger, "v2")
     with pytest.raises(PayloadKeyMissing):
         ledger.sealer.open("n1", blob)
     assert ledger.verify().ok, ledger.verify().problems
@@ -138,7 +144,7 @@ def test_an_addition_is_ciphertext_under_a_key_of_its_own(ledger: Ledger) -> Non
     # second connection inside verify's would wait for the lock)
     fresh = Ledger(ledger.url, HMAC_KEY)
     assert fresh.verify().ok
-    assert Ledger(ledger.url, HMAC_KEY).purge_maintenance(force=True)["ran"]
+    assert Ledger(ledger.url, HMAC_KEY).maintenance.run(force=True)["ran"]
     fresh.close()
 
 
@@ -146,9 +152,9 @@ def test_verify_catches_a_missing_or_surviving_payload_key(ledger: Ledger) -> No
     _seeded(ledger)
     ledger.receive(_add("a1", "n1", _values(1)))
     ledger.receive(_add("a2", "n2", _values(2)))
-    ledger.mark_applied([r.request_id for r in ledger.claim(10, worker="w")], "v1")
+    _apply(ledger, "v1")
     ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["n2"]})
-    ledger.mark_applied([r.request_id for r in ledger.claim(10, worker="w")], "v2")
+    _apply(ledger, "v2")
     ledger.keys.delete(ledger.sealer.key_name("n1"))  # a live record's key lost
     ledger.keys.put(ledger.sealer.key_name("n2"), bytes(32))  # a purged one's back
     found = [str(p) for p in ledger.verify().problems]
@@ -160,13 +166,13 @@ def test_verify_catches_a_missing_or_surviving_payload_key(ledger: Ledger) -> No
 def test_a_crash_before_the_keys_are_destroyed_is_swept(ledger: Ledger, monkeypatch) -> None:
     _seeded(ledger)
     ledger.receive(_add("a1", "n1", _values(3)))
-    ledger.mark_applied([r.request_id for r in ledger.claim(10, worker="w")], "v1")
+    _apply(ledger, "v1")
     ledger.receive({"request_id": "d1", "op": "delete", "record_ids": ["n1"]})
     monkeypatch.setattr(ledger.sealer, "destroy", lambda ids: 0)  # dies after the commit
-    ledger.mark_applied([r.request_id for r in ledger.claim(10, worker="w")], "v2")
+    _apply(ledger, "v2")
     monkeypatch.undo()
     assert ledger.sealer.has_key("n1")
-    ledger.purge_maintenance(force=True)
+    ledger.maintenance.run(force=True)
     assert not ledger.sealer.has_key("n1")
 
 

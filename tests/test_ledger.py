@@ -32,9 +32,9 @@ def add(rid: str, record_id: str, subject: str = "s99", features=None, label: in
 
 
 def apply_all(ledger: Ledger, version: str = "v2") -> list[str]:
-    ids = [r.request_id for r in ledger.claim(100, worker="w1")]
-    ledger.mark_applied(ids, version, {"guarantee": "exact"})
-    ledger.mark_verified(ids, version)
+    ids = [r.request_id for r in ledger.lifecycle.claim(100, worker="w1")]
+    ledger.lifecycle.mark_applied(ids, version, {"guarantee": "exact"})
+    ledger.lifecycle.mark_verified(ids, version)
     return ids
 
 
@@ -66,7 +66,7 @@ def test_duplicate_request_id_is_ignored_and_counted(seeded: Ledger) -> None:
 
 
 def test_duplicates_within_one_batch(seeded: Ledger) -> None:
-    results = seeded.receive_batch([IncomingMessage(delete("a", "r001")),
+    results = seeded.intake.receive_batch([IncomingMessage(delete("a", "r001")),
                                     IncomingMessage(delete("a", "r001"))])
     assert [r.status for r in results] == ["accepted", "duplicate"]
 
@@ -114,7 +114,7 @@ def test_lifecycle_purges_deleted_records_and_keeps_their_fingerprint(seeded: Le
     assert applied["model_version"] == "v2"
     assert applied["payload"]["purged_record_hashes"] == before
     assert applied["payload"]["guarantee"] == "exact"
-    live = seeded.live_records()
+    live = seeded.records.live()
     assert "r001" not in set(live.record_ids) and "new1" in set(live.record_ids)
     assert live.X.shape == (30, 4)
     # the purged record can be neither deleted again nor re-added under its id
@@ -133,24 +133,24 @@ def test_subject_with_everything_deleted_says_so(seeded: Ledger) -> None:
 def test_invalid_transitions_are_refused(seeded: Ledger) -> None:
     seeded.receive(delete("d", "r001"))
     with pytest.raises(ValueError, match="only a 'claimed' request"):
-        seeded.mark_applied(["d"], "v2")
+        seeded.lifecycle.mark_applied(["d"], "v2")
     with pytest.raises(KeyError):
-        seeded.mark_verified(["nope"], "v2")
-    [claimed] = seeded.claim(10)
-    assert claimed.request_id == "d" and seeded.claim(10, worker="other") == []
-    seeded.mark_failed("d", "learner crashed")
+        seeded.lifecycle.mark_verified(["nope"], "v2")
+    [claimed] = seeded.lifecycle.claim(10)
+    assert claimed.request_id == "d" and seeded.lifecycle.claim(10, worker="other") == []
+    seeded.lifecycle.mark_failed("d", "learner crashed")
     assert seeded.history("d")["request"]["status"] == "failed"
     assert seeded.verify().ok
 
 
 def test_claims_are_taken_back_after_a_crash_or_a_lease(seeded: Ledger) -> None:
     seeded.receive(delete("d", "r001"))
-    assert [r.request_id for r in seeded.claim(10, worker="a")] == ["d"]
-    assert seeded.claim(10, worker="b") == []  # a's claim is live
+    assert [r.request_id for r in seeded.lifecycle.claim(10, worker="a")] == ["d"]
+    assert seeded.lifecycle.claim(10, worker="b") == []  # a's claim is live
     # a restarted under the same name takes its claim back at once
-    assert [r.request_id for r in seeded.claim(10, worker="a")] == ["d"]
+    assert [r.request_id for r in seeded.lifecycle.claim(10, worker="a")] == ["d"]
     # anyone may take it once the lease has run out
-    [r] = seeded.claim(10, worker="b", lease_s=0.0)
+    [r] = seeded.lifecycle.claim(10, worker="b", lease_s=0.0)
     assert r.claimed_by == "b"
     claims = [e for e in seeded.history("d")["events"] if e["kind"] == "claimed"]
     assert [e["payload"].get("reclaimed_from") for e in claims] == [None, "a", "a"]
@@ -171,7 +171,7 @@ def test_verify_names_an_edited_event(seeded: Ledger) -> None:
 def test_verify_names_a_removed_event_and_a_forged_checkpoint(seeded: Ledger) -> None:
     for i in range(12):  # checkpoint_every=10 -> a checkpoint is written
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
-    cp = seeded.checkpoint()
+    cp = seeded.heads.checkpoint()
     assert cp is not None and cp.tree_size == 13
     tamper(seeded, "DELETE FROM events WHERE seq = 7")
     result = seeded.verify()
@@ -182,7 +182,7 @@ def test_verify_names_a_removed_event_and_a_forged_checkpoint(seeded: Ledger) ->
 def test_verify_names_a_forged_checkpoint_root(seeded: Ledger) -> None:
     for i in range(3):
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
-    cp = seeded.checkpoint()
+    cp = seeded.heads.checkpoint()
     tamper(seeded, "UPDATE checkpoints SET root_hash = :r WHERE tree_size = :n",
            r="ab" * 32, n=cp.tree_size)
     problems = [str(p) for p in seeded.verify().problems]
@@ -193,7 +193,7 @@ def test_verify_names_a_forged_checkpoint_root(seeded: Ledger) -> None:
 def test_verify_catches_rewritten_tail_through_the_checkpoint(seeded: Ledger) -> None:
     """Re-hashing an edited last event keeps the chain whole; the checkpoint still sees it."""
     seeded.receive(delete("q", "r001"))
-    cp = seeded.checkpoint()
+    cp = seeded.heads.checkpoint()
     with seeded.engine.connect() as conn:
         e = conn.execute(text("SELECT * FROM events WHERE seq = :n"), {"n": cp.tree_size}).one()
     from ledger.chain import event_hash
@@ -245,7 +245,7 @@ def test_inclusion_proofs_verify_and_fail_when_tampered(seeded: Ledger) -> None:
 def test_incremental_checkpoints_match_a_full_recomputation(seeded: Ledger) -> None:
     for i in range(27):
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
-    seeded.checkpoint()
+    seeded.heads.checkpoint()
     with seeded.engine.connect() as conn:
         hashes = [r[0] for r in conn.execute(text("SELECT hash FROM events ORDER BY seq"))]
         cps = conn.execute(text("SELECT tree_size, root_hash FROM checkpoints")).all()
@@ -257,22 +257,22 @@ def test_incremental_checkpoints_match_a_full_recomputation(seeded: Ledger) -> N
 def test_export_since_sequence_and_time(seeded: Ledger) -> None:
     for i in range(4):
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
-    events = list(seeded.export())
+    events = list(seeded.events.export())
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
-    assert [e["seq"] for e in seeded.export(since=3)] == [4, 5]
-    assert len(list(seeded.export(since=events[1]["created_at"]))) >= 4
-    assert list(seeded.export(since="2999-01-01T00:00:00+00:00")) == []
+    assert [e["seq"] for e in seeded.events.export(since=3)] == [4, 5]
+    assert len(list(seeded.events.export(since=events[1]["created_at"]))) >= 4
+    assert list(seeded.events.export(since="2999-01-01T00:00:00+00:00")) == []
 
 
 def test_redelivered_kafka_offsets_have_no_second_effect(seeded: Ledger) -> None:
     batch = [IncomingMessage(json.dumps(delete(f"k{i}", f"r{i:03d}")).encode(), "kafka",
                              "t", 0, i) for i in range(3)]
     batch.append(IncomingMessage(b"garbage", "kafka", "t", 0, 3))
-    first = seeded.receive_batch(batch)
+    first = seeded.intake.receive_batch(batch)
     assert [r.status for r in first] == ["accepted"] * 3 + ["rejected"]
-    again = seeded.receive_batch(batch)
+    again = seeded.intake.receive_batch(batch)
     assert [r.status for r in again] == ["redelivered"] * 4
-    assert len(list(seeded.export())) == 1 + 4
+    assert len(list(seeded.events.export())) == 1 + 4
 
 
 def test_failing_dead_letter_hook_records_nothing(seeded: Ledger) -> None:
@@ -282,9 +282,9 @@ def test_failing_dead_letter_hook_records_nothing(seeded: Ledger) -> None:
     msgs = [IncomingMessage(b"garbage", "kafka", "t", 0, 0),
             IncomingMessage(json.dumps(delete("ok", "r001")).encode(), "kafka", "t", 0, 1)]
     with pytest.raises(ConnectionError):
-        seeded.receive_batch(msgs, before_commit=broken)
-    assert len(list(seeded.export())) == 1  # only the initial load
-    assert [r.status for r in seeded.receive_batch(msgs)] == ["rejected", "accepted"]
+        seeded.intake.receive_batch(msgs, before_commit=broken)
+    assert len(list(seeded.events.export())) == 1  # only the initial load
+    assert [r.status for r in seeded.intake.receive_batch(msgs)] == ["rejected", "accepted"]
 
 
 def test_concurrent_writers_keep_one_chain(db_url: str) -> None:
@@ -317,9 +317,9 @@ def test_load_records_refuses_bad_input(ledger: Ledger) -> None:
         seed(ledger)
     import numpy as np
     with pytest.raises(ValueError, match="NaN"):
-        ledger.load_records(["z"], ["s"], np.array([[np.nan, 0, 0, 0]]), np.array([0]))
+        ledger.records.load(["z"], ["s"], np.array([[np.nan, 0, 0, 0]]), np.array([0]))
     with pytest.raises(ValueError, match="schema"):
-        ledger.load_records(["z"], ["s"], np.zeros((1, 3)), np.array([0]))
+        ledger.records.load(["z"], ["s"], np.zeros((1, 3)), np.array([0]))
 
 
 def _record(ledger: Ledger, record_id: str):
@@ -345,6 +345,6 @@ def test_auditor_recomputes_exported_events_without_the_database(seeded: Ledger)
 
     seeded.receive(add("n", "new1", features=[0.1, 1e-7, 0.3333333333333333, 2.5]))
     seeded.receive(delete("d", subject="s01"))
-    for ev in seeded.export():
+    for ev in seeded.events.export():
         assert event_hash(ev["seq"], ev["request_id"], ev["kind"], canonical_json(ev["payload"]),
                           ev["model_version"], ev["created_at"], ev["prev_hash"]) == ev["hash"]

@@ -102,11 +102,11 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
     kept = {r["record_id"]: (r["features"]["$json"], r["label"])
             for r in old["training_records"] if r["state"] != "purged"}
     assert moved == kept and len(kept) < len(old["training_records"])
-    status = led.purge_status()
+    status = led.maintenance.status()
     assert status["rewrite_records"] and status["pending"] == 1  # the old table is rewritten
 
     # the schema row got the identity transform: raw == scaled, as before
-    t = led.input_transform()
+    t = led.records.input_transform()
     assert not t.fitted and t.mins == (0.0,) * 4 and t.maxs == (1.0,) * 4
     # the registry reads its old rows, with the new columns empty
     cur = Registry(led.engine, "obliviate").current()
@@ -119,7 +119,7 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
     # and the upgraded ledger keeps working
     assert led.receive(json.dumps({"request_id": "after", "op": "delete",
                                    "record_ids": ["r001"]}).encode()).status == "accepted"
-    assert led.purge_maintenance(force=True)["outcome"] == "erased"
+    assert led.maintenance.run(force=True)["outcome"] == "erased"
     assert led.verify().problems == []
     led.close()
     # a second process finds it at head and changes nothing

@@ -617,10 +617,11 @@ N_FEATURES = 30
 def predict_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """The BentoML service in-process (its ASGI app, middleware included) over a ledger
     with breast_cancer and a small DaRE forest, under a model name of its own."""
+    from jobs.orchestration.job_settings import JobSettings
     from jobs.orchestration.registry import Registry
     from jobs.orchestration.worker import Worker, WorkerConfig
     from ledger import datasets
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
 
     work = tmp_path_factory.mktemp("predict")
     env = {"OBLIVIATE_DATABASE_URL": f"sqlite:///{work / 'ledger.db'}",
@@ -632,11 +633,11 @@ def predict_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        s = Settings.from_env()
-        ledger = s.open_ledger()
+        ledger = LedgerSettings.from_env().open_ledger()
         ds = datasets.load("breast_cancer", records_per_subject=3)
-        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
-        Worker(ledger, Registry(ledger.engine, s.model_name), WorkerConfig()).bootstrap(
+        ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+        registry = Registry(ledger.engine, JobSettings.from_env().model_name)
+        Worker(ledger, registry, WorkerConfig()).bootstrap(
             "dare", {"n_estimators": 3, "max_depth": 3})
         from service.service import Obliviate
 

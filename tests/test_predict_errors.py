@@ -18,7 +18,7 @@ TOKEN = "a" * 40
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     from ledger import datasets
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
 
     work = tmp_path_factory.mktemp("no-model")
     env = {"OBLIVIATE_DATABASE_URL": f"sqlite:///{work / 'ledger.db'}",
@@ -31,9 +31,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        ledger = Settings.from_env().open_ledger()
+        ledger = LedgerSettings.from_env().open_ledger()
         ds = datasets.load("iris")
-        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+        ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
                             transform=ds.transform)
         from service.service import Obliviate
 

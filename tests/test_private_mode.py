@@ -93,7 +93,7 @@ def test_answers_are_private_votes_until_the_budget_is_spent(seeded60: Ledger) -
     cur = reg.current()
     assert cur.manifest["change"]["op"] == "retrain" and cur.manifest["seed_lineage"] == cur.version
     assert cur.manifest["seed"] != reg.get(v1).manifest["seed"]
-    events = [e for e in ledger.export() if e["kind"] == "seeds_rotated"]
+    events = [e for e in ledger.events.export() if e["kind"] == "seeds_rotated"]
     assert len(events) == 1 and events[0]["model_version"] == cur.version
     reason = events[0]["payload"]["change"]["reason"]
     assert reason["lineage"] == v1 and reason["answers"] == 4
@@ -130,7 +130,7 @@ def test_a_crash_before_the_retrain_is_published_loses_nothing(seeded60: Ledger,
     assert restarted.step() is True  # the retention pass sweeps them (never published)
     assert restarted.step() is False
     assert reg.stored_versions() == [v1, reg.current().version]
-    kinds = [e["kind"] for e in ledger.export()]
+    kinds = [e["kind"] for e in ledger.events.export()]
     assert kinds.count("seeds_rotated") == 1
     assert reg.current().manifest["seed_lineage"] == reg.current().version
 

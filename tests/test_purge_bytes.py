@@ -95,7 +95,7 @@ def features_of(i: int) -> list[float]:
 def load(ledger: Ledger) -> dict[str, list[float]]:
     ids = [f"r{i:03d}" for i in range(N)]
     X = np.array([features_of(i) for i in range(N)])
-    ledger.load_records(ids, [f"s{i // 3:02d}" for i in range(N)], X, np.arange(N) % 3)
+    ledger.records.load(ids, [f"s{i // 3:02d}" for i in range(N)], X, np.arange(N) % 3)
     return dict(zip(ids, X.tolist(), strict=True))
 
 
@@ -115,9 +115,9 @@ def add(rid: str, record_id: str, features: list[float]) -> dict:
 
 
 def apply_all(ledger: Ledger, version: str) -> int:
-    ids = [r.request_id for r in ledger.claim(100, worker="w1")]
-    purged = ledger.mark_applied(ids, version, {"guarantee": "exact"})
-    ledger.mark_verified(ids, version)
+    ids = [r.request_id for r in ledger.lifecycle.claim(100, worker="w1")]
+    purged = ledger.lifecycle.mark_applied(ids, version, {"guarantee": "exact"})
+    ledger.lifecycle.mark_verified(ids, version)
     return purged
 
 
@@ -142,11 +142,11 @@ def found(files: dict[str, bytes], values: list[float]) -> list[str]:
 def maintain(ledger: Ledger) -> dict:
     """The sidecar's maintenance call; retried (forced) while another session's snapshot
     holds the horizon back, as the worker's next call would."""
-    result = ledger.purge_maintenance()
+    result = ledger.maintenance.run()
     for _ in range(20):
         if result["pending"] == 0:
             break
-        result = ledger.purge_maintenance(force=True)
+        result = ledger.maintenance.run(force=True)
     assert result["pending"] == 0, result
     return result
 
@@ -159,7 +159,7 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
     assert ledger.receive(add("a1", "n1", added)).status == "accepted"
     assert ledger.receive(add("a2", "n2", kept)).status == "accepted"
     assert apply_all(ledger, "v1") == 0
-    assert ledger.record_data(["n1"])[0].tolist() == [added]
+    assert ledger.records.data(["n1"])[0].tolist() == [added]
     assert ledger.receive(delete("d1", "r003")).status == "accepted"
     assert ledger.receive(delete("d2", subject="s05")).record_ids == ("r015", "r016", "r017")
     assert ledger.receive(delete("d3", "n1")).status == "accepted"  # added, then deleted
@@ -171,7 +171,7 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
             "r017": values["r017"], "n1": added}
 
     if pg:  # until maintenance, the dead tuples still hold the values
-        assert ledger.purge_status()["pending"] == 1
+        assert ledger.maintenance.status()["pending"] == 1
         if is_superuser(ledger):
             assert found(pg_files(ledger), values["r003"])
         result = maintain(ledger)
@@ -183,8 +183,8 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
             old = datadir / before
             assert not old.exists() or old.stat().st_size == 0
     else:  # SQLite: mark_applied ran the checkpoint already
-        assert ledger.purge_status()["pending"] == 0
-        assert ledger.purge_maintenance()["outcome"] == "nothing to do"
+        assert ledger.maintenance.status()["pending"] == 0
+        assert ledger.maintenance.run()["outcome"] == "nothing to do"
 
     files = db_files(ledger)
     for rid, v in gone.items():
@@ -196,18 +196,18 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
         assert any(h.startswith("JSON text") for h in hits), hits
         assert sum(h.startswith("text ") for h in hits) >= D, hits
     assert not found(files, kept), found(files, kept)
-    assert ledger.record_data(["n2"])[0].tolist() == [kept]
+    assert ledger.records.data(["n2"])[0].tolist() == [kept]
     assert ledger.sealer.has_key("n2") and not ledger.sealer.has_key("n1")
-    status = ledger.purge_status()
+    status = ledger.maintenance.status()
     assert status["purges"] == status["erased"] == 1 and status["last_outcome"] == "erased"
     result = ledger.verify()
     assert result.ok, result.problems
     # readers of features still work
-    live = ledger.live_records()
+    live = ledger.records.live()
     assert "r003" not in set(live.record_ids) and "n2" in set(live.record_ids)
     assert live.X[list(live.record_ids).index("r000")].tolist() == values["r000"]
     with pytest.raises(KeyError, match="hold no data"):
-        ledger.record_data(["r003"])
+        ledger.records.data(["r003"])
 
 
 def test_sqlite_files_are_private(tmp_path: Path) -> None:
@@ -235,21 +235,21 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
 def test_maintenance_is_throttled_and_survives_a_restart(url: str) -> None:
     led = Ledger(url, HMAC_KEY, purge_maintenance_s=3600)
     load(led)
-    assert led.purge_maintenance()["outcome"] == "nothing to do"
+    assert led.maintenance.run()["outcome"] == "nothing to do"
     led.receive(delete("d1", "r001"))
     apply_all(led, "v2")
-    first = led.purge_maintenance()  # SQLite: mark_applied ran it already
+    first = led.maintenance.run()  # SQLite: mark_applied ran it already
     assert first["erased"] and first["pending"] == 0
     led.receive(delete("d2", "r002"))
     apply_all(led, "v3")
-    throttled = led.purge_maintenance()
+    throttled = led.maintenance.run()
     assert throttled["outcome"] == "throttled" and not throttled["ran"]
     assert throttled["pending"] == 1 and 0 < throttled["due_in_s"] <= 3600
     led.close()  # a crash here: the pending purge is in the database, not in the process
     led = Ledger(url, HMAC_KEY, purge_maintenance_s=3600)
-    assert led.purge_status()["pending"] == 1
-    assert led.purge_maintenance(force=True)["outcome"] == "erased"
-    assert led.purge_status()["pending"] == 0
+    assert led.maintenance.status()["pending"] == 1
+    assert led.maintenance.run(force=True)["outcome"] == "erased"
+    assert led.maintenance.status()["pending"] == 0
     led.close()
 
 
@@ -266,7 +266,7 @@ def test_verify_names_payloads_a_purge_left_or_lost(ledger: Ledger) -> None:
     assert "belong to no training record" in problems["record ghost"]
     assert "has no features or label" in problems["record r002"]
     with pytest.raises(ValueError, match="hold no data"):
-        ledger.live_records()
+        ledger.records.live()
 
 
 def test_an_open_snapshot_keeps_purged_rows_until_it_ends(pg_ledger: Ledger) -> None:
@@ -281,11 +281,11 @@ def test_an_open_snapshot_keeps_purged_rows_until_it_ends(pg_ledger: Ledger) -> 
     try:
         ledger.receive(delete("d1", "r004"))
         apply_all(ledger, "v2")
-        held = ledger.purge_maintenance()
+        held = ledger.maintenance.run()
         assert held["outcome"] == "held" and held["pending"] == 1
         if is_superuser(ledger):
             assert found(pg_files(ledger), values["r004"])  # the check was right
-        assert ledger.purge_maintenance()["outcome"] == "throttled"  # retried within 30 s
+        assert ledger.maintenance.run()["outcome"] == "throttled"  # retried within 30 s
     finally:
         holder.rollback()
         holder.close()
@@ -306,7 +306,7 @@ def test_deletion_intake_does_not_wait_for_the_payload_table(pg_ledger: Ledger) 
     def intake() -> None:
         done.append(ledger.receive(delete("d1", "r001")).status)
         done.append(ledger.receive(delete("d2", subject="s03")).record_ids)
-        done.append([r.request_id for r in ledger.claim(10, worker="w1")])
+        done.append([r.request_id for r in ledger.lifecycle.claim(10, worker="w1")])
 
     t = threading.Thread(target=intake)
     t.start()
@@ -364,11 +364,11 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
 
     led = Ledger(url, HMAC_KEY)
     Ledger(url, HMAC_KEY).close()  # a second process opening it finds it migrated
-    assert led.purge_status()["rewrite_records"]
+    assert led.maintenance.status()["rewrite_records"]
     result = maintain(led)
     assert result["outcome"] == "erased"
-    assert not led.purge_status()["rewrite_records"]
-    recs = led.live_records()
+    assert not led.maintenance.status()["rewrite_records"]
+    recs = led.records.live()
     assert recs.record_ids.tolist() == ["r1"] and recs.X.tolist() == [live]
     # the fingerprints and data are whole; only the log, which this synthetic old table
     # never had, is missing: no event loaded the records (nor announced their schema) nor

@@ -73,9 +73,9 @@ def run_checks(w: Worker, ledger: Ledger) -> None:
     w.config = replace(w.config, guard_after_idle_s=0.0)  # a pause: the check runs
     end = time.monotonic() + 90
     while time.monotonic() < end and (w.step() or w.busy or len(destroyed_versions(
-            w.registry)) < 2 or ledger.requests_with_status("applied")):
+            w.registry)) < 2 or ledger.lifecycle.requests_with_status("applied")):
         time.sleep(0.01)
-    assert not ledger.requests_with_status("applied")
+    assert not ledger.lifecycle.requests_with_status("applied")
 
 
 # ---------------------------------------------------------------------------- ledger forgotten
@@ -113,8 +113,8 @@ def test_a_new_training_between_breaks_the_chain(signed: Ledger) -> None:
     """A later version that is not an update of the first one (seeds rotated: a retrain
     with other seeds) says nothing of it, however well it is checked."""
     w, (_, v2, v3) = two_deletions_then_the_check(signed)
-    signed.record_event("seeds_rotated", {"change": {"op": "retrain"}}, "v000099")
-    signed.record_event("guard_refreshed", {"change": {"op": "guard", "exactness": {
+    signed.events.append("seeds_rotated", {"change": {"op": "retrain"}}, "v000099")
+    signed.events.append("guard_refreshed", {"change": {"op": "guard", "exactness": {
         "guarantee": "exact", "exact": True, "served_hash": "ab", "retrained_hash": "ab"}}},
         "v000099")
     chain = forgotten(signed, "d1")["exactness_chain"]
@@ -191,16 +191,16 @@ def test_later_heads_prove_the_receipt_was_never_rewritten(signed: Ledger, tmp_p
     path.write_text(json.dumps(doc))
     for i in range(3):  # the log grows; a later head extends the receipt's
         signed.receive(delete(f"x{i}", f"r02{i}"))
-    new = signed.sign_head()["tree_size"]
-    later.write_text(json.dumps(signed.consistency(size, new)))
+    new = signed.heads.sign()["tree_size"]
+    later.write_text(json.dumps(signed.events.consistency(size, new)))
     done = check_alone(path, PUBLIC_KEY, "--head", str(later))
     assert done.returncode == 0 and f"the head over {new} events" in done.stdout, done.stderr
 
     # the insider rewrites history and has the sidecar sign the rewritten log afresh
     tamper(signed, sql_delete(HEADS))
     rewrite_events(signed, lambda e: e.payload.replace('"kind":"http"', '"kind":"cli"'))
-    assert signed.sign_head() is not None
-    later.write_text(json.dumps(signed.consistency(size, signed.last_seq())))
+    assert signed.heads.sign() is not None
+    later.write_text(json.dumps(signed.events.consistency(size, signed.events.last_seq())))
     done = check_alone(path, PUBLIC_KEY, "--head", str(later))
     assert done.returncode == 1 and "the log was rewritten" in done.stderr, done.stderr
 
@@ -213,7 +213,7 @@ def test_receipts_over_http_for_the_subject_or_the_admin(signed: Ledger) -> None
                          headers=admin)
     assert answer.status_code == 202
     token = answer.json()["receipt_token"]
-    assert token == signed.receipt_token("d3") and token != signed.receipt_token("d1")
+    assert token == signed.events.receipt_token("d3") and token != signed.events.receipt_token("d1")
     url = "/v1/requests/d3/receipt"
     mine = {"Authorization": f"Bearer {token}"}
     assert client.get(url, headers=mine).status_code == 422  # not applied yet
@@ -223,7 +223,7 @@ def test_receipts_over_http_for_the_subject_or_the_admin(signed: Ledger) -> None
     assert got.status_code == 200 and checker.check(got.json(), PUBLIC_KEY).ok
     assert client.get(url, headers=admin).status_code == 200
     assert client.get(url).status_code == 401
-    assert client.get(url, headers={"Authorization": f"Bearer {signed.receipt_token('d1')}"}
+    assert client.get(url, headers={"Authorization": f"Bearer {signed.events.receipt_token('d1')}"}
                       ).status_code == 403  # another request's token
     assert client.get("/v1/requests/nope/receipt", headers=admin).status_code == 404
     assert client.get("/v1/requests/d3", headers=mine).status_code == 403  # history: admin
@@ -258,10 +258,10 @@ def test_the_receipts_own_proof_checks_agree_with_the_ledgers() -> None:
 def test_a_receipt_after_a_key_rotation_checks_with_the_key_published_before(
         signed: Ledger) -> None:
     assert signed.receive(delete("d1", "r004")).status == "accepted"
-    ids = [r.request_id for r in signed.claim(10, worker="w1")]
-    signed.mark_applied(ids, "v000002", {"guarantee": "exact"})
+    ids = [r.request_id for r in signed.lifecycle.claim(10, worker="w1")]
+    signed.lifecycle.mark_applied(ids, "v000002", {"guarantee": "exact"})
     new = bytes(range(50, 82))
-    signed.rotate_key(new)
+    signed.heads.rotate_key(new)
     assert signed.receive(delete("d2", "r005")).status == "accepted"  # the new key signs it
     doc = json.loads(json.dumps(receipt(signed, "d1")))
     assert doc["head"]["public_key"] == HeadSigner(new).public_key.hex()

@@ -49,7 +49,7 @@ def _drain(worker: Worker, timeout_s: float = 120.0) -> None:
 
 def _foreign(kind: str, ledger: Ledger) -> ServedModel:
     """A model of the same kind trained on records the ledger never held."""
-    live = ledger.live_records()
+    live = ledger.records.live()
     ids = np.array([f"x{i:03d}" for i in range(len(live.record_ids))], dtype=object)
     return ServedModel.train(kind, ids, live.X[::-1].copy(), live.y, PARAMS[kind])
 

@@ -72,7 +72,7 @@ def test_the_guard_job_bounds_each_shard_and_an_update_refuses_the_retrained_one
                for r in rows)
     model = reg.load(cur.version)
     assert isinstance(model, ShardVoteModel) and model.guard_complete
-    X, _ = ledger.record_data([f"r{i:03d}" for i in range(90)])
+    X, _ = ledger.records.data([f"r{i:03d}" for i in range(90)])
     Q = _queries(model, X)
     _assert_sound(model, Q)
 
@@ -97,7 +97,7 @@ def test_bounds_are_kept_only_for_the_networks_they_were_computed_on(
         seeded90: Ledger, tmp_path) -> None:
     """Saved with the version (sealed under its key); loaded onto an ensemble whose shard
     changed, that shard's bound is refused (+inf), the others' kept."""
-    X, y = seeded90.record_data([f"r{i:03d}" for i in range(90)])
+    X, y = seeded90.records.data([f"r{i:03d}" for i in range(90)])
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
     model = ShardVoteModel.train("sisa", ids, X, y, params=SISA)
     assert not model.guard_complete
@@ -135,7 +135,7 @@ def test_shards_whose_loo_set_is_too_large_stay_fragile(seeded90: Ledger, monkey
     from jobs.guard.lucid.shard_bounds import shard_loo_work
     from jobs.orchestration.worker import _guard_coarse
 
-    X, y = seeded90.record_data([f"r{i:03d}" for i in range(90)])
+    X, y = seeded90.records.data([f"r{i:03d}" for i in range(90)])
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
     model = ShardVoteModel.train("sisa", ids, X, y, params=SISA, fit_guard=False)
     works = [shard_loo_work(model.learner, s) for s in range(3)]
@@ -187,7 +187,7 @@ def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards
             for v in versions[2:]]
     assert done == sorted(done) and versions[-1].manifest["guard"]["bound"]["complete"]
     model = reg.load(reg.current().version)
-    X, _ = ledger.record_data([r for r in ens.record_ids_.tolist() if r != gone])
+    X, _ = ledger.records.data([r for r in ens.record_ids_.tolist() if r != gone])
     _assert_sound(model, _queries(model, X))
 
 

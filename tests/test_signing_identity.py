@@ -203,7 +203,7 @@ def test_a_key_rotation_verifies_and_old_saved_heads_still_audit(cli, db_url: st
     assert code == 2 and "was retired by the key rotation at event" in err, err
     some_events(cli, capsys, "b", new_key, 7, start=6)
     running.receive({"request_id": "late", "op": "delete", "record_ids": ["r100"]})
-    assert running.sign_head() is None
+    assert running.heads.sign() is None
     running.close()
     assert cli(capsys, "b", new_key, "ledger", "checkpoint")[0] == 0
 
@@ -254,16 +254,17 @@ def test_a_head_of_a_key_no_rotation_introduced_fails(db_url: str) -> None:
     seed(led)
     for i in range(6):
         led.receive({"request_id": f"q{i}", "op": "delete", "record_ids": [f"r{i:03d}"]})
-    saved = json.loads(json.dumps(led.published_heads()))
-    led.rotate_key(KEY_B)
+    saved = json.loads(json.dumps(led.heads.published()))
+    led.heads.rotate_key(KEY_B)
     for i in range(6, 12):
         led.receive({"request_id": f"q{i}", "op": "delete", "record_ids": [f"r{i:03d}"]})
     assert led.verify().ok, led.verify().problems
-    assert audit.audit(saved, led.published_heads(), public_key=PUB_A, events=led.export()).ok
+    assert audit.audit(saved, led.heads.published(), public_key=PUB_A,
+                       events=led.events.export()).ok
 
     # an attacker's key signs a head over everything: neither verify nor audit takes it
-    size = led.last_seq()
-    head = led.consistency(0, size)["new_root"]
+    size = led.events.last_seq()
+    head = led.events.consistency(0, size)["new_root"]
     forged = HeadSigner(ATTACKER).sign(size, head, iso(utc_now()))
     with led.engine.begin() as conn:
         conn.execute(HEADS.delete().where(HEADS.c.tree_size == size))
@@ -271,8 +272,8 @@ def test_a_head_of_a_key_no_rotation_introduced_fails(db_url: str) -> None:
     found = [str(p) for p in led.verify().problems]
     assert any(p.startswith(f"signed head {size}: names log") and
                "no key rotation introduced that key" in p for p in found), found
-    current = {**led.published_heads(), "heads": [*led.published_heads()["heads"], forged]}
-    result = audit.audit(saved, current, public_key=PUB_A, events=led.export())
+    current = {**led.heads.published(), "heads": [*led.heads.published()["heads"], forged]}
+    result = audit.audit(saved, current, public_key=PUB_A, events=led.events.export())
     assert any(f"current head {size}" in p and "no key rotation introduced" in p
                for p in result.problems), result.problems
 

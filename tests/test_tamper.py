@@ -52,9 +52,9 @@ def delete(rid: str, *records: str) -> dict:
 
 
 def apply_all(ledger: Ledger, version: str = "v2") -> list[str]:
-    ids = [r.request_id for r in ledger.claim(100, worker="w1")]
-    ledger.mark_applied(ids, version, {"guarantee": "exact"})
-    ledger.mark_verified(ids, version)
+    ids = [r.request_id for r in ledger.lifecycle.claim(100, worker="w1")]
+    ledger.lifecycle.mark_applied(ids, version, {"guarantee": "exact"})
+    ledger.lifecycle.mark_verified(ids, version)
     return ids
 
 
@@ -70,13 +70,13 @@ def problems(ledger: Ledger) -> list[str]:
 
 def saved_heads(ledger: Ledger) -> dict:
     """What an auditor keeps: `ledger heads` as printed (a JSON round trip)."""
-    return json.loads(json.dumps(ledger.published_heads()))
+    return json.loads(json.dumps(ledger.heads.published()))
 
 
 def audit_now(ledger: Ledger, saved: dict) -> audit.AuditResult:
     """`obliviate audit check --heads SAVED` against the database, as the CLI runs it."""
-    return audit.audit(saved, ledger.published_heads(), public_key=PUBLIC_KEY,
-                       events=ledger.export())
+    return audit.audit(saved, ledger.heads.published(), public_key=PUBLIC_KEY,
+                       events=ledger.events.export())
 
 
 def append_forged(ledger: Ledger, kind: str, request_id: str | None, payload: dict,
@@ -137,14 +137,14 @@ def test_untampered_ledger_verifies_with_signed_heads(signed: Ledger) -> None:
 
 
 def test_restored_features_of_a_purged_record_are_caught_by_verify(signed: Ledger) -> None:
-    X, y = signed.record_data(["r001"])
+    X, y = signed.records.data(["r001"])
     some_requests(signed, 2)
     assert signed.verify().ok
     # the insider puts the deleted record back, with its true features: fingerprint matches
     tamper(signed, update(RECORDS).where(RECORDS.c.record_id == "r001")
            .values(state="live", purged_at=None, purged_by=None),
            insert(PAYLOADS).values(record_id="r001", features=X[0].tolist(), label=int(y[0])))
-    assert "r001" in set(signed.live_records().record_ids)
+    assert "r001" in set(signed.records.live().record_ids)
     found = problems(signed)
     assert any(p.startswith("record r001: is live, but the deletion q1 purged it")
                for p in found), found
@@ -232,7 +232,7 @@ def test_a_rewritten_log_signed_afresh_is_caught_by_audit_check(signed: Ledger) 
     saved = saved_heads(signed)
     tamper(signed, sql_delete(HEADS))
     rewrite_events(signed, retold)
-    assert signed.sign_head() is not None
+    assert signed.heads.sign() is not None
     assert signed.verify().ok
     result = audit_now(signed, saved)
     assert not result.ok
@@ -244,7 +244,7 @@ def test_rewriting_the_tail_after_the_last_checkpoint_is_caught(signed: Ledger) 
     """With the head over it left in place, `ledger verify` sees it; with that head
     dropped too, `audit check` against the saved head does."""
     some_requests(signed, applied=False)
-    head = signed.sign_head()
+    head = signed.heads.sign()
     saved = saved_heads(signed)
     last_cp = max(s for s in _sizes(signed, CHECKPOINTS) if s < head["tree_size"])
     rewrite_events(signed, lambda e: retold(e) if e.seq > last_cp else e.payload)
@@ -261,7 +261,7 @@ def test_rewriting_the_tail_after_the_last_checkpoint_is_caught(signed: Ledger) 
 
 def test_truncating_the_tail_is_caught_by_audit_check(signed: Ledger) -> None:
     some_requests(signed, applied=False)
-    head = signed.sign_head()
+    head = signed.heads.sign()
     saved = saved_heads(signed)
     keep = head["tree_size"] - 2
     tamper(signed, sql_delete(EVENTS).where(EVENTS.c.seq > keep),
@@ -281,11 +281,11 @@ def test_dropping_all_checkpoints_and_heads_is_caught(db_url: str) -> None:
     some_requests(led, 3, applied=False)
     time.sleep(0.6)
     some_requests(led, 3, start=3)  # the first of these appends takes a head: events are old
-    assert led.verify().ok and led.published_heads()["heads"]
+    assert led.verify().ok and led.heads.published()["heads"]
     saved = saved_heads(led)
     tamper(led, sql_delete(HEADS), sql_delete(CHECKPOINTS))
     [found] = problems(led)
-    n = led.last_seq()
+    n = led.events.last_seq()
     assert found.startswith(f"events 1..{n}: no signed head covers these {n} events over ")
     assert found.endswith("though one is taken once events are 0.5 s old: heads dropped, or "
                           "written by something that takes none")
@@ -295,17 +295,17 @@ def test_dropping_all_checkpoints_and_heads_is_caught(db_url: str) -> None:
 
 def test_the_signer_never_vouches_for_a_rewritten_log(signed: Ledger, caplog) -> None:
     some_requests(signed, applied=False)
-    head = signed.sign_head()
+    head = signed.heads.sign()
     # an edited checkpoint frontier is only a cache: the head's root is rebuilt from events
     tamper(signed, update(CHECKPOINTS).values(frontier=["00" * 32]))
     signed.receive(delete("x1", "r020"))
-    assert signed.sign_head()["tree_size"] == head["tree_size"] + 1
+    assert signed.heads.sign()["tree_size"] == head["tree_size"] + 1
     # events below the latest head rewritten: the next head is refused, not signed
     rewrite_events(signed, retold)
     signed.receive(delete("x2", "r021"))
-    assert signed.sign_head() is None
+    assert signed.heads.sign() is None
     assert "no longer give the root of the signed head" in caplog.text
-    assert [h["tree_size"] for h in signed.published_heads()["heads"]][-1] == \
+    assert [h["tree_size"] for h in signed.heads.published()["heads"]][-1] == \
         head["tree_size"] + 1
 
 
@@ -356,7 +356,7 @@ def test_an_edited_schema_with_its_event_rewritten_is_caught_by_audit_check(
 
 def kafka(ledger: Ledger, topic: str, *values: tuple[int, dict | bytes]) -> None:
     """Messages as the consumer records them: (offset, value) on partition 0 of `topic`."""
-    ledger.receive_batch([IncomingMessage(json.dumps(v).encode() if isinstance(v, dict)
+    ledger.intake.receive_batch([IncomingMessage(json.dumps(v).encode() if isinstance(v, dict)
                                           else v, "kafka", topic, 0, offset)
                           for offset, v in values])
 
@@ -399,7 +399,7 @@ def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
     w.config = replace(w.config, guard_after_idle_s=0.0)  # a pause: the check runs
     end = time.monotonic() + 60
     while time.monotonic() < end and (w.step() or w.busy or not destroyed_versions(reg)
-                                      or ledger.requests_with_status("applied")):
+                                      or ledger.lifecycle.requests_with_status("applied")):
         time.sleep(0.01)
     versions = [v.version for v in reversed(reg.lineage())]
     assert len(versions) == 3 and reg.current().version == versions[2]
@@ -441,7 +441,7 @@ def test_an_edited_manifest_is_caught_by_verify(signed: Ledger) -> None:
     tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v3)
            .values(manifest={**man, "training_set": {"count": 1, "merkle_root": "00" * 32}}))
     found = [str(p) for p in verify_registry(led, reg)]
-    [applied] = [e["seq"] for e in led.export()
+    [applied] = [e["seq"] for e in led.events.export()
                  if e["kind"] == "applied" and e["request_id"] == "a1"]
     assert sorted(found) == sorted([
         f"model version {v3}: the manifest in the database is not the one saved beside its "
@@ -491,17 +491,17 @@ def test_heads_are_taken_on_a_timer_without_intake(db_url: str) -> None:
     led = Ledger(db_url, HMAC_KEY, checkpoint_every=1000, signing_key=SIGNING_KEY,
                  head_interval_s=0.3)
     seed(led)  # one event, no head yet: not due
-    assert led.maybe_sign_head() is None and led.published_heads()["heads"] == []
+    assert led.heads.maybe_sign() is None and led.heads.published()["heads"] == []
     time.sleep(0.35)
-    head = led.maybe_sign_head()  # what the worker's, consumer's, service's loop calls
+    head = led.heads.maybe_sign()  # what the worker's, consumer's, service's loop calls
     assert head is not None and head["tree_size"] == 1
     assert verify_head(head, PUBLIC_KEY) is None
-    assert led.maybe_sign_head() is None  # nothing new: cheap, no head
+    assert led.heads.maybe_sign() is None  # nothing new: cheap, no head
     # an append once the oldest uncovered event is older than the interval takes a head
-    led.record_event("note", {"n": 1})
+    led.events.append("note", {"n": 1})
     time.sleep(0.35)
-    led.record_event("note", {"n": 2})
-    assert [h["tree_size"] for h in led.published_heads()["heads"]] == [1, 3]
+    led.events.append("note", {"n": 2})
+    assert [h["tree_size"] for h in led.heads.published()["heads"]] == [1, 3]
     assert led.verify().ok
     led.close()
 
@@ -514,13 +514,13 @@ def test_consistency_proofs_between_every_pair_of_heads_verify(db_url: str) -> N
     led = Ledger(db_url, HMAC_KEY, checkpoint_every=5, signing_key=SIGNING_KEY)
     seed(led)
     some_requests(led, 6)
-    heads = led.published_heads()["heads"]
+    heads = led.heads.published()["heads"]
     assert len(heads) >= 4
     client = TestClient(build_app(AppContext(ledger=led)))
     assert client.get("/v1/ledger/heads").json() == json.loads(json.dumps(
-        led.published_heads()))
+        led.heads.published()))
     for a, b in combinations_with_replacement(heads, 2):
-        proof = [bytes.fromhex(p) for p in led.consistency(a["tree_size"], b["tree_size"])
+        proof = [bytes.fromhex(p) for p in led.events.consistency(a["tree_size"], b["tree_size"])
                  ["proof"]]
         assert merkle.verify_consistency(a["tree_size"], b["tree_size"],
                                          bytes.fromhex(a["root_hash"]),

@@ -116,7 +116,7 @@ def test_deletion_becomes_a_verified_version(seeded60: Ledger, kind: str) -> Non
     assert len(rows) == len(gone) and all(r.state == "purged" for r in rows) and not left
 
     # the manifest names the training set by the Merkle root of its fingerprints
-    count, root = ledger.records_digest(model.learner.record_ids_.tolist())
+    count, root = ledger.records.digest(model.learner.record_ids_.tolist())
     assert lineage[0].manifest["training_set"] == {"count": 56, "merkle_root": root}
     assert count == 56
     assert ledger.verify().ok
@@ -207,7 +207,7 @@ def test_a_stream_without_pause_is_answered_by_guarded_versions(seeded60: Ledger
         served = reg.load(cur.version)
         assert served.guard_ready and served.guard.mode == "sound"
     assert [v.manifest["change"]["op"] for v in reg.lineage()] == ["update"] * 4 + ["train"]
-    assert not ledger.requests_with_status("verified")  # the check waits for a pause
+    assert not ledger.lifecycle.requests_with_status("verified")  # the check waits for a pause
     _drain(_worker(ledger, registry=reg))  # a pause: every request verified on its version
     for i in range(1, 5):
         events = _events(ledger, f"d{i}")
@@ -290,7 +290,7 @@ def test_a_deletion_overlapping_an_earlier_one_removes_the_rest(seeded60: Ledger
     w = _worker(ledger)
     w.bootstrap("sisa", SMALL["sisa"])
     ledger.receive({"request_id": "x1", "op": "delete", "record_ids": ["r002"]})
-    first = [] if same_batch else ledger.claim(10, "w1")
+    first = [] if same_batch else ledger.lifecycle.claim(10, "w1")
     for rid, ids in (("x2", ["r002", "r003"]), ("x3", ["r002"])):
         assert ledger.receive({"request_id": rid, "op": "delete", "record_ids": ids}
                               ).status == "accepted"
@@ -338,8 +338,8 @@ def test_a_second_worker_never_builds_on_a_stale_version(seeded60: Ledger) -> No
     a.bootstrap("sisa", SMALL["sisa"])
     ledger.receive({"request_id": "p1", "op": "delete", "record_ids": ["r010"]})
     ledger.receive({"request_id": "p2", "op": "delete", "record_ids": ["r020"]})
-    batch_a = ledger.claim(1, "a")
-    batch_b = ledger.claim(1, "b")
+    batch_a = ledger.lifecycle.claim(1, "a")
+    batch_b = ledger.lifecycle.claim(1, "b")
     stale = a._current()  # a reads v1 as current ...
     b._apply(batch_b)  # ... b publishes v2 from v1 meanwhile ...
     a._current = lambda: stale  # type: ignore[method-assign]
@@ -371,7 +371,7 @@ def test_manifest_records_what_rebuilds_the_version(seeded60: Ledger) -> None:
     path = w.registry.path(cur.version)
     assert json.loads((path / "manifest.json").read_text())["content_hash"] == m["content_hash"]
     # retraining from the manifest's parameters reproduces the content hash
-    live = seeded60.live_records()
+    live = seeded60.records.live()
     again = ServedModel.train("dare", live.record_ids, live.X, live.y, m["params"])
     assert again.learner.content_hash() == m["content_hash"]
     assert np.array_equal(again.learner.record_ids_, w.registry.load(cur.version)

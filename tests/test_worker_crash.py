@@ -96,7 +96,7 @@ def test_sigkill_at_any_point_loses_nothing(db_url: str, tmp_path: Path) -> None
     chain = registry.lineage(1000)
     assert all(v.parent == older.version for v, older in zip(chain, chain[1:], strict=False))
     served = registry.load(chain[0].version)
-    live = ledger.live_records()
+    live = ledger.records.live()
     assert sorted(served.learner.record_ids_.tolist()) == sorted(live.record_ids.tolist())
     assert served.learner.verify().exact
     assert ledger.verify().ok
@@ -156,14 +156,14 @@ def test_three_workers_killed_at_random_keep_one_linear_lineage(db_url: str,
     assert cur.version == chain[0].version
     served = registry.load(cur.version)  # the pointer's version loads, holding the live set
     assert sorted(served.learner.record_ids_.tolist()) == sorted(
-        ledger.live_records().record_ids.tolist())
+        ledger.records.live().record_ids.tolist())
     stored = set(registry.stored_versions())
     for v in chain:
         if v.destroyed_at is None and v.superseded_by_deletion is None:
             assert v.version in stored and registry.load(v.version) is not None
         elif v.destroyed_at is not None:
             assert v.version not in stored
-    destroyed = [e["model_version"] for e in ledger.export() if e["kind"] == "destroyed"]
+    destroyed = [e["model_version"] for e in ledger.events.export() if e["kind"] == "destroyed"]
     assert len(destroyed) == len(set(destroyed)), "a version destroyed twice"
     assert ledger.verify().ok
     ledger.close()

@@ -28,9 +28,9 @@ from sqlalchemy import BigInteger, Connection, DateTime, Engine, insert, select,
 from sqlmodel import Field, SQLModel
 
 from jobs.adaptive.composition import answers_allowed, epsilon_spent
+from jobs.orchestration.job_settings import JobSettings
 from ledger import migrations
 from ledger.chain import utc_now
-from ledger.config import Settings
 
 
 class SeedLineageRow(SQLModel, table=True):
@@ -87,7 +87,7 @@ class LineageBudget:
         return min(1.0, self.epsilon_spent / self.epsilon_budget)
 
 
-def budget_policy(settings: Settings) -> BudgetPolicy | None:
+def budget_policy(settings: JobSettings) -> BudgetPolicy | None:
     """The deployment's policy in private prediction mode; None in guard mode."""
     if settings.choice("answers", ("guard", "private")) == "guard":
         return None

@@ -36,8 +36,8 @@ from typing import Any
 
 from sqlalchemy import select
 
+from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import MANIFEST_FILE, POINTER, VERSIONS, Registry, manifest_sha256
-from ledger.config import Settings
 from ledger.forgotten import PUBLICATIONS
 from ledger.log_check import Problem
 from ledger.store import Ledger
@@ -192,6 +192,7 @@ def _stored_manifest(registry: Registry, version: str) -> dict[str, Any] | None:
         return None
 
 
-def registry_check(ledger: Ledger, settings: Settings) -> list[Problem]:
+def registry_check(ledger: Ledger) -> list[Problem]:
     """`ledger verify`'s check of the configured model name's registry."""
-    return verify_registry(ledger, Registry(ledger.engine, settings.model_name, ledger.keys))
+    model_name = JobSettings.from_env().model_name
+    return verify_registry(ledger, Registry(ledger.engine, model_name, ledger.keys))

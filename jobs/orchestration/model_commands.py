@@ -8,7 +8,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ledger.commands import open_ledger, settings_from, start_long_running
+from jobs.orchestration.job_settings import JobSettings
+from ledger.commands import open_ledger, start_long_running
 
 if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the commands
     from jobs.orchestration.worker import Worker
@@ -74,10 +75,10 @@ def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     from jobs.orchestration.registry import Registry
     from jobs.orchestration.worker import Worker, WorkerConfig
 
-    s = settings_from(args)
+    s = JobSettings.from_env()
     # opening the ledger applies the database migrations (ledger.migrations) before the
     # worker touches a table; said on stderr when they changed something
-    ledger = open_ledger(args, s)
+    ledger = open_ledger(args)
     config["budget"] = budget_policy(s)  # private mode: every version gets a seed lineage
     registry = Registry(ledger.engine, s.model_name, ledger.keys)
     return Worker(ledger, registry, WorkerConfig(**config))
@@ -96,7 +97,7 @@ def parse_params(text: str) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     params = parse_params(args.params)
-    learner = args.learner or settings_from(args).learner
+    learner = args.learner or JobSettings.from_env().learner
     version = _worker(args).bootstrap(learner, params)
     print(f"current version: {version}")
     return 0
@@ -105,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from jobs.orchestration.worker import worker_name
 
-    s = settings_from(args)
+    s = JobSettings.from_env()
     start_long_running(args, s.worker_metrics_port)
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
@@ -134,8 +135,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from jobs.orchestration.registry import Registry
 
-    s = settings_from(args)
-    cur = Registry(open_ledger(args, s).engine, s.model_name).current()
+    model_name = JobSettings.from_env().model_name
+    cur = Registry(open_ledger(args).engine, model_name).current()
     if cur is None:
         print("no version is published yet: run `obliviate model train`")
         return 1
@@ -147,8 +148,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from jobs.orchestration.registry import Registry
     from ledger.chain import iso
 
-    s = settings_from(args)
-    for v in Registry(open_ledger(args, s).engine, s.model_name).lineage(args.limit):
+    model_name = JobSettings.from_env().model_name
+    for v in Registry(open_ledger(args).engine, model_name).lineage(args.limit):
         m = v.manifest
         state = ("destroyed" if v.destroyed_at else
                  "to destroy" if v.superseded_by_deletion else "kept")

@@ -64,7 +64,7 @@ def destroy_due(registry: Registry, ledger: Ledger, grace_s: float) -> list[str]
                    "reason": "superseded by a version that removed records on request",
                    "grace_s": grace_s}
         try:
-            ledger.record_event("destroyed", payload, row.version,
+            ledger.events.append("destroyed", payload, row.version,
                                 in_transaction=_mark_destroyed(registry, row.version))
         except _AlreadyDestroyed:
             continue

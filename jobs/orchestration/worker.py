@@ -177,7 +177,7 @@ class Worker:
             return exc.version
         if cur is not None:
             return cur.version
-        live = self.ledger.live_records()
+        live = self.ledger.records.live()
         if len(live.record_ids) == 0:
             raise RuntimeError("the ledger holds no training records; run `obliviate ledger "
                                "init` first")
@@ -203,8 +203,8 @@ class Worker:
             raise RollbackRefused(f"refused: {exc}") from None
         if cur.version == version:
             raise RollbackRefused(f"{version} is the current version already")
-        live = self.ledger.live_records()
-        count, root = self.ledger.records_digest(live.record_ids)
+        live = self.ledger.records.live()
+        count, root = self.ledger.records.digest(live.record_ids)
         had = target.manifest["training_set"]
         if (had["count"], had["merkle_root"]) != (count, root):
             raise RollbackRefused(
@@ -228,7 +228,7 @@ class Worker:
             while not self.stop_event.is_set():
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                self.ledger.maybe_sign_head()  # an idle tail gets its signed head too
+                self.ledger.heads.maybe_sign()  # an idle tail gets its signed head too
                 if not self.step():
                     self.stop_event.wait(self.config.poll_s)
             self.close()
@@ -308,11 +308,11 @@ class Worker:
     # ------------------------------------------------------------------ apply
     def _claim(self) -> list[Request]:
         cfg = self.config
-        batch = self.ledger.claim(cfg.max_batch, cfg.name, cfg.lease_s)
+        batch = self.ledger.lifecycle.claim(cfg.max_batch, cfg.name, cfg.lease_s)
         # wait for company only when this request came alone: a backlog is a batch already
         if len(batch) == 1 and cfg.batch_window_s > 0:
             time.sleep(cfg.batch_window_s)
-            batch += self.ledger.claim(cfg.max_batch - len(batch), cfg.name, cfg.lease_s,
+            batch += self.ledger.lifecycle.claim(cfg.max_batch - len(batch), cfg.name, cfg.lease_s,
                                        retake_own=False)
         return batch
 
@@ -339,10 +339,10 @@ class Worker:
         model, parent = self._current()
         live = set(model.learner.record_ids_.tolist())
         named = {i for r in batch if r.op == "delete" for i in r.record_ids if i not in live}
-        purged = self.ledger.purged(sorted(named))
+        purged = self.ledger.records.purged(sorted(named))
         ok, failed, updates = _plan(batch, live, purged)
         for req, reason in failed:
-            self.ledger.mark_failed(req.request_id, reason)
+            self.ledger.lifecycle.mark_failed(req.request_id, reason)
         if not ok:
             return
         data = self._additions(updates)
@@ -380,7 +380,7 @@ class Worker:
                             "quarantined)"})
 
         def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
-            self.ledger.mark_applied(request_ids, version, {**detail, **stamp},
+            self.ledger.lifecycle.mark_applied(request_ids, version, {**detail, **stamp},
                                      in_transaction=publish)
 
         # with no update at all (every record named is gone already) the version is the
@@ -389,7 +389,7 @@ class Worker:
         if self._unverified_since is None:
             self._unverified_since = time.monotonic()
         if deleted:
-            self.ledger.purge_maintenance()
+            self.ledger.maintenance.run()
         now = utc_now()
         for r in ok:
             metrics.APPLIED.labels(op=r.op).inc()
@@ -402,7 +402,7 @@ class Worker:
         ids = _ids(updates, "add")
         if not ids:
             return {}
-        X, y = self.ledger.record_data(ids)
+        X, y = self.ledger.records.data(ids)
         return {i: (X[k], int(y[k])) for k, i in enumerate(ids)}
 
     def _isolate(self, model: ServedModel, requests: list[Request],
@@ -423,7 +423,7 @@ class Worker:
             part = parts.pop(0)
             fine, failed, todo = _plan(part, set(model.learner.record_ids_.tolist()), gone)
             for req, reason in failed:  # e.g. a deletion of a record a quarantined add named
-                self.ledger.mark_failed(req.request_id, reason)
+                self.ledger.lifecycle.mark_failed(req.request_id, reason)
             trial = copy.deepcopy(model)
             try:
                 done = _learn(trial.learner, todo, data)
@@ -444,7 +444,7 @@ class Worker:
     def _quarantine(self, req: Request, exc: Exception) -> None:
         """A request the learner raised on when applied alone: its fault, so it ends `failed`
         with the learner's error as the reason and is never retried; the worker goes on."""
-        self.ledger.mark_failed(req.request_id, f"the learner cannot apply it: "
+        self.ledger.lifecycle.mark_failed(req.request_id, f"the learner cannot apply it: "
                                                 f"{first_line(exc)}")
         metrics.QUARANTINED.labels(op=req.op).inc()
         log.error("quarantined a request (%s) the learner cannot apply (%s): it is failed, "
@@ -494,7 +494,7 @@ class Worker:
         model, parent = self._current()
         t0 = time.perf_counter()
         ids = model.learner.record_ids_
-        X, y = self.ledger.record_data(ids.tolist())
+        X, y = self.ledger.records.data(ids.tolist())
         params = {**model.params(), "random_state": fresh_seed()}
         fresh = ServedModel.train(model.kind, ids, X, y, params)
         change = {"op": "retrain", "reason": reason, "n_records": len(ids),
@@ -578,7 +578,7 @@ class Worker:
         if not due or (cur.manifest["change"]["op"] == "guard"
                        and not self._refinable(cur.manifest["guard"])):
             return False
-        applied = [r.request_id for r in self.ledger.requests_with_status("applied")]
+        applied = [r.request_id for r in self.ledger.lifecycle.requests_with_status("applied")]
         if self.registry.current().version != cur.version:
             return True  # published meanwhile: the requests read may not be in `cur`
         if (not applied and not guard_owed(cur.manifest)
@@ -627,19 +627,19 @@ class Worker:
             self._carry_guard(job, result, cur)
             job.discard()
             if in_place and not failed:
-                self.ledger.mark_verified(in_place, job.version, {
+                self.ledger.lifecycle.mark_verified(in_place, job.version, {
                     "guard": result.guard, "exactness": check, "in_place": True},
                     skip_settled=True)
             # requests applied while the check ran have waited since it started, at most
-            self._unverified_since = (self._check_started if self.ledger.requests_with_status(
-                "applied") else None)
+            self._unverified_since = (self._check_started if self.ledger.lifecycle
+                                      .requests_with_status("applied") else None)
             return
         model, parent = self._current()
         with sealed_with(self.registry.key(parent.version)):
             model.load_guard(result.guard_dir)
         job.discard()
         metrics.BOUND_SECONDS.labels(learner=model.kind).observe(result.guard["seconds"])
-        applied = self.ledger.requests_with_status("applied")
+        applied = self.ledger.lifecycle.requests_with_status("applied")
         change = {"op": "guard", "guard": result.guard, "exactness": check,
                   "requests": len(applied)}
         request_ids = [r.request_id for r in applied]
@@ -647,7 +647,7 @@ class Worker:
             detail = {"guard": result.guard, "exactness": check}
 
             def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
-                self.ledger.mark_verified(request_ids, version, {**detail, **stamp},
+                self.ledger.lifecycle.mark_verified(request_ids, version, {**detail, **stamp},
                                           in_transaction=publish)
         else:
             commit = self._announce("guard_refreshed", change)
@@ -697,7 +697,7 @@ class Worker:
         self._last_retention = now
         destroyed = destroy_due(self.registry, self.ledger, self.config.destroy_grace_s)
         swept = sweep(self.registry)
-        ran = self.ledger.purge_maintenance()["ran"]
+        ran = self.ledger.maintenance.run()["ran"]
         return bool(destroyed or swept or ran)
 
     def close(self) -> None:
@@ -717,8 +717,8 @@ class Worker:
         destroyed)."""
         t0 = time.perf_counter()
         seq = self.registry.allocate_seq()
-        man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.last_seq(),
-                       training_set=self.ledger.records_digest(model.learner.record_ids_),
+        man = manifest(model, seq=seq, parent=parent, ledger_seq=self.ledger.events.last_seq(),
+                       training_set=self.ledger.records.digest(model.learner.record_ids_),
                        change=change)
         # a full training draws new seeds: it starts a seed lineage, updates keep theirs
         fresh_seeds = change["op"] in ("train", "retrain")
@@ -746,7 +746,7 @@ class Worker:
     def _announce(self, kind: str, change: dict[str, Any]) -> Commit:
         """A commit that records the publication as a ledger event of its own."""
         def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
-            self.ledger.record_event(kind, {"change": change, **stamp}, version,
+            self.ledger.events.append(kind, {"change": change, **stamp}, version,
                                      in_transaction=publish)
         return commit
 
@@ -838,7 +838,7 @@ class EvaluationProbe:
         held = set(model.holdout_ids().tolist())
         if not held:
             return None
-        live = ledger.live_records()
+        live = ledger.records.live()
         gone = set(deleted)
         where = {"forget": [r in gone for r in live.record_ids],
                  "test": [r in held and r not in gone for r in live.record_ids],

@@ -86,7 +86,8 @@ def sidecar_env(workdir: Path, database_url: str, kafka_bootstrap: str | None = 
                 **settings: str) -> dict[str, str]:
     """Environment for the sidecar's processes: one ledger, one model store, one metrics dir.
 
-    `settings` are more OBLIVIATE_* values by Settings field name (e.g. learner="sisa").
+    `settings` are more OBLIVIATE_* values by any layer's settings field name (e.g.
+    learner="sisa").
     """
     (workdir / "prometheus").mkdir(parents=True, exist_ok=True)
     env = {"OBLIVIATE_DATABASE_URL": database_url,

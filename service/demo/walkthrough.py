@@ -28,12 +28,13 @@ import numpy as np
 
 from jobs.orchestration.consistency import verify_registry
 from jobs.orchestration.guard_job import JOB_DIR_PREFIX
+from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import Registry
 from jobs.orchestration.retention import destroyed_versions
 from jobs.orchestration.worker import Worker
 from ledger import datasets, merkle
 from ledger.chain import event_leaf
-from ledger.config import Settings
+from ledger.config import LedgerSettings
 from ledger.consumer import ensure_topics
 from ledger.forgotten import forgotten, render
 from ledger.local_broker import LocalBroker
@@ -41,6 +42,7 @@ from ledger.producer import paced, produce, request_stream
 from ledger.store import Ledger
 from service.demo.processes import LocalSidecar, sidecar_env
 from service.demo.residue import TraceScanner
+from service.service_settings import ServiceSettings
 
 FINAL = ("verified", "failed")
 DEMO_GRACE_S = 5.0
@@ -54,12 +56,12 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
     print(f"== Obliviate demo: data set {dataset!r}, learner {learner!r}, {n_requests} "
           f"requests at {rate:g}/s, state in {work}/")
     with LocalBroker(log_path=work / "tansu.log") as broker:
-        s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
-                              hmac_key_file=str(work / "hmac.key"),
-                              ledger_signing_key_file=str(work / "ledger-signing.key"),
-                              admin_token_file=str(work / "admin.token"),
-                              key_store_dir=str(work / "keys"),
-                              kafka_bootstrap=broker.bootstrap, learner=learner)
+        s = LedgerSettings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
+                                    hmac_key_file=str(work / "hmac.key"),
+                                    ledger_signing_key_file=str(work / "ledger-signing.key"),
+                                    key_store_dir=str(work / "keys"),
+                                    kafka_bootstrap=broker.bootstrap)
+        served = ServiceSettings.from_env(admin_token_file=str(work / "admin.token"))
         # versions that held deleted records are destroyed 5 s after the deletion (the
         # default is 30 s), so the demo's final scan sees them gone
         env = sidecar_env(work, s.database_url, s.kafka_bootstrap, destroy_grace_s=DEMO_GRACE_S)
@@ -69,12 +71,12 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load(dataset)
-        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
+        ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name,
                             transform=ds.transform)
         print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
               f"subjects, {ds.X.shape[1]} features min-max scaled by ranges stored in the "
               "ledger (clients send raw values)")
-        registry = Registry(ledger.engine, s.model_name, ledger.keys)
+        registry = Registry(ledger.engine, JobSettings.from_env().model_name, ledger.keys)
         first = Worker(ledger, registry).bootstrap(learner, params)
         print(f"model: {first} trained ({learner}) and guarded"
               + (" in noise-all mode until the worker's guard job has bounded it"
@@ -82,7 +84,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         sidecar = LocalSidecar(work, env).start()
         try:
             print(f"service: {sidecar.base_url} (audit page {sidecar.base_url}/audit, "
-                  f"admin token in {s.admin_token_file})")
+                  f"admin token in {served.admin_token_file})")
             if learner == "mlp":
                 _await_first_bound(registry)
             ok, stream = _stream(ledger, s, ds, n_requests, rate, sidecar)
@@ -92,7 +94,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
                 _await_shard_bounds(registry, sidecar.base_url)
             elif learner == "mlp":
                 _await_network_bound(ledger, registry, sidecar.base_url)
-            _report(ledger, s, sidecar, stream)
+            _report(ledger, served, sidecar, stream)
             ok = _forgotten_report(ledger, registry, ds, stream, work) and ok
         finally:
             codes = sidecar.stop()
@@ -103,7 +105,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
           f"{result.heads} signed heads, {result.records} records, the model registry")
     for p in problems[:10]:
         print(f"  {p}")
-    states = Counter(ledger.record_states().values())
+    states = Counter(ledger.records.states().values())
     current = registry.current()
     print(f"   records vs live records: verify checks all {result.records} records the ledger "
           f"has ever held ({states.get('live', 0)} live + {states.get('purged', 0)} purged + "
@@ -114,7 +116,7 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
     return 0 if ok and not problems and not any(codes.values()) else 1
 
 
-def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: float,
+def _stream(ledger: Ledger, s: LedgerSettings, ds: datasets.Dataset, n: int, rate: float,
             sidecar: LocalSidecar) -> tuple[bool, list[Any]]:
     """Send the requests through Kafka while a client keeps asking for predictions, with
     one live line: sent, what intake made of them, applied and verified."""
@@ -141,7 +143,7 @@ def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: flo
             if dead:
                 print(f"\n{dead} stopped unexpectedly:\n{sidecar.procs[dead].log_tail()}")
                 return False, stream
-            counts, intake = ledger.status_counts(), ledger.intake_counts()
+            counts, intake = ledger.lifecycle.status_counts(), ledger.intake.counts()
             total = sum(counts.values())
             applied = sum(counts.get(k, 0) for k in ("applied", "verified"))
             verified, failed = counts.get("verified", 0), counts.get("failed", 0)
@@ -153,7 +155,7 @@ def _stream(ledger: Ledger, s: Settings, ds: datasets.Dataset, n: int, rate: flo
                 sys.stderr.write("\r" + new)
                 sys.stderr.flush()
                 line = new
-            if (not sender.is_alive() and ledger.consumed(s.requests_topic) >= len(stream)
+            if (not sender.is_alive() and ledger.intake.consumed(s.requests_topic) >= len(stream)
                     and verified + failed == total):
                 ok = failed == 0
                 break
@@ -263,7 +265,7 @@ def _await_network_bound(ledger: Ledger, registry: Registry, base_url: str,
     guard job trains the LOO set of the records left and bounds it. Not a pass/fail step
     (noise-all is sound)."""
     passes: dict[str, bool] = {}
-    for e in ledger.export():
+    for e in ledger.events.export():
         if e["kind"] == "applied" and e["request_id"]:
             detail = e["payload"].get("retrained", {}).get("detail", [])
             passes[e["model_version"]] = any(d.get("swap") for d in detail)
@@ -294,9 +296,9 @@ def _await_network_bound(ledger: Ledger, registry: Registry, base_url: str,
     print(f"  not in after {timeout_s:.0f} s (answers stay sound: noise-all until then)")
 
 
-def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any]) -> None:
-    events = list(ledger.export())
-    intake = ledger.intake_counts()
+def _report(ledger: Ledger, s: ServiceSettings, sidecar: LocalSidecar, stream: list[Any]) -> None:
+    events = list(ledger.events.export())
+    intake = ledger.intake.counts()
     print(f"\n== intake: {len(stream)} messages sent = {intake['accepted']} accepted "
           f"({intake['deletions']} deletions, {intake['additions']} additions) + "
           f"{intake['duplicates']} resent request ids (duplicates: counted, no second "
@@ -304,7 +306,7 @@ def _report(ledger: Ledger, s: Settings, sidecar: LocalSidecar, stream: list[Any
           "reason; the message itself went to the dead-letter topic)")
     print_audit(ledger, events)
     print("\n== model lineage (newest first; records = the version's training set)")
-    for v in Registry(ledger.engine, s.model_name, ledger.keys).lineage(8):
+    for v in Registry(ledger.engine, JobSettings.from_env().model_name, ledger.keys).lineage(8):
         m, ts = v.manifest, v.manifest["training_set"]
         print(f"  {v.version}  parent={v.parent or '-':8} {m['change']['op']:6} "
               f"guard={m['guard'].get('mode', 'sound' if m['guard']['ready'] else 'noise-all'):9} "
@@ -360,7 +362,7 @@ def _forgotten_report(ledger: Ledger, registry: Registry, ds: datasets.Dataset,
             features.update({r["record_id"]: np.asarray(
                 r["features"] if scaled else ds.transform.scale_row(r["features"]),
                 dtype=np.float64) for r in m["payload"]["records"]})
-    states = ledger.record_states()
+    states = ledger.records.states()
     gone = {r: features[r] for r, state in states.items() if state == "purged"}
     kept = np.array([features[r] for r, state in states.items() if state != "purged"])
     scanner = TraceScanner(gone, kept=kept, ids=False)
@@ -381,7 +383,7 @@ def _forgotten_report(ledger: Ledger, registry: Registry, ds: datasets.Dataset,
     kept_versions = registry.stored_versions()
     print(f"  destroyed versions ({len(destroyed)}): {_ranges(destroyed)}; kept in the "
           f"model store: {', '.join(kept_versions)}")
-    subject_deletions = [e["request_id"] for e in ledger.export() if e["kind"] == "received"
+    subject_deletions = [e["request_id"] for e in ledger.events.export() if e["kind"] == "received"
                          and e["payload"].get("expanded_from_subject")]
     verified = [r for r in subject_deletions
                 if ledger.history(r)["request"]["status"] == "verified"]

@@ -131,7 +131,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
     from jobs.orchestration.registry import Registry
     from jobs.orchestration.worker import Worker
     from ledger import datasets
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
     from ledger.consumer import ensure_topics
     from ledger.local_broker import LocalBroker
     from ledger.producer import paced, produce
@@ -139,18 +139,19 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-e2e-{learner}-"))
     with LocalBroker(log_path=work / "tansu.log") as broker:
-        s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
-                              hmac_key_file=str(work / "hmac.key"),
-                              kafka_bootstrap=broker.bootstrap, model_name=f"e2e-{learner}")
-        env = sidecar_env(work, s.database_url, s.kafka_bootstrap, model_name=s.model_name)
+        s = LedgerSettings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
+                                    hmac_key_file=str(work / "hmac.key"),
+                                    kafka_bootstrap=broker.bootstrap)
+        model_name = f"e2e-{learner}"
+        env = sidecar_env(work, s.database_url, s.kafka_bootstrap, model_name=model_name)
         # BentoML reads its home once per process: every run here shares main()'s store
         env["BENTOML_HOME"] = os.environ["BENTOML_HOME"]
         ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load("synthetic", n_samples=n_records)
-        ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+        ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
         t0 = time.perf_counter()
-        Worker(ledger, Registry(ledger.engine, s.model_name)).bootstrap(learner)
+        Worker(ledger, Registry(ledger.engine, model_name)).bootstrap(learner)
         print(f"[{learner}] {n_records} records, first version trained in "
               f"{time.perf_counter() - t0:.1f} s; state in {work}", flush=True)
         rng = np.random.default_rng(0)
@@ -176,7 +177,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
             client = threading.Thread(target=_ask, args=(sidecar.base_url, held_out, asking))
             client.start()
             try:
-                bound_wait = (_await_complete_guard(Registry(ledger.engine, s.model_name),
+                bound_wait = (_await_complete_guard(Registry(ledger.engine, model_name),
                                                     1800.0) if shard_bound_s > 0 else 0.0)
                 if shard_bound_s > 0:
                     print(f"[{learner}] guard complete (bounds in) after {bound_wait:.0f} s",
@@ -188,14 +189,14 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
                 stream1 = _guard_counts(sidecar.base_url)
                 deadline = time.monotonic() + 120 + n_requests / rate
                 while time.monotonic() < deadline:
-                    counts = ledger.status_counts()
+                    counts = ledger.lifecycle.status_counts()
                     if sum(counts.get(k, 0) for k in ("applied", "verified", "failed")) >= \
                             n_requests or sidecar.dead():
                         break
                     time.sleep(0.2)
                 # every applied request is measured: wait (bounded) until the service
                 # serves the version that applied the last of them
-                registry = Registry(ledger.engine, s.model_name)
+                registry = Registry(ledger.engine, model_name)
                 last = registry.current_seq()
                 end = time.monotonic() + 60
                 while time.monotonic() < end and max(first_served, default=0) < last:
@@ -209,7 +210,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
         at: dict[tuple[str, str], float] = {}
         passes: dict[str, tuple[int, float, float]] = {}  # version -> (requests, update, guard)
         swaps = 0
-        for e in ledger.export():
+        for e in ledger.events.export():
             if e["kind"] == "applied":
                 swaps += sum(bool(d.get("swap")) for d in
                              e["payload"].get("retrained", {}).get("detail", []))

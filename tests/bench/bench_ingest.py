@@ -59,14 +59,14 @@ def ledger_rate(ledger: Ledger, bootstrap: str, topic: str, n: int) -> float:
     consumer = RequestConsumer(ledger, bootstrap, topic, topic + ".dead",
                                group_id=f"ledger-{uuid.uuid4().hex}", batch_size=500)
     started: list[float] = []
-    receive = ledger.receive_batch
+    receive = ledger.intake.receive_batch
 
     def timed_receive(*args, **kwargs):
         if not started:
             started.append(time.perf_counter())
         return receive(*args, **kwargs)
 
-    ledger.receive_batch = timed_receive  # type: ignore[method-assign]
+    ledger.intake.receive_batch = timed_receive  # type: ignore[method-assign]
 
     def on_batch(_results) -> None:
         if consumer.stats.messages >= n:
@@ -121,7 +121,7 @@ def main() -> int:
                 continue
             ledger = Ledger(url, KEY, checkpoint_every=1000)
             t0 = time.perf_counter()
-            ledger.load_records(record_ids, subject_ids, X, y, name="bench")
+            ledger.records.load(record_ids, subject_ids, X, y, name="bench")
             print(f"{backend}: seeded {n_records} records in {time.perf_counter() - t0:.1f} s",
                   flush=True)
             raw = raw_rate(broker.bootstrap, topic, n)

@@ -67,21 +67,23 @@ def main() -> int:
     args = ap.parse_args()
     rounds, seconds = (2, 2.5) if args.quick else (4, 10.0)
 
+    from jobs.orchestration.job_settings import JobSettings
     from jobs.orchestration.registry import Registry
     from jobs.orchestration.worker import Worker
     from ledger import datasets
-    from ledger.config import Settings
+    from ledger.config import LedgerSettings
     from service.demo.processes import ManagedProcess, free_port, sidecar_env
 
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    s = Settings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
-                          hmac_key_file=str(work / "hmac.key"))
+    s = LedgerSettings.from_env(database_url=f"sqlite:///{work / 'ledger.db'}",
+                                hmac_key_file=str(work / "hmac.key"))
     env = sidecar_env(work, s.database_url)
     os.environ.update({k: v for k, v in env.items() if k.startswith("BENTOML")})
     ledger = s.open_ledger()
     ds = datasets.load("breast_cancer")
-    ledger.load_records(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
-    version = Worker(ledger, Registry(ledger.engine, s.model_name)).bootstrap(args.learner)
+    ledger.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, name=ds.name)
+    registry = Registry(ledger.engine, JobSettings.from_env().model_name)
+    version = Worker(ledger, registry).bootstrap(args.learner)
     print(f"{args.learner} {version} trained and guarded; state in {work}", flush=True)
 
     servers = {}

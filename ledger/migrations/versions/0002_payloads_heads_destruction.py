@@ -86,7 +86,8 @@ def _move_payloads() -> None:
         op.execute(f"ALTER TABLE training_records DROP COLUMN {column}")
     if not bind.execute(sa.text("SELECT 1 FROM training_records LIMIT 1")).first():
         return  # an empty table (a new database): no data ever lived in its files
-    # count it as a purge, as Ledger._note_purge does (with the xid on PostgreSQL)
+    # count it as a purge, as ledger.purge_maintenance.note_purge does (with the xid on
+    # PostgreSQL)
     pg = bind.dialect.name == "postgresql"
     xid = "txid_current()" if pg else "NULL"
     now = {"now": datetime.now(UTC)}
