@@ -48,7 +48,8 @@ from ledger.consumer import DEAD_LETTER_MAX_BYTES, RequestConsumer, ensure_topic
 from ledger.intake import IncomingMessage, IntakeResult
 from ledger.local_broker import LocalBroker, free_port
 from ledger.store import Ledger
-from service.http_api import MAX_BODY_BYTES, AppContext, BodyLimit, build_app
+from service.http_api import AppContext, build_app
+from service.middleware import MAX_BODY_BYTES, BodyLimit
 from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed
 
 TOKEN = "poison-test-admin-token-0123456789"
