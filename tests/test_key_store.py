@@ -65,6 +65,7 @@ def _run_until_settled(worker: Worker, ledger: Ledger, passes: int = 200) -> Non
     raise AssertionError(f"requests did not settle: {ledger.status_counts()}")
 
 
+@pytest.mark.slow
 def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
                                                                    tmp_path: Path) -> None:
     if not db_url.startswith("postgresql"):
