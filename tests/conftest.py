@@ -1,14 +1,11 @@
-"""Shared fixtures: ledgers on SQLite and on the real PostgreSQL, and a real tansu broker;
-the test tiers' markers; :func:`wait_for`, the wait for a condition instead of a sleep."""
+"""Shared fixtures: ledgers on SQLite and on the real PostgreSQL, and a real tansu broker."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,24 +23,6 @@ os.environ.setdefault("OBLIVIATE_KEY_STORE_DIR", tempfile.mkdtemp(prefix="oblivi
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 HMAC_KEY = bytes(range(32))
-T = TypeVar("T")
-
-
-def wait_for(condition: Callable[[], T], timeout_s: float, what: str,
-             interval_s: float = 0.05) -> T:
-    """Call `condition` until it returns something truthy, and return that; AssertionError
-    naming `what` after `timeout_s`. A test waits for the event, not for a time it hopes
-    is long enough (too short on a busy machine, too long on an idle one)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} "
-                                 f"(last: {value!r})")
-        time.sleep(interval_s)
-
 
 def _postgres_reason() -> str | None:
     """None when a PostgreSQL server answers, else why not (printed with the skip)."""

@@ -50,7 +50,8 @@ from ledger.local_broker import LocalBroker, free_port
 from ledger.store import Ledger
 from service.http_api import AppContext, build_app
 from service.middleware import MAX_BODY_BYTES, BodyLimit
-from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed, wait_for
+from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed
+from tests.waiting import wait_for
 
 TOKEN = "poison-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -17,7 +17,8 @@ from jobs.orchestration.registry import Registry
 from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.store import Ledger
 from service.demo.processes import ManagedProcess
-from tests.conftest import HMAC_KEY, seed, wait_for
+from tests.conftest import HMAC_KEY, seed
+from tests.waiting import wait_for
 
 PARAMS = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
           "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},

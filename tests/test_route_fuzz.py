@@ -37,8 +37,9 @@ from ledger.local_broker import free_port
 from ledger.store import Ledger
 from service.http_api import AppContext, build_app
 from service.usage import GuardUsage
-from tests.conftest import seed, wait_for
+from tests.conftest import seed
 from tests.test_poison import build, recipes
+from tests.waiting import wait_for
 
 TOKEN = "route-fuzz-admin-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -30,8 +30,8 @@ from jobs.orchestration.served_model import GUARD_DIR, LEARNER_DIR, ServedModel
 from jobs.orchestration.worker import RollbackRefused, Worker, WorkerConfig
 from ledger.store import Ledger
 from service.model_holder import ModelHolder, NoModelError
-from tests.conftest import wait_for
 from tests.test_quarantine import PARAMS, delete, status
+from tests.waiting import wait_for
 
 # the worker in-process publishing, refusing and reloading versions
 pytestmark = pytest.mark.slow

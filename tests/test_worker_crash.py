@@ -13,7 +13,8 @@ from jobs.orchestration.registry import Registry, VersionUnavailable
 from jobs.orchestration.worker import Worker
 from ledger.store import Ledger
 from service.demo.processes import ManagedProcess
-from tests.conftest import HMAC_KEY, seed, wait_for
+from tests.conftest import HMAC_KEY, seed
+from tests.waiting import wait_for
 
 # `obliviate worker` processes, killed
 pytestmark = pytest.mark.processes
