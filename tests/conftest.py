@@ -24,6 +24,7 @@ POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 HMAC_KEY = bytes(range(32))
 
+
 def _postgres_reason() -> str | None:
     """None when a PostgreSQL server answers, else why not (printed with the skip)."""
     try:
