@@ -8,7 +8,7 @@ KERNELS := $(VENV)/.kernels
 WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test demo bench bench-quick lint clean
+.PHONY: install test test-fast demo bench bench-quick lint clean
 
 install: $(STAMP) $(KERNELS)
 
@@ -39,6 +39,12 @@ $(BROWSER): $(STAMP)
 test: $(STAMP) $(KERNELS) $(BROWSER)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The fast tier (docs/development.md): unit and property tests, no process started (no
+# broker, no `obliviate` subprocess, no BentoML server, no browser), no `slow` test.
+test-fast: $(STAMP) $(KERNELS)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not processes and not slow"
 
 demo: $(STAMP) $(KERNELS)
 	$(VENV)/bin/obliviate demo

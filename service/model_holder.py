@@ -1,11 +1,12 @@
-"""The model a serving process answers with, swapped atomically when the registry moves.
+"""The version a serving process answers with, swapped atomically when the registry moves.
 
 Each BentoML worker process holds one :class:`ModelHolder`. A watcher thread
 polls the registry's current version; when it moves, the new version is
-loaded off the request path and installed with one reference assignment, so
-a request in flight finishes on the version it started with and none fails.
-Every version gets a fresh :class:`LabelGuard`: noised answers of one
-training set are never replayed for another.
+loaded off the request path, bound to a fresh guard
+(:meth:`jobs.orchestration.guarded_answers.GuardedAnswers.bind`) and installed
+with one reference assignment, so a request in flight finishes on the version
+it started with and none fails. What an answer is, the guard decides; this
+module only chooses the version and records what answering cost.
 """
 
 from __future__ import annotations
@@ -16,37 +17,17 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from jobs.adaptive.budget import BudgetExhausted, LineageBudget, SeedBudgets
-from jobs.guard.label_guard import LabelGuard, clip_unit
-from jobs.orchestration.registry import ModelVersion, Registry, VersionRefused, VersionUnavailable
-from jobs.orchestration.served_model import ServedModel
+from jobs.adaptive.budget import SeedBudgets
+from jobs.orchestration.guarded_answers import GuardedAnswers, GuardedVersion
+from jobs.orchestration.registry import Registry, VersionRefused, VersionUnavailable
 from service import service_metrics as metrics
 from service.usage import GuardUsage
 
 log = logging.getLogger("obliviate.service")
-
-
-@dataclass(frozen=True)
-class Serving:
-    """One installed version; immutable except for its guard's memo and counters."""
-
-    version: ModelVersion
-    model: ServedModel
-    guard: LabelGuard
-    lock: threading.Lock
-    private: bool = False  # private prediction mode: noisy votes under the seeds' budget
-    budget: LineageBudget | None = None  # its seed lineage as it was when installed
-
-    @property
-    def mode(self) -> str:
-        if self.private:
-            return "private"
-        return "sound" if self.guard.sound else "noise-all"
 
 
 class NoModelError(RuntimeError):
@@ -61,7 +42,7 @@ RELOAD_REFUSED_S = 5.0
 
 
 class ModelHolder:
-    """Watches the registry and answers guarded queries with the current version."""
+    """Watches the registry and holds its current version, bound to a guard, for answers."""
 
     def __init__(self, registry: Registry, *, epsilon: float = 1.0, memo_size: int = 100_000,
                  epsilon_budget: float = 1000.0, poll_s: float = 0.1, guarded: bool = True,
@@ -73,19 +54,12 @@ class ModelHolder:
         # that cannot see the registry stops answering well before that
         self.max_unconfirmed_s = max_unconfirmed_s
         self._confirmed_at = -math.inf
-        self.budgets = budgets  # set: private prediction mode (jobs.adaptive)
-        self.reserve_block = reserve_block
-        self._reserved: dict[str, int] = {}  # answers reserved per lineage, not yet given
-        self._budget_lock = threading.Lock()
-        self.epsilon = epsilon
-        self.memo_size = memo_size
+        self.answers = GuardedAnswers(epsilon=epsilon, memo_size=memo_size, guarded=guarded,
+                                      budgets=budgets, reserve_block=reserve_block,
+                                      noise_secret=noise_secret)
         self.poll_s = poll_s
-        self.guarded = guarded
         self.usage = usage
-        # keys every noised answer's draw: the same secret in every serving process gives
-        # the same answer for a cell in all of them (None: a random one per version)
-        self.noise_secret = noise_secret
-        self._serving: Serving | None = None
+        self._serving: GuardedVersion | None = None
         self.problem: str | None = None  # why the published version is not served, if so
         self._reload_at: tuple[str, float] | None = None  # (refused version, monotonic)
         self._stop = threading.Event()
@@ -93,6 +67,10 @@ class ModelHolder:
         self.process = f"{socket.gethostname()}:{os.getpid()}"
         metrics.GUARD_EPSILON.set(epsilon)
         metrics.GUARD_EPSILON_BUDGET.set(epsilon_budget)
+
+    @property
+    def guarded(self) -> bool:
+        return self.answers.guarded
 
     # ------------------------------------------------------------------ swapping
     def start(self) -> ModelHolder:
@@ -135,28 +113,13 @@ class ModelHolder:
             self._refuse(exc)
             return False
         self.problem, self._reload_at = None, None
-        guard = LabelGuard(len(model.classes), epsilon=self.epsilon, memo_size=self.memo_size,
-                           secret=self.noise_secret)
-        guard.bind(cur.version, sound=(model.guard_ready and not model.noise_all
-                                       and self.budgets is None))
-        budget = None
-        if self.budgets is not None and cur.manifest.get("seed_lineage"):
-            budget = self.budgets.get(cur.manifest["seed_lineage"])
+        served = self.answers.bind(cur, model)
         self._flush_usage()
-        self._serving = Serving(cur, model, guard, threading.Lock(), self.budgets is not None,
-                                budget)
+        self._serving = served
         self._confirmed_at = time.monotonic()
-        metrics.MODEL_SWAPS.inc()
-        metrics.SERVED_VERSION.set(cur.seq)
-        metrics.GUARD_MODE.set(1 if guard.sound else 0)
-        by_design = self.budgets is not None or cur.manifest["guard"]["rule"] == "noise-all"
-        metrics.GUARD_REFIT_PENDING.set(0 if guard.sound or by_design else 1)
-        metrics.GUARD_COMPLETE.set(1 if model.guard_complete else 0)
-        bounds = model.class_bounds() or [0.0] * len(model.classes)
-        for c, b in enumerate(bounds):
-            metrics.GUARD_BOUND.labels(**{"class": str(c)}).set(b if guard.sound else 0.0)
+        metrics.show_version(served)
         log.info("serving %s (%s, guard %s)", cur.version, model.kind,
-                 "sound" if guard.sound else "noise-all")
+                 "sound" if served.guard.sound else "noise-all")
         return True
 
     def _refuse(self, exc: VersionRefused) -> None:
@@ -192,7 +155,7 @@ class ModelHolder:
 
     # ------------------------------------------------------------------ answering
     @property
-    def serving(self) -> Serving:
+    def serving(self) -> GuardedVersion:
         s = self._serving
         if s is None and self.problem is not None:
             raise NoModelError(f"no model version can be served: {self.problem}; run "
@@ -210,62 +173,20 @@ class ModelHolder:
                                "answering with a version that may hold deleted records")
         return s
 
-    def predict(self, X: np.ndarray) -> tuple[np.ndarray, Serving]:
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, GuardedVersion]:
         """Published labels for validated queries, and the version that answered."""
-        s = self.serving
-        Xq = clip_unit(np.asarray(X, dtype=np.float64))
-        if not self.guarded:
-            return s.model.classes[s.model.plain_labels(Xq)], s
-        epsilon = self.epsilon
-        if s.private:
-            if s.budget is None:
-                raise BudgetExhausted(f"{s.version.version} has no seed lineage: the worker "
-                                      "retrains on fresh seeds for private prediction mode")
-            epsilon = s.budget.epsilon_per_answer
-        else:
-            labels, certain = s.model.certain(Xq)
-        with s.lock:
-            before = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
-                      s.guard.memo.evictions)
-            if s.private:
-                lineage = s.budget.lineage
-                idx = s.guard.answer_votes(Xq, s.model.vote_counts, epsilon,
-                                           spend=lambda n: self._reserve(lineage, n))
-            else:
-                idx = s.guard.answer(Xq, labels, certain,
-                                     lambda C: s.model.certain(C)[0])
-            after = (s.guard.counts.certain, s.guard.counts.noised, s.guard.counts.memo_hits,
-                     s.guard.memo.evictions)
-        n_certain, n_noised, n_hits, n_evicted = (a - b for a, b in zip(after, before,
-                                                                          strict=True))
-        if n_certain:
-            metrics.GUARD_QUERIES.labels(outcome="certain").inc(n_certain)
-        if n_noised:
-            metrics.GUARD_QUERIES.labels(outcome="noised").inc(n_noised)
-            metrics.GUARD_EPSILON_SPENT.inc(epsilon * (n_noised - n_hits))
-        if n_evicted:
-            metrics.MEMO_EVICTIONS.inc(n_evicted)
-        if self.usage is not None:
-            self.usage.add(s.version.version, n_certain, n_noised, n_noised - n_hits,
-                           epsilon * (n_noised - n_hits))
-        return s.model.classes[idx], s
-
-    def _reserve(self, lineage: str, n: int) -> None:
-        """Take `n` answers from this process's reservation, topping it up in blocks from
-        the lineage's budget in the database; BudgetExhausted when it cannot."""
-        with self._budget_lock:
-            have = self._reserved.get(lineage, 0)
-            if have < n:
-                have += self.budgets.reserve(lineage, max(n - have, self.reserve_block))
-            if have < n:
-                self._reserved[lineage] = have
-                raise BudgetExhausted("the privacy budget of this model's seeds is spent; "
-                                      "a retrain with fresh seeds is on its way")
-            self._reserved[lineage] = have - n
+        served = self.serving
+        labels, cost = self.answers.answer(served, X)
+        metrics.count_answers(cost)
+        if self.usage is not None and cost.answers:
+            self.usage.add(served.version.version, cost.certain, cost.noised, cost.fresh,
+                           cost.epsilon_spent)
+        return labels, served
 
     def status(self) -> dict[str, Any]:
         s = self._serving
-        return {"process": self.process, "guarded": self.guarded, "epsilon": self.epsilon,
+        return {"process": self.process, "guarded": self.guarded,
+                "epsilon": self.answers.epsilon,
                 "version": None if s is None else s.version.version,
                 "mode": None if s is None else s.mode}
 

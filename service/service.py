@@ -30,8 +30,10 @@ from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import Registry
 from ledger.config import LedgerSettings
 from ledger.transform import InputTransform
-from service.http_api import AppContext, BodyLimit, ErrorShape, build_app, template_paths
+from service.http_api import AppContext, build_app
+from service.middleware import BodyLimit, ErrorShape
 from service.model_holder import ModelHolder, NoModelError
+from service.route_templates import template_paths
 from service.service_metrics import LedgerCollector
 from service.service_settings import ServiceSettings, guard_noise_secret
 from service.usage import GuardUsage
@@ -44,7 +46,7 @@ PREDICT_MAX_BODY_BYTES = 8 * 1_048_576
 CONTEXT = AppContext()
 log = logging.getLogger("obliviate.service")
 # BentoML's request metrics and access log name the path; ids in paths become route
-# templates before they see it (service.http_api.template_paths)
+# templates before they see it (service.route_templates.template_paths)
 template_paths()
 
 
@@ -91,7 +93,7 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
     with np.errstate(over="ignore", invalid="ignore"):
         Z = transform.scale(X)
     Z[np.isnan(Z)] = 0.0  # unreachable for finite input; never hand NaN to the guard
-    return np.clip(Z, 0.0, 1.0)  # the guard's box (ModelHolder.predict clips it so too)
+    return np.clip(Z, 0.0, 1.0)  # the guard's box (GuardedAnswers.answer clips it so too)
 
 
 def _short(v: Any, limit: int = 40) -> str:

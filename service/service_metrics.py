@@ -9,9 +9,13 @@ served version too (a process that has not swapped yet shows).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from jobs.orchestration.guarded_answers import AnswerCost, GuardedVersion
 
 GUARD_QUERIES = Counter(
     "obliviate_guard_queries",
@@ -104,3 +108,25 @@ class LedgerCollector:
                                 "Share of the current seed lineage's privacy budget spent by "
                                 "private answers (0 outside private prediction mode).",
                                 value=self._seed_budget_spent())
+
+
+def show_version(served: GuardedVersion) -> None:
+    """The gauges of a newly installed version."""
+    MODEL_SWAPS.inc()
+    SERVED_VERSION.set(served.version.seq)
+    GUARD_MODE.set(1 if served.guard.sound else 0)
+    GUARD_REFIT_PENDING.set(1 if served.refit_pending else 0)
+    GUARD_COMPLETE.set(1 if served.model.guard_complete else 0)
+    for c, b in enumerate(served.bounds()):
+        GUARD_BOUND.labels(**{"class": str(c)}).set(b)
+
+
+def count_answers(cost: AnswerCost) -> None:
+    """The counters of one call's answers."""
+    if cost.certain:
+        GUARD_QUERIES.labels(outcome="certain").inc(cost.certain)
+    if cost.noised:
+        GUARD_QUERIES.labels(outcome="noised").inc(cost.noised)
+        GUARD_EPSILON_SPENT.inc(cost.epsilon_spent)
+    if cost.evicted:
+        MEMO_EVICTIONS.inc(cost.evicted)

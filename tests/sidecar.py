@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import httpx
 
 from service.demo.processes import OBLIVIATE, ManagedProcess, free_port, sidecar_env
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TOKEN = "sidecar-test-admin-token-0123456789"
@@ -448,19 +449,17 @@ class Sidecar:
         The error names `what`, the last value seen and the tails of the logs; it comes
         early if every worker has exited (nothing would change any more).
         """
-        deadline = time.monotonic() + timeout_s
-        last: Any = None
-        while True:
-            last = probe()
-            if last:
-                return last
-            if time.monotonic() > deadline:
-                raise SidecarError(f"timed out after {timeout_s} s waiting for {what} "
-                                   f"(last: {last!r})\n{self.logs()}")
-            if self.workers and not any(w.running() for w in self.workers):
+        def probed() -> T | None:
+            value = probe()
+            if not value and self.workers and not any(w.running() for w in self.workers):
                 raise SidecarError(f"every worker exited while waiting for {what} "
-                                   f"(last: {last!r})\n{self.logs()}")
-            time.sleep(interval_s)
+                                   f"(last: {value!r})\n{self.logs()}")
+            return value
+
+        try:
+            return wait_for(probed, timeout_s, what, interval_s)
+        except AssertionError as exc:
+            raise SidecarError(f"{exc}\n{self.logs()}") from None
 
     def wait_for_status(self, request_ids: Iterable[str], status: str = "verified",
                         timeout_s: float = 60.0, interval_s: float = 0.25

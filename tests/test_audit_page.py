@@ -9,7 +9,6 @@ in test-artifacts/audit-page.png. Chromium and chromedriver come from Debian
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,10 +39,10 @@ REJECTED = {"request_id": "bad-1", "op": "delete", "record_ids": ["no-such-recor
 ALL = ["del-rec-1", "del-rec-2", "del-subj"]
 STATE: dict[str, str] = {}  # what the module's sidecar fixture found out
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.processes, pytest.mark.skipif(  # a browser and the sidecar
     not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()),
     reason=f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}): "
-           "run `make .venv/.browser`")
+           "run `make .venv/.browser`")]
 
 
 def _queries() -> list[list[float]]:
@@ -304,10 +303,17 @@ def test_screenshot(sidecar: Sidecar, page: WebDriver) -> None:
         c.get_attribute("data-valid") == "true"
         for c in d.find_elements(By.CSS_SELECTOR, "#timeline td[data-field=proof]")),
         "request del-subj")
-    for _ in range(2):  # the height changes once the width does
-        height = page.execute_script("return document.documentElement.scrollHeight")
-        page.set_window_size(1280, min(int(height) + 140, 5000))
-        time.sleep(0.2)
+
+    def as_high_as_the_page(d: WebDriver) -> bool:
+        """Resize the window to the page; True once it fits (the height changes once the
+        width does)."""
+        height = min(int(d.execute_script("return document.documentElement.scrollHeight"))
+                     + 140, 5000)
+        if d.get_window_size() == {"width": 1280, "height": height}:
+            return True
+        d.set_window_size(1280, height)
+        return False
+    wait_for(page, as_high_as_the_page, "a window as high as the page")
     ARTIFACTS.mkdir(exist_ok=True)
     out = ARTIFACTS / "audit-page.png"
     assert page.save_screenshot(str(out))

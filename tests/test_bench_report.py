@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "tests" / "bench" / "report.py"
 sys.path.insert(0, str(REPORT.parent))
@@ -38,6 +40,7 @@ def report(doc: Path, *args: str, stdin: str = STREAM) -> subprocess.CompletedPr
                           input=stdin, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.processes
 def test_result_lines_become_rows_on_top_of_the_tables_history(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text(DOC)
@@ -58,6 +61,7 @@ def test_result_lines_become_rows_on_top_of_the_tables_history(tmp_path: Path) -
     ]
 
 
+@pytest.mark.processes
 def test_replace_keeps_no_earlier_row_and_logs_are_read_like_stdin(tmp_path: Path) -> None:
     doc, log = tmp_path / "benchmarks.md", tmp_path / "run.log"
     doc.write_text(DOC)
@@ -70,6 +74,7 @@ def test_replace_keeps_no_earlier_row_and_logs_are_read_like_stdin(tmp_path: Pat
     assert [(r["command"], r["kind"], r["n"]) for r in rows] == [("bench_x.py", "loo", "200")]
 
 
+@pytest.mark.processes
 def test_no_markers_or_no_results_change_nothing_and_say_why_in_one_line(
         tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"

@@ -30,6 +30,9 @@ import yaml
 
 from service.demo.processes import ManagedProcess, free_port
 
+# `bentoml build`, a fresh interpreter and `bentoml serve`: processes
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parent.parent
 BENTOML = str(Path(sys.executable).parent / "bentoml")
 PACKAGES = ("ledger", "jobs", "service")

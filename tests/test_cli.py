@@ -89,6 +89,7 @@ def test_init_from_csv(env: str, tmp_path, capsys) -> None:
     assert json.loads(out)["record_ids"] == ["a1", "a2"]
 
 
+@pytest.mark.processes
 def test_forgotten_and_rollback_from_the_command_line(env: str, tmp_path, monkeypatch,
                                                       capsys) -> None:
     """An operator's path: train, delete a subject, run the worker, then ask the ledger

@@ -50,10 +50,12 @@ def _modules_after(script: str, env: dict[str, str] | None = None) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 def test_building_the_parser_imports_no_learner_or_solver() -> None:
     assert _modules_after("import service.cli\nservice.cli.build_parser()") == []
 
 
+@pytest.mark.processes
 def test_ledger_submit_and_produce_commands_import_no_learner_or_solver(
         tmp_path: Path, broker) -> None:  # noqa: ANN001 - the session's tansu broker
     import os
@@ -119,6 +121,7 @@ def test_an_unreachable_database_is_one_line_and_exit_1(tmp_path: Path, capsys,
     assert "s3cret-pw" not in err and "OBLIVIATE_DATABASE_URL" in err
 
 
+@pytest.mark.processes
 def test_the_subprocess_shows_no_traceback_for_an_unreachable_database(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "service.cli", "--db",
                           "postgresql://u@127.0.0.1:1/x", "ledger", "verify"], cwd=ROOT,

@@ -115,6 +115,7 @@ def scenario(draw):
     return n, p, params, cache_min, buffer, decimals, n_classes, ops, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_random_update_sequences_equal_a_retrain(sc):
@@ -519,6 +520,7 @@ def test_kernels_reproduce_the_reference_hashes(name, params):
     assert tuple(got) == GOLDEN[name]
 
 
+@pytest.mark.slow
 def test_saved_forest_holds_only_live_records(tmp_path) -> None:
     """Deleted records leave the forest when it is saved (ids, features, labels, and a
     cache cut-off that still named a deleted value), and exactness survives rounds of

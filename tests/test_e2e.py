@@ -34,6 +34,9 @@ from ledger.producer import produce
 from tests.conftest import _PG_REASON
 from tests.sidecar import Sidecar
 
+# a real broker and the sidecar's processes
+pytestmark = pytest.mark.processes
+
 SMALL = {"sisa": {"n_shards": 3, "epochs_per_slice": 5},
          "dare": {"n_estimators": 10, "max_depth": 5}}
 RECORDS = TrainingRecord.__table__

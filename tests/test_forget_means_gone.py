@@ -31,6 +31,9 @@ from service.demo.residue import TraceScanner
 from service.model_holder import ModelHolder, NoModelError
 from tests.db_files import db_files
 
+# every learner through deletions, scanning every byte it wrote
+pytestmark = pytest.mark.slow
+
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
          "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},
          "mlp": {"hidden": [8], "epochs": 5},

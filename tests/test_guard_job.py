@@ -14,6 +14,9 @@ from jobs import sealing
 from jobs.orchestration.guard_job import GuardJob, GuardProcess
 from jobs.orchestration.served_model import ServedModel
 
+# the guard's own process, spawned, cancelled and killed
+pytestmark = pytest.mark.processes
+
 KEY = sealing.new_key()
 
 

@@ -149,6 +149,7 @@ def _served(bound_s: float = 2.0) -> tuple[GuardedMLPModel, np.ndarray]:
     return model, X
 
 
+@pytest.mark.slow
 def test_every_certified_answer_is_every_loo_networks_answer() -> None:
     model, X = _served()
     assert model.guard_complete and model.guard_record()["mode"] == "sound"
@@ -195,6 +196,7 @@ def test_the_bound_is_kept_only_for_its_network_and_sealed(tmp_path: Path) -> No
     assert model.guard_record()["mode"] == "noise-all"
 
 
+@pytest.mark.slow
 def test_a_loo_set_too_large_for_the_cpu_is_not_trained(monkeypatch) -> None:
     """The guard job does not train a LOO set estimated above LOO_MAX_SECONDS on the CPU
     (it would hold the exactness check back for hours): the network stays in noise-all
@@ -216,6 +218,7 @@ def test_a_loo_set_too_large_for_the_cpu_is_not_trained(monkeypatch) -> None:
     assert model.guard_complete and "skipped" not in model.guard_record()["bound"]
 
 
+@pytest.mark.slow
 def test_the_worker_swaps_a_deletion_in_and_the_guard_job_bounds_the_rest(
         seeded60: Ledger) -> None:
     ledger = seeded60
@@ -268,6 +271,7 @@ def _served_where(sc, done, timeout_s: float = 180.0) -> dict:  # noqa: ANN001 -
     raise AssertionError(f"not served in {timeout_s:.0f} s: {m['current']['manifest']['guard']}")
 
 
+@pytest.mark.processes
 def test_obliviate_serve_and_worker_swap_a_deletion_in_and_bound_it_again(tmp_path) -> None:
     """From the real processes: the worker's guard job bounds the network, `obliviate
     serve` answers certified labels with it; a deletion is a swap served in noise-all mode,

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaConsumer
@@ -22,6 +23,9 @@ from ledger.local_broker import LocalBroker
 from ledger.producer import produce, request_stream
 from ledger.store import Ledger
 from tests.conftest import HMAC_KEY, seed
+
+# a real tansu broker, and consumers killed as processes
+pytestmark = pytest.mark.processes
 
 N_RECORDS = 3000
 

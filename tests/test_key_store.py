@@ -71,6 +71,7 @@ def _apply(ledger: Ledger, version: str) -> None:
                                   version)
 
 
+@pytest.mark.slow
 def test_a_destroyed_key_and_a_deleted_addition_are_not_in_pg_wal(db_url: str,
                                                                    tmp_path: Path) -> None:
     if not db_url.startswith("postgresql"):

@@ -123,6 +123,7 @@ def test_lifecycle_purges_deleted_records_and_keeps_their_fingerprint(seeded: Le
     assert seeded.verify().ok
 
 
+@pytest.mark.slow
 def test_subject_with_everything_deleted_says_so(seeded: Ledger) -> None:
     seeded.receive(delete("s", subject="s02"))
     apply_all(seeded)
@@ -223,6 +224,7 @@ def test_verify_names_a_request_whose_status_was_edited(seeded: Ledger) -> None:
     assert problem.where == "request d" and "'received'" in problem.message
 
 
+@pytest.mark.slow
 def test_inclusion_proofs_verify_and_fail_when_tampered(seeded: Ledger) -> None:
     for i in range(9):
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
@@ -242,6 +244,7 @@ def test_inclusion_proofs_verify_and_fail_when_tampered(seeded: Ledger) -> None:
     assert not merkle.verify_inclusion(leaf, ev["seq"], head["tree_size"], proof, root)
 
 
+@pytest.mark.slow
 def test_incremental_checkpoints_match_a_full_recomputation(seeded: Ledger) -> None:
     for i in range(27):
         seeded.receive(delete(f"q{i}", f"r{i:03d}"))
@@ -287,6 +290,7 @@ def test_failing_dead_letter_hook_records_nothing(seeded: Ledger) -> None:
     assert [r.status for r in seeded.intake.receive_batch(msgs)] == ["rejected", "accepted"]
 
 
+@pytest.mark.slow
 def test_concurrent_writers_keep_one_chain(db_url: str) -> None:
     ledgers = [Ledger(db_url, HMAC_KEY, checkpoint_every=7) for _ in range(3)]
     seed(ledgers[0], n=60)

@@ -22,6 +22,9 @@ from jobs.orchestration.guard_job import JOB_DIR_PREFIX, remove_orphaned_job_dir
 from jobs.orchestration.leftovers import LOCK_SUFFIX, LOCKLESS_AGE_S, make_dir
 from jobs.orchestration.served_model import KIND_FILE
 
+# workers and writers killed as processes
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 # the cleanup a worker's start runs, in the environment (TMPDIR, BENTOML_HOME) given
 NEXT_START = """

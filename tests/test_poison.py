@@ -48,8 +48,10 @@ from ledger.consumer import DEAD_LETTER_MAX_BYTES, RequestConsumer, ensure_topic
 from ledger.intake import IncomingMessage, IntakeResult
 from ledger.local_broker import LocalBroker, free_port
 from ledger.store import Ledger
-from service.http_api import MAX_BODY_BYTES, AppContext, BodyLimit, build_app
+from service.http_api import AppContext, build_app
+from service.middleware import MAX_BODY_BYTES, BodyLimit
 from tests.conftest import HMAC_KEY, forget_bentoml_metrics, seed
+from tests.waiting import wait_for
 
 TOKEN = "poison-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -226,6 +228,7 @@ def poisoned(broker: LocalBroker, tmp_path_factory: pytest.TempPathFactory) -> d
     ledger.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(POISON))
 def test_poison_is_rejected_dead_lettered_once_and_the_next_message_recorded(
         poisoned: dict[str, Any], name: str) -> None:
@@ -259,6 +262,7 @@ def test_poison_is_rejected_dead_lettered_once_and_the_next_message_recorded(
     assert status_of(ledger, f"good-{name}") == "received"
 
 
+@pytest.mark.processes
 def test_the_poisoned_run_dead_lettered_each_rejection_exactly_once(
         poisoned: dict[str, Any]) -> None:
     assert poisoned["consumer"].stats.counts == {"rejected": len(POISON),
@@ -268,6 +272,7 @@ def test_the_poisoned_run_dead_lettered_each_rejection_exactly_once(
     assert all(len(evs) == 1 for evs in poisoned["events"].values())
 
 
+@pytest.mark.processes
 def test_requested_at_longer_than_its_column_is_rejected_on_both_backends(
         broker: LocalBroker, db_url: str) -> None:
     """86 characters of valid ISO 8601: PostgreSQL's varchar(64) refused it inside the
@@ -289,6 +294,7 @@ def test_requested_at_longer_than_its_column_is_rejected_on_both_backends(
         ledger.close()
 
 
+@pytest.mark.processes
 def test_obliviate_consume_survives_the_messages_that_killed_it(broker: LocalBroker,
                                                                 tmp_path) -> None:
     """The red team's exits: TypeError (null, exit 1), ValueError (4,301 digits, exit 2),
@@ -357,6 +363,7 @@ def test_every_text_column_intake_writes_holds_what_validation_lets_through() ->
 
 # --------------------------------------------------------------------------- storing fails
 
+@pytest.mark.processes
 def test_a_batch_the_database_refuses_is_recorded_message_by_message(
         broker: LocalBroker, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What validation let through and the database refuses (PostgreSQL: a real DataError
@@ -401,6 +408,7 @@ def test_a_batch_the_database_refuses_is_recorded_message_by_message(
         ledger.close()
 
 
+@pytest.mark.processes
 def test_a_dead_letter_outage_mid_batch_sends_no_dead_letter_twice(
         broker: LocalBroker, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second dead letter of a batch fails (the broker went away after the first was
@@ -537,6 +545,7 @@ def build(i: int, recipe: tuple[str, Any]) -> bytes | None:
     return arg
 
 
+@pytest.mark.processes
 def test_fuzzed_kafka_stream_is_recorded_or_rejected_exactly_once(broker: LocalBroker,
                                                                    tmp_path) -> None:
     drawn: list[tuple[str, Any]] = []
@@ -835,9 +844,7 @@ def test_a_real_server_answers_413_before_the_body_arrives(tmp_path) -> None:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: server.started, 10, "the server to start", interval_s=0.02)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(f"POST /v1/requests HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                       f"{TOKEN}\r\nContent-Type: application/json\r\n"

@@ -170,6 +170,7 @@ def test_a_lost_publication_race_is_retried_on_the_new_version(seeded60: Ledger,
     assert w.step() is True and reg.current().manifest["change"]["op"] == "retrain"
 
 
+@pytest.mark.processes
 def test_over_http_answers_stop_at_the_budget_and_resume_on_fresh_seeds(tmp_path) -> None:
     env = {"OBLIVIATE_ANSWERS": "private", "OBLIVIATE_PRIVATE_EPSILON": "0.5",
            "OBLIVIATE_SEED_EPSILON_BUDGET": "2.0", "OBLIVIATE_SEED_DELTA": "1e-5"}
@@ -224,6 +225,7 @@ def _keys(doc: object) -> set[str]:
     return set()
 
 
+@pytest.mark.slow
 def test_the_public_sees_no_seed_dependent_field_in_private_mode(seeded60: Ledger) -> None:
     """Issue 26: the public lineage named the shards each deleted or added record was
     retrained in (`retrained.shards`, `from_slice`, `records_in_retrained_shards`), and

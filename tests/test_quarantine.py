@@ -18,6 +18,7 @@ from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.store import Ledger
 from service.demo.processes import ManagedProcess
 from tests.conftest import HMAC_KEY, seed
+from tests.waiting import wait_for
 
 PARAMS = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
           "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]},
@@ -82,6 +83,7 @@ def quarantined(op: str = "add") -> float:
     return metrics.QUARANTINED.labels(op=op)._value.get()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dare", "sisa", "mlp", "game"])
 def test_a_poison_addition_is_quarantined_and_the_deletion_behind_it_verified(
         seeded60: Ledger, kind: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -142,6 +144,7 @@ def test_the_good_requests_of_a_batch_are_applied_around_the_poison(seeded60: Le
     assert served.learner.verify().exact
 
 
+@pytest.mark.slow
 def test_a_disk_that_fails_fails_no_request_and_the_worker_retries(
         seeded60: Ledger, caplog: pytest.LogCaptureFixture) -> None:
     """The model store cannot be written (its staging directory is a file): the pass fails
@@ -172,13 +175,14 @@ def test_a_disk_that_fails_fails_no_request_and_the_worker_retries(
         staging.unlink()
         if aside.exists():
             aside.rename(staging)
-    time.sleep(0.25)  # the back-off
+    wait_for(lambda: not w.trouble.waiting(), 10, "the worker's back-off to end")
     _drain(w)
     assert status(ledger, "d1") == "verified"
     kinds = [e["kind"] for e in ledger.history("d1")["events"]]
     assert "failed" not in kinds and kinds.count("applied") == 1
 
 
+@pytest.mark.processes
 def test_the_real_worker_quarantines_and_keeps_forgetting(db_url: str, tmp_path: Path
                                                           ) -> None:
     """`obliviate worker` (SISA, which used to exit on such an addition and exit again on

@@ -133,6 +133,7 @@ def check_alone(path: Path, key: bytes, *extra: str) -> subprocess.CompletedProc
                            *extra], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.processes
 def test_an_honest_receipt_checks_alone_and_a_tampered_one_fails(signed: Ledger,
                                                                   tmp_path) -> None:
     w, (v1, v2, _) = two_deletions_then_the_check(signed)
@@ -182,6 +183,7 @@ def test_an_honest_receipt_checks_alone_and_a_tampered_one_fails(signed: Ledger,
     assert done.returncode == 1 and "content does not match its hash" in done.stderr
 
 
+@pytest.mark.processes
 def test_later_heads_prove_the_receipt_was_never_rewritten(signed: Ledger, tmp_path) -> None:
     w, _ = two_deletions_then_the_check(signed)
     run_checks(w, signed)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import uuid
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
@@ -40,6 +39,7 @@ from service.http_api import AppContext, build_app
 from service.usage import GuardUsage
 from tests.conftest import seed
 from tests.test_poison import build, recipes
+from tests.waiting import wait_for
 
 TOKEN = "route-fuzz-admin-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -137,6 +137,7 @@ def requests(draw: st.DrawFn, targets: list[tuple[str, str]]) -> dict[str, Any]:
             "content": body}
 
 
+@pytest.mark.slow
 def test_every_route_answers_below_500_to_fuzzed_paths_and_queries(app: Starlette) -> None:
     targets = _targets(app)
     assert {t for _, t in targets} >= {"/v1/requests/{request_id:path}", "/v1/models/lineage",
@@ -218,9 +219,7 @@ def test_a_nul_id_leaves_the_keep_alive_connection_usable_over_a_real_socket(
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: server.started, 10, "the server to start", interval_s=0.02)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH,
                           timeout=10) as http:
             answers = []

@@ -31,6 +31,10 @@ from jobs.orchestration.worker import RollbackRefused, Worker, WorkerConfig
 from ledger.store import Ledger
 from service.model_holder import ModelHolder, NoModelError
 from tests.test_quarantine import PARAMS, delete, status
+from tests.waiting import wait_for
+
+# the worker in-process publishing, refusing and reloading versions
+pytestmark = pytest.mark.slow
 
 
 def _worker(ledger: Ledger, reg: Registry, shard_bound_s: float = 0.0) -> Worker:
@@ -284,13 +288,14 @@ def test_a_pointer_to_a_destroyed_or_missing_version_stops_no_process(
     assert f"the model pointer names {why}" in str(err.value)
     assert "published yet" not in str(err.value)
     _point_at(ledger, reg.name, v2)
-    time.sleep(0.3)  # the back-off
+    wait_for(lambda: not w.trouble.waiting(), 10, "the worker's back-off to end")
     _drain(w)
     assert status(ledger, "d2") == "verified"
     assert metrics.POINTER_REFUSED._value.get() == 0.0
     assert fresh.refresh() and fresh.serving.version.version == reg.current().version
 
 
+@pytest.mark.processes
 def test_the_real_worker_and_service_survive_a_pointer_to_a_destroyed_version(
         db_url: str, tmp_path: Path) -> None:
     """`obliviate worker` used to exit on it (and on every restart); `obliviate serve` said

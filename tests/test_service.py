@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +36,9 @@ from service.demo.processes import free_port
 from service.service import MAX_BATCH
 from tests.sidecar import Sidecar
 from tests.test_deploy import _alert_exprs, _dashboard_exprs, metric_names
+
+# `obliviate serve` (two serving processes) and `obliviate worker`
+pytestmark = pytest.mark.processes
 
 N_FEATURES = 30
 WRONG_TOKEN = "not-the-admin-token-at-all-0000000"
@@ -426,21 +428,27 @@ def test_hot_swap_under_load_fails_no_request(svc: Service) -> None:
     hammers = [Hammer(sc.url, stop, seed) for seed in range(4)]
     for h in hammers:
         h.start()
+
+    def answered_by(version: str) -> bool:
+        return any(c and seq(c[-1]) >= seq(version) for h in hammers for c in h.connections)
+
     try:
-        time.sleep(1.0)  # load first, then the swaps
+        # load first, then the swaps
+        sc.wait_until(lambda: all(any(h.connections) for h in hammers), 30,
+                      "every client to be answered")
         ids = []
         for i in range(3):  # each deletion publishes an update version (then a guard one)
             rid = f"swap-{i}"
             delete_next(sc, rid)
             ids.append(rid)
             sc.wait_for_status([rid], "applied", timeout_s=60)
-            time.sleep(0.3)
+            applied = sc.models()["current"]["version"]
+            sc.wait_until(lambda v=applied: answered_by(v), 30,
+                          f"a client to be answered by {applied}")
         newest = sc.models()["current"]["version"]
         assert seq(newest) >= seq(start) + 3
         # clients are answered by it before the load stops
-        sc.wait_until(lambda: any(c and seq(c[-1]) >= seq(newest) for h in hammers
-                                  for c in h.connections), 30,
-                      f"a client to be answered by {newest}")
+        sc.wait_until(lambda: answered_by(newest), 30, f"a client to be answered by {newest}")
     finally:
         stop.set()
         for h in hammers:

@@ -21,6 +21,9 @@ from tests.conftest import seed
 from tests.idp.test_sisa_bounds import _brute_force_stable
 from tests.test_worker import _drain
 
+# the guard job bounding shards through the worker: minutes together
+pytestmark = pytest.mark.slow
+
 SISA = {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}
 
 
@@ -191,6 +194,7 @@ def test_bounds_computed_for_a_superseded_version_carry_over_to_unchanged_shards
     _assert_sound(model, _queries(model, X))
 
 
+@pytest.mark.processes
 def test_obliviate_worker_publishes_shard_bounds_and_the_service_serves_them(tmp_path
                                                                              ) -> None:
     """From the real processes: `obliviate worker --shard-bound` bounds every shard in its

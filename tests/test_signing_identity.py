@@ -29,6 +29,9 @@ from ledger.tables import EVENTS, HEADS
 from service.cli import main
 from tests.conftest import HMAC_KEY, seed
 
+# ledgers of several deployments' processes, signed and rotated
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KEY_A, KEY_B, ATTACKER = bytes(range(1, 33)), bytes(range(40, 72)), bytes(range(200, 232))
@@ -109,6 +112,7 @@ def obliviate(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.Complete
                           text=True, timeout=120)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("source", ["compose", "k8s"])
 def test_processes_of_a_deployment_sign_one_log(source: str, db_url: str, tmp_path) -> None:
     env = deployment(source, db_url, tmp_path)

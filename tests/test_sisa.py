@@ -182,6 +182,7 @@ def test_keyed_batches_are_a_function_of_the_set():
 # --------------------------------------------------------------------------- property
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_update_sequences_stay_exact(data):
@@ -567,6 +568,7 @@ def test_load_rejects_altered_bundle(tmp_path):
 # --------------------------------------------------------------------------- CNN
 
 
+@pytest.mark.slow
 def test_cnn_on_small_digits_subset():
     from sklearn.datasets import load_digits
 
@@ -598,6 +600,7 @@ def test_cnn_on_small_digits_subset():
 # --------------------------------------------------------------------------- schedules
 
 
+@pytest.mark.slow
 def test_schedule_resolution_and_validation(tmp_path):
     ids, X, y = _pool(40)
     one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(ids, X, y)
@@ -694,6 +697,7 @@ def test_min_steps_floor_follows_the_live_count_and_stays_exact():
     assert sliced.verify().exact
 
 
+@pytest.mark.slow
 def test_five_shards_learn_a_census_like_table():
     """The sidecar's shard network (one hidden layer of 32, 20 epochs, the default SGD
     rate) beats the majority class clearly with 5 shards of 480 records. With an
@@ -766,6 +770,7 @@ def test_bundle_without_schedule_loads_as_adam(tmp_path):
     assert m2.verify().exact
 
 
+@pytest.mark.slow
 def test_vote_rule_is_sound_when_records_sit_in_several_shards():
     """Every answer the bound-free vote rule certifies survives every single deletion."""
     import copy

@@ -129,6 +129,7 @@ def some_requests(ledger: Ledger, n: int = 12, applied: bool = True, start: int 
 
 
 # ---------------------------------------------------------------------------- ledger verify
+@pytest.mark.slow
 def test_untampered_ledger_verifies_with_signed_heads(signed: Ledger) -> None:
     some_requests(signed)
     result = signed.verify()
@@ -136,6 +137,7 @@ def test_untampered_ledger_verifies_with_signed_heads(signed: Ledger) -> None:
     assert result.heads >= 3 and result.events == 1 + 12 * 4
 
 
+@pytest.mark.slow
 def test_restored_features_of_a_purged_record_are_caught_by_verify(signed: Ledger) -> None:
     X, y = signed.records.data(["r001"])
     some_requests(signed, 2)
@@ -192,6 +194,7 @@ def test_forged_events_appended_with_valid_hashes_are_caught_by_verify(signed: L
     assert any(p.startswith("request ghost: has lifecycle events") for p in problems(signed))
 
 
+@pytest.mark.slow
 def test_a_forged_publication_is_caught_by_verify(signed: Ledger) -> None:
     led, reg, _ = _published(signed)
     seq = append_forged(led, "model_trained", None, {"change": {"op": "train"}}, "v000099")
@@ -200,6 +203,7 @@ def test_a_forged_publication_is_caught_by_verify(signed: Ledger) -> None:
            "version row exists (forged event, or row deleted)" in found
 
 
+@pytest.mark.slow
 def test_rewriting_everything_and_recomputing_checkpoints_is_caught(signed: Ledger) -> None:
     """Caught by `ledger verify` (the signed heads) and by `audit check`."""
     some_requests(signed)
@@ -240,6 +244,7 @@ def test_a_rewritten_log_signed_afresh_is_caught_by_audit_check(signed: Ledger) 
                for p in result.problems), result.problems
 
 
+@pytest.mark.slow
 def test_rewriting_the_tail_after_the_last_checkpoint_is_caught(signed: Ledger) -> None:
     """With the head over it left in place, `ledger verify` sees it; with that head
     dropped too, `audit check` against the saved head does."""
@@ -259,6 +264,7 @@ def test_rewriting_the_tail_after_the_last_checkpoint_is_caught(signed: Ledger) 
     assert any(p.startswith(f"saved head {head['tree_size']}:") for p in checked.problems)
 
 
+@pytest.mark.slow
 def test_truncating_the_tail_is_caught_by_audit_check(signed: Ledger) -> None:
     some_requests(signed, applied=False)
     head = signed.heads.sign()
@@ -272,6 +278,7 @@ def test_truncating_the_tail_is_caught_by_audit_check(signed: Ledger) -> None:
                for p in result.problems), result.problems
 
 
+@pytest.mark.slow
 def test_dropping_all_checkpoints_and_heads_is_caught(db_url: str) -> None:
     """By `ledger verify` (a log older than the head interval has heads) and by
     `audit check`."""
@@ -409,6 +416,7 @@ def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
     return ledger, reg, versions
 
 
+@pytest.mark.slow
 def test_an_edited_model_pointer_is_caught_by_verify(signed: Ledger) -> None:
     led, reg, (v1, v2, v3) = _published(signed)
     tamper(led, update(POINTER).where(POINTER.c.name == reg.name)
@@ -434,6 +442,7 @@ def test_an_edited_model_pointer_is_caught_by_verify(signed: Ledger) -> None:
            "behind the ledger's back)" in found
 
 
+@pytest.mark.slow
 def test_an_edited_manifest_is_caught_by_verify(signed: Ledger) -> None:
     led, reg, (v1, v2, v3) = _published(signed)
     # the served version's: its copy beside the files disagrees
@@ -464,6 +473,7 @@ def test_an_edited_manifest_is_caught_by_verify(signed: Ledger) -> None:
                for p in found), found
 
 
+@pytest.mark.slow
 def test_a_destroyed_version_brought_back_is_caught_by_verify(signed: Ledger) -> None:
     led, reg, (v1, _, _) = _published(signed)
     tamper(led, update(VERSIONS).where(VERSIONS.c.name == reg.name, VERSIONS.c.version == v1)
@@ -474,6 +484,7 @@ def test_a_destroyed_version_brought_back_is_caught_by_verify(signed: Ledger) ->
     assert any("the key store holds a key for it again" in p for p in found)
 
 
+@pytest.mark.slow
 def test_a_deleted_key_of_a_kept_version_is_caught_by_verify(signed: Ledger) -> None:
     """Deleting the current version's sealing key stops every process from loading it
     (a denial of service): the check reads the key store."""
@@ -487,6 +498,7 @@ def test_a_deleted_key_of_a_kept_version_is_caught_by_verify(signed: Ledger) -> 
 
 
 # ---------------------------------------------------------------------------- heads
+@pytest.mark.slow
 def test_heads_are_taken_on_a_timer_without_intake(db_url: str) -> None:
     led = Ledger(db_url, HMAC_KEY, checkpoint_every=1000, signing_key=SIGNING_KEY,
                  head_interval_s=0.3)
@@ -554,6 +566,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_cli_heads_key_consistency_and_audit(cli_env: str, tmp_path, capsys) -> None:
     assert run(capsys, "ledger", "init", "--dataset", "iris")[0] == 0
     for i in range(12):

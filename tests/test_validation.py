@@ -176,6 +176,7 @@ json_values = st.recursive(
     max_leaves=20)
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode())))
 def test_fuzzed_input_is_accepted_or_rejected_with_a_reason(raw: bytes) -> None:

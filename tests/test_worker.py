@@ -19,6 +19,9 @@ from ledger.store import Ledger
 from service import service_metrics as metrics
 from service.model_holder import ModelHolder
 
+# the worker in-process through whole updates and checks: minutes together
+pytestmark = pytest.mark.slow
+
 SMALL = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
          "sisa": {"n_shards": 3, "epochs_per_slice": 3, "hidden": [8]}}
 

@@ -14,6 +14,10 @@ from jobs.orchestration.worker import Worker
 from ledger.store import Ledger
 from service.demo.processes import ManagedProcess
 from tests.conftest import HMAC_KEY, seed
+from tests.waiting import wait_for
+
+# `obliviate worker` processes, killed
+pytestmark = pytest.mark.processes
 
 
 def _start_worker(db_url: str, model: str, key_file: Path, log: Path, name: str = "crashy",
@@ -24,15 +28,6 @@ def _start_worker(db_url: str, model: str, key_file: Path, log: Path, name: str 
            "OBLIVIATE_DESTROY_GRACE_S": str(grace_s)}
     return ManagedProcess(["worker", "--name", name, "--batch-window", "0",
                            "--max-batch", "3", "--metrics-port", "0"], env, log)
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _assert_current_loads_whole(registry: Registry) -> None:
@@ -72,7 +67,7 @@ def test_sigkill_at_any_point_loses_nothing(db_url: str, tmp_path: Path) -> None
         proc = _start_worker(db_url, model, tmp_path / "k", log)
         try:
             # kill somewhere inside the work on this wave: after a claim, at a random moment
-            _wait_for(lambda w=wave: any(ledger.history(r)["request"]["status"] != "received"
+            wait_for(lambda w=wave: any(ledger.history(r)["request"]["status"] != "received"
                                          for r in sent if r.startswith(f"del-{w}-")),
                       60, "the worker to claim")
             time.sleep(rng.uniform(0.0, 0.8))
@@ -84,7 +79,7 @@ def test_sigkill_at_any_point_loses_nothing(db_url: str, tmp_path: Path) -> None
 
     proc = _start_worker(db_url, model, tmp_path / "k", log)
     try:
-        _wait_for(lambda: all(ledger.history(r)["request"]["status"] == "verified"
+        wait_for(lambda: all(ledger.history(r)["request"]["status"] == "verified"
                               for r in sent), 120, "every request to be verified")
     finally:
         assert proc.stop(timeout_s=30) == 0, proc.log_tail()
@@ -121,7 +116,7 @@ def test_three_workers_killed_at_random_keep_one_linear_lineage(db_url: str,
                              name=f"w{i}", grace_s=1.0)
 
     procs = {i: start(i) for i in range(3)}
-    _wait_for(lambda: all("started" in p.log_tail() for p in procs.values()), 120,
+    wait_for(lambda: all("started" in p.log_tail() for p in procs.values()), 120,
               "three workers to start")
     sent: list[str] = []
     try:
@@ -139,9 +134,12 @@ def test_three_workers_killed_at_random_keep_one_linear_lineage(db_url: str,
                 procs[victim] = start(victim)
             if wave % 3 == 2:  # now and then the current version must load whole
                 _assert_current_loads_whole(registry)
-        _wait_for(lambda: all(ledger.history(r)["request"]["status"] == "verified"
+        wait_for(lambda: all(ledger.history(r)["request"]["status"] == "verified"
                               for r in sent), 240, "every request to be verified")
-        time.sleep(3)  # the grace period, and a retention pass of some worker
+        # the grace period, and a retention pass of some worker
+        wait_for(lambda: all(v.destroyed_at is not None for v in registry.lineage(1000)
+                             if v.superseded_by_deletion), 60,
+                 "every version a deletion superseded to be destroyed")
     finally:
         for p in procs.values():
             p.kill()

@@ -15,6 +15,7 @@ from jobs.guard.lucid.solvers import gurobi_available
 FAST_SEARCH = dict(n_samples=4000, n_starts=12, steps=80)
 
 
+@pytest.mark.slow
 def test_bab_between_found_leaks_and_root(tiny) -> None:
     loo, X, _y, _ids = tiny
     events: list[dict] = []
@@ -39,6 +40,7 @@ def test_bab_between_found_leaks_and_root(tiny) -> None:
     assert set(rep.serving_beta()) == set(range(loo.n_classes))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not gurobi_available(), reason="gurobipy not installed")
 def test_gurobi_backend_reaches_the_same_bound(tiny) -> None:
     loo, _X, _y, _ids = tiny

@@ -75,6 +75,7 @@ def _loo_scores(forest, Q):
     return np.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_sound_against_all_loo_forests(name):
     rng = np.random.default_rng(7)
@@ -135,6 +136,7 @@ def test_sound_against_all_loo_forests(name):
     )
 
 
+@pytest.mark.slow
 def test_hash_mismatch_is_noise_all_until_refit():
     rng = np.random.default_rng(1)
     X, y = _two_d(rng)
@@ -185,6 +187,7 @@ def _small_forest(n=60, seed=0, **params):
     return DaREForest(**kw).fit(ids, X, y), X
 
 
+@pytest.mark.slow
 def test_own_routing_and_scores_match_the_forest_bit_for_bit():
     """The guard routes queries itself; its leaves and scores must be the forest's."""
     rng = np.random.default_rng(3)
@@ -272,6 +275,7 @@ def _tree_leaves(forest, t):
     return L["path"][m], L["lo"][m], L["hi"][m], L["counts"][m]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,params", [
     ("tied", dict(n_estimators=5, max_depth=6, k=5, d_rmax=1, random_state=1)),
     ("tied", dict(n_estimators=5, max_depth=7, k=3, d_rmax=1, min_samples_leaf=2,
@@ -318,6 +322,7 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     assert stable > 0.5 * 120 * forest.n_estimators  # the claims are not vacuous
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.0, 0.3])
 def test_a_small_state_budget_stays_sound(budget):
     """Pairs the budget cannot afford are charged the worst a tree can do: H still bounds
@@ -339,6 +344,7 @@ def test_a_small_state_budget_stays_sound(budget):
     assert small.certain(Q)[1].sum() <= exact.certain(Q)[1].sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [np.inf, 1.5])
 def test_an_incremental_update_equals_a_full_refit(budget):
     """update(deleted, added) recomputes only what the records can have changed; the
@@ -376,6 +382,7 @@ def test_an_incremental_update_equals_a_full_refit(budget):
             assert (e_H - 1e-12 <= H).all() and (e_delta - 1e-12 <= delta).all()
 
 
+@pytest.mark.slow
 def test_an_update_out_of_time_stays_sound_and_a_refit_completes_it():
     """update(grow_seconds=0) grows no subtree: its fresh pairs are worst-case pairs. The
     guard must still bound every LOO forest's gain (checked exactly), certify no query a
@@ -464,6 +471,7 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
     assert len(full[2]) > 0
 
 
+@pytest.mark.slow
 def test_the_margin_shortcut_on_many_random_forests():
     """The same on 24 forests drawn at random: sizes, value levels (ties or none), classes,
     k, min_samples_leaf, criterion, and a batch of deletions and additions since the fit."""
@@ -494,6 +502,7 @@ def test_the_margin_shortcut_on_many_random_forests():
             assert np.array_equal(a, b), seed
 
 
+@pytest.mark.slow
 def test_lists_kept_by_cached_nodes_are_the_split_search_s():
     """dare_view.candidates hands out a cached node's own lists (kept up to date by every
     deletion and addition) instead of searching again: on random forests, tied or not,

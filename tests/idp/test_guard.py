@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from datetime import UTC, datetime
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from jobs.adaptive.budget import BudgetExhausted, LineageBudget
 from jobs.guard.label_guard import (
     LabelGuard,
     LRUMemo,
@@ -20,6 +22,8 @@ from jobs.guard.label_guard import (
     top_margin,
     vote_winner,
 )
+from jobs.orchestration.guarded_answers import AnswerCost, GuardedAnswers
+from jobs.orchestration.registry import ModelVersion
 
 ONES = lambda C: np.ones(len(C), dtype=int)  # noqa: E731 - the model's label at the cells
 ZEROS = lambda C: np.zeros(len(C), dtype=int)  # noqa: E731
@@ -223,3 +227,105 @@ def test_a_cell_is_answered_with_the_label_at_its_centre() -> None:
     out = guard.answer(X, np.array([0, 0]), np.zeros(2, bool), label_at)
     assert out.tolist() == [1, 1] and len(seen) == 1 and len(seen[0]) == 1
     assert np.allclose(seen[0][0], (np.floor(X[0] * 256) + 0.5) / 256)
+
+
+# ---------------------------------------------------------------------------- guarded answers
+class _Model:
+    """What GuardedAnswers asks of a served model: three classes, certain where x0 > 0.5."""
+
+    classes = np.array([10, 20, 30])
+    guard_ready, noise_all, guard_complete = True, False, True
+
+    def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.full(len(X), 2), X[:, 0] > 0.5
+
+    def class_bounds(self) -> list[float]:
+        return [0.1, 0.2, 0.3]
+
+    def plain_labels(self, X: np.ndarray) -> np.ndarray:
+        return np.zeros(len(X), dtype=int)
+
+    def vote_counts(self, X: np.ndarray) -> np.ndarray:
+        return np.tile([1, 0, 4], (len(X), 1))
+
+
+class _Budgets:
+    """Seed budgets of `allowed` answers per lineage, recording every reservation."""
+
+    def __init__(self, allowed: int) -> None:
+        self.left, self.asked = allowed, []
+
+    def get(self, lineage: str) -> LineageBudget:
+        return LineageBudget(lineage, 0.5, 1e-5, 10.0, 100, 0)
+
+    def reserve(self, lineage: str, n: int) -> int:
+        self.asked.append(n)
+        got = min(n, self.left)
+        self.left -= got
+        return got
+
+
+def _version(rule: str = "forest-loo", lineage: str | None = None) -> ModelVersion:
+    manifest = {"guard": {"rule": rule}, **({"seed_lineage": lineage} if lineage else {})}
+    return ModelVersion(name="m", version="v000001", seq=1, manifest=manifest,
+                        created_at=datetime.now(UTC))
+
+
+def _cells(n: int) -> np.ndarray:
+    """n queries in n different noise cells, all uncertain (x0 <= 0.5)."""
+    return np.column_stack([(np.arange(n) + 0.5) / 256, np.zeros(n)])
+
+
+def test_guarded_answers_count_what_each_call_spent() -> None:
+    answers = GuardedAnswers(epsilon=0.5, noise_secret=b"k" * 32)
+    served = answers.bind(_version(), _Model())
+    assert served.mode == "sound" and not served.refit_pending
+    assert served.bounds() == [0.1, 0.2, 0.3]
+    X = np.vstack([_cells(4), [[0.9, 0.0], [0.8, 0.0]]])  # four uncertain, two certain
+    labels, cost = answers.answer(served, X)
+    assert labels[4:].tolist() == [30, 30] and set(labels[:4].tolist()) <= {10, 20, 30}
+    assert cost == AnswerCost(certain=2, noised=4, fresh=4, epsilon_spent=2.0, evicted=0)
+    again, replayed = answers.answer(served, X)  # the memo: same answers, no fresh epsilon
+    assert again.tolist() == labels.tolist()
+    assert replayed == AnswerCost(certain=2, noised=4, fresh=0, epsilon_spent=0.0)
+
+
+def test_a_version_without_a_sound_guard_is_noise_all_until_refitted() -> None:
+    model = _Model()
+    model.guard_ready = False
+    answers = GuardedAnswers()
+    served = answers.bind(_version(), model)
+    assert served.mode == "noise-all" and served.refit_pending
+    assert served.bounds() == [0.0, 0.0, 0.0]
+    assert answers.answer(served, [[0.9, 0.0]])[1].noised == 1  # certain, yet noised
+    by_design = answers.bind(_version(rule="noise-all"), model)  # the game learner
+    assert by_design.mode == "noise-all" and not by_design.refit_pending
+
+
+def test_unguarded_answers_are_plain_labels_and_cost_nothing() -> None:
+    answers = GuardedAnswers(guarded=False)
+    labels, cost = answers.answer(answers.bind(_version(), _Model()), _cells(3))
+    assert labels.tolist() == [10, 10, 10] and cost == AnswerCost() and cost.answers == 0
+
+
+def test_private_answers_are_reserved_in_blocks_until_the_budget_is_spent() -> None:
+    budgets = _Budgets(allowed=6)
+    answers = GuardedAnswers(budgets=budgets, reserve_block=4)
+    served = answers.bind(_version(lineage="L1"), _Model())
+    assert served.mode == "private" and served.private and not served.refit_pending
+    _, cost = answers.answer(served, _cells(1))
+    assert budgets.asked == [4] and cost == AnswerCost(noised=1, fresh=1, epsilon_spent=0.5)
+    answers.answer(served, _cells(4))  # three fresh cells, from the reservation
+    assert budgets.asked == [4]
+    _, cost = answers.answer(served, _cells(6))  # two fresh: the last two of the budget
+    assert budgets.asked == [4, 4] and cost.fresh == 2
+    with pytest.raises(BudgetExhausted, match="budget of this model's seeds is spent"):
+        answers.answer(served, _cells(7))
+    assert served.guard.counts.noised == 11  # the refused call answered nothing
+
+
+def test_private_mode_refuses_a_version_without_a_seed_lineage() -> None:
+    answers = GuardedAnswers(budgets=_Budgets(allowed=10))
+    served = answers.bind(_version(), _Model())
+    with pytest.raises(BudgetExhausted, match="has no seed lineage"):
+        answers.answer(served, _cells(1))

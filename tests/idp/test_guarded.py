@@ -40,6 +40,7 @@ def queries(n: int, d: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).random((n, d)).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_classes", [2, 3])
 def test_certain_iff_margin_strictly_above_beta(n_classes: int) -> None:
     loo, rep, _X, _y, _ids = loo_and_report(n_classes)
@@ -98,6 +99,7 @@ def test_noise_all_until_a_bound_for_the_served_network() -> None:
     assert gn.counters()["certain"] > 0
 
 
+@pytest.mark.slow
 def test_swap_in_loo_then_recompute_restores_a_sound_guard(tmp_path) -> None:
     loo, rep, X, y, ids = loo_and_report(2)
     x = ids[17]

@@ -27,6 +27,7 @@ def single(loo, i: int) -> HyperNet:
     return HyperNet.from_stack(loo.weights, loo.biases, [i])
 
 
+@pytest.mark.slow
 def test_root_and_singleton_bounds_cover_found_leaks(tiny) -> None:
     loo, X, _y, _ids = tiny
     N = Net64.from_params(loo.full())
@@ -45,6 +46,7 @@ def test_root_and_singleton_bounds_cover_found_leaks(tiny) -> None:
         assert s.bound <= root.bound + 1e-6
 
 
+@pytest.mark.slow
 def test_singleton_without_relaxation_is_exact(tiny) -> None:
     """tau = 0, tiny gap: the incumbent is a genuine leaking input at the bound."""
     loo, X, _y, _ids = tiny
@@ -74,6 +76,7 @@ def test_highs_and_gurobi_agree(tiny) -> None:
             assert abs(h.dual_bound - g.dual_bound) <= 1e-5 * (1 + abs(h.dual_bound))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", ["highs", "gurobi", "auto"])
 def test_tiny_time_limit_still_sound(tiny, solver: str) -> None:
     loo, X, _y, _ids = tiny

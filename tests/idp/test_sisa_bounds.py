@@ -90,6 +90,7 @@ def _served_logits(p: MLPParams, Q: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- (a), (b)
 
 
+@pytest.mark.slow
 def test_loo_base_network_is_the_served_shard_network() -> None:
     ens, loos, _, _ = _fitted()
     for s in range(S):
@@ -166,6 +167,7 @@ def test_per_shard_bounds_are_sound_and_certify_more_than_the_bound_free_rule() 
     assert not (certain_naive & ~certain).any()
 
 
+@pytest.mark.slow
 def test_recompute_only_the_touched_shard_after_a_deletion() -> None:
     ens, _, bounds, _ = _fitted()
     betas = bounds.for_ensemble(ens)
@@ -197,6 +199,7 @@ def test_recompute_only_the_touched_shard_after_a_deletion() -> None:
 # --------------------------------------------------------------------------- edges
 
 
+@pytest.mark.slow
 def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
     X, y, ids = _data(12)
     ens = SISAEnsemble(**{**KW, "n_shards": 6}).fit(ids, X, y)
@@ -225,6 +228,7 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
 # --------------------------------------------------------------------------- sliced
 
 
+@pytest.mark.slow
 def test_sliced_shards_loo_sets_are_the_deletions_and_their_bounds_are_sound() -> None:
     """Sliced shards under the LOO schedule: after deletions from several slices (their
     tombstones stay in their slices' stages) and an addition, each shard's LOO set has

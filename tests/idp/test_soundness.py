@@ -41,6 +41,9 @@ from jobs.guard.lucid.shard_bounds import compute_shard_bounds, train_sharded_lo
 from jobs.learners.networks.loo_training import LOOSet, train_loo
 from tests.bench.guarded_network import SOUND, GuardedNetwork
 
+# LOO sets trained and bounded for three tables, then attacked: minutes together
+pytestmark = pytest.mark.slow
+
 torch.set_num_threads(1)
 
 KW = dict(hidden=(8, 8), epochs=30, batch_size=8, seed=0)
