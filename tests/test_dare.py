@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
+from jobs.learners.dare.costs import BatchPolicy
 from jobs.learners.dare.forest import DaREForest
+from jobs.learners.dare.state import Tuning
 from service.demo.residue import TraceScanner
 
 SMALL = dict(n_estimators=5, max_depth=4, k=3)
@@ -24,8 +26,9 @@ def variant(cache_min: int = 4, buffer: int = 1, hist_ratio: int = 4) -> type[Da
     incremental up to a quarter of the records (on data this small the cost estimate would
     mostly refit, and these tests are about the incremental path; the estimate has tests
     of its own). verify() retrains with the same class."""
-    return type("DaRE", (DaREForest,), {"_CACHE_MIN": cache_min, "_BUFFER": buffer,
-                                        "_HIST_RATIO": hist_ratio, "_CHOOSE_BY_COST": False})
+    return type("DaRE", (DaREForest,), {
+        "tuning": Tuning(cache_min=cache_min, buffer=buffer, hist_ratio=hist_ratio),
+        "batch_policy": BatchPolicy(choose_by_cost=False)})
 
 
 def make_data(rng: np.random.Generator, n: int, p: int = 5, n_classes: int = 3, decimals=1):
@@ -43,7 +46,7 @@ class World:
     def __init__(self, cls, params, X, y, ids):
         self.cls, self.params = cls, params
         self.live = {i: (X[k], y[k]) for k, i in enumerate(ids)}
-        self.m = cls(**params).fit(ids, X, y)
+        self.m = cls(**params).fit(X, y, record_ids=ids)
 
     def delete(self, ids):
         rep = self.m.delete(ids)
@@ -67,7 +70,7 @@ class World:
         ids = list(self.live)
         X = np.array([self.live[i][0] for i in ids])
         y = np.array([self.live[i][1] for i in ids])
-        return self.cls(**self.params).fit(ids, X, y)
+        return self.cls(**self.params).fit(X, y, record_ids=ids)
 
     def check(self):
         assert self.m.content_hash() == self.fresh().content_hash()
@@ -222,7 +225,7 @@ def test_string_labels_and_new_label_at_add():
     rng = np.random.default_rng(3)
     X, y = make_data(rng, 50, n_classes=2)
     labels = np.array(["neg", "pos"])[y]
-    m = variant()(**SMALL).fit(np.arange(50), X, labels)
+    m = variant()(**SMALL).fit(X, labels, record_ids=np.arange(50))
     m.add([100, 101], X[:2] + 0.05, np.array(["maybe", "pos"]))
     assert m.classes_.tolist() == ["maybe", "neg", "pos"]
     assert m.predict(X[:3]).dtype.kind == "U"
@@ -336,11 +339,11 @@ def test_save_load_round_trip_then_updates_stay_exact(tmp_path):
 def test_fit_is_order_invariant_and_ids_may_be_ints():
     rng = np.random.default_rng(9)
     X, y = make_data(rng, 60)
-    a = variant()(**SMALL).fit(np.arange(60), X, y)
+    a = variant()(**SMALL).fit(X, y, record_ids=np.arange(60))
     perm = rng.permutation(60)
-    b = variant()(**SMALL).fit(perm, X[perm], y[perm])
+    b = variant()(**SMALL).fit(X[perm], y[perm], record_ids=perm)
     assert a.content_hash() == b.content_hash()
-    c = variant()(**dict(SMALL, random_state=1)).fit(np.arange(60), X, y)
+    c = variant()(**dict(SMALL, random_state=1)).fit(X, y, record_ids=np.arange(60))
     assert c.content_hash() != a.content_hash()
 
 
@@ -365,7 +368,7 @@ def test_batches_choose_incremental_or_refit_by_estimated_cost():
     runs = []
     for _ in range(2):
         order = np.random.default_rng(5).permutation(3000)
-        m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(np.arange(3000), X, y)
+        m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(X, y)
         modes, at = [], 0
         for size in (1, 10, 900):
             rep = m.delete(order[at : at + size])
@@ -377,7 +380,8 @@ def test_batches_choose_incremental_or_refit_by_estimated_cost():
                                  and not r.get("measuring") else "incremental")
             modes.append((r["mode"], r["cost_incremental"], r["cost_refit"]))
             assert m.content_hash() == DaREForest(n_estimators=8, max_depth=8, random_state=2
-                                                  ).fit(live, X[live], y[live]).content_hash()
+                                                  ).fit(X[live], y[live],
+                                                        record_ids=live).content_hash()
         assert [mode for mode, _, _ in modes] == ["incremental", "incremental", "refit"]
         runs.append(modes)
     assert runs[0] == runs[1]
@@ -392,10 +396,10 @@ def test_the_first_batch_measures_what_batches_retrain():
     X = rng.integers(0, 6, size=(3000, 8)).astype(float)
     y = (X[:, 0] + X[:, 1] + rng.integers(0, 3, 3000) > 6).astype(int)
     order = np.random.default_rng(6).permutation(3000)
-    m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(np.arange(3000), X, y)
+    m = DaREForest(n_estimators=8, max_depth=8, random_state=2).fit(X, y)
 
     def in_range(size: int) -> bool:
-        incr, refit = m._estimate(size)
+        incr, refit = m.state_.costs.estimate(size, m.n_records_)
         return refit < incr <= 2 * refit
 
     size = next(s for s in range(8, 1500) if in_range(s))
@@ -403,7 +407,7 @@ def test_the_first_batch_measures_what_batches_retrain():
     assert rep.retrained["mode"] == "incremental" and rep.retrained["measuring"]
     live = np.sort(order[size:])
     assert m.content_hash() == DaREForest(n_estimators=8, max_depth=8, random_state=2
-                                          ).fit(live, X[live], y[live]).content_hash()
+                                          ).fit(X[live], y[live], record_ids=live).content_hash()
     rep = m.delete(order[size:size + 50])
     assert "measuring" not in rep.retrained
 
@@ -419,8 +423,8 @@ def test_batch_deletion_equals_one_by_one(d_rmax, criterion):
     X = X.round(1)
     cls = variant(cache_min=8, buffer=1)
     params = dict(n_estimators=4, max_depth=6, k=4, d_rmax=d_rmax, criterion=criterion)
-    a = cls(**params).fit(np.arange(900), X, y)
-    b = cls(**params).fit(np.arange(900), X, y)
+    a = cls(**params).fit(X, y, record_ids=np.arange(900))
+    b = cls(**params).fit(X, y, record_ids=np.arange(900))
     rng = np.random.default_rng(d_rmax)
     live = list(range(900))
     for size in (2, 5, 30, 120):
@@ -431,13 +435,13 @@ def test_batch_deletion_equals_one_by_one(d_rmax, criterion):
             b.delete([i])
             live.remove(i)
         assert a.content_hash() == b.content_hash()
-    assert a.content_hash() == cls(**params).fit(live, X[live], y[live]).content_hash()
+    assert a.content_hash() == cls(**params).fit(X[live], y[live], record_ids=live).content_hash()
 
 
 def test_default_class_and_predictions():
     rng = np.random.default_rng(11)
     X, y = make_data(rng, 200, n_classes=2, decimals=None)
-    m = DaREForest(n_estimators=10, max_depth=5, k=5).fit(np.arange(150), X[:150], y[:150])
+    m = DaREForest(n_estimators=10, max_depth=5, k=5).fit(X[:150], y[:150])
     s = m.scores(X[150:])
     assert s.shape == (50, 2) and np.allclose(s.sum(axis=1), 1.0)
     assert (m.predict(X[150:]) == y[150:]).mean() > 0.7
@@ -458,7 +462,7 @@ def test_longer_mixed_stream_on_more_data():
     cls = variant(cache_min=16, buffer=2)
     params = dict(n_estimators=3, max_depth=7, k=6, d_rmax=1, random_state=5)
     live = list(range(1200))
-    m = cls(**params).fit(live, X[:1200], y[:1200])
+    m = cls(**params).fit(X[:1200], y[:1200], record_ids=live)
     rng = np.random.default_rng(0)
     pool = list(range(1200, 1400))
     for step in range(120):
@@ -471,7 +475,8 @@ def test_longer_mixed_stream_on_more_data():
             m.add(new, X[new], y[new])
             live += new
         if step % 40 == 39:
-            assert m.content_hash() == cls(**params).fit(live, X[live], y[live]).content_hash()
+            fresh = cls(**params).fit(X[live], y[live], record_ids=live)
+            assert m.content_hash() == fresh.content_hash()
 
 
 def test_bad_parameters_and_unfitted():
@@ -481,11 +486,11 @@ def test_bad_parameters_and_unfitted():
         DaREForest().scores(np.zeros((1, 2)))
     for bad in (dict(criterion="mse"), dict(k=0), dict(max_depth=-1), dict(n_estimators=0)):
         with pytest.raises(ValueError):
-            DaREForest(**bad).fit([0, 1], np.zeros((2, 2)), [0, 1])
+            DaREForest(**bad).fit(np.zeros((2, 2)), [0, 1], record_ids=[0, 1])
     with pytest.raises(ValueError):
-        DaREForest().fit([0, 1], np.array([[0.0], [np.inf]]), [0, 1])
+        DaREForest().fit(np.array([[0.0], [np.inf]]), [0, 1], record_ids=[0, 1])
     with pytest.raises(DuplicateRecordError):
-        DaREForest().fit([0, 0], np.zeros((2, 1)), [0, 1])
+        DaREForest().fit(np.zeros((2, 1)), [0, 1], record_ids=[0, 0])
 
 
 # hashes of the pure-numpy implementation (before the numba kernels) on a fixed stream: the
@@ -508,7 +513,7 @@ def test_kernels_reproduce_the_reference_hashes(name, params):
     X = rng.normal(size=(n, 6)).round(1)
     y = (X[:, 0] + 0.5 * X[:, 1] + 0.7 * rng.normal(size=n) > 0).astype(int) + (X[:, 2] > 1)
     cls = variant(cache_min=16, buffer=2)
-    m = cls(n_estimators=6, max_depth=6, k=4, random_state=11, **params).fit(np.arange(n), X, y)
+    m = cls(n_estimators=6, max_depth=6, k=4, random_state=11, **params).fit(X, y)
     got = [m.content_hash()[:16]]
     for i in range(0, 40, 3):
         m.delete([i])
@@ -529,7 +534,8 @@ def test_saved_forest_holds_only_live_records(tmp_path) -> None:
     X[:, 3:] = np.round(X[:, 3:] * 7)  # ordinal columns: many ties
     y = (X[:, 0] + X[:, 1] / 2 + rng.normal(0, 0.3, n) > 0.8).astype(int)
     ids = np.array([f"rec-{i:05d}" for i in range(n)], dtype=object)
-    f = DaREForest(n_estimators=8, max_depth=10, k=3, d_rmax=1, random_state=3).fit(ids, X, y)
+    f = DaREForest(n_estimators=8, max_depth=10, k=3, d_rmax=1, random_state=3).fit(
+        X, y, record_ids=ids)
     live = list(range(n))
     gone: list[int] = []
     for rnd in range(6):
@@ -540,10 +546,11 @@ def test_saved_forest_holds_only_live_records(tmp_path) -> None:
         f.save(tmp_path / f"m{rnd}")
         scanner = TraceScanner({ids[i]: X[i] for i in gone}, kept=X[live])
         assert scanner.scan([tmp_path / f"m{rnd}"]) == []
-        cid, ss = np.nonzero((f._c_attr >= 0) & ~f._c_all)
+        cc = f.state_.caches
+        cid, ss = np.nonzero((cc.attr >= 0) & ~cc.all_pairs)
         for c, s in zip(cid.tolist(), ss.tolist(), strict=True):
-            a = f._c_attr[c, s]
-            assert f._c_len[c, s] == 0 or f._c_cutv[c, s] in X[live, a], "a deleted cut-off"
+            a = cc.attr[c, s]
+            assert cc.length[c, s] == 0 or cc.cut_value[c, s] in X[live, a], "a deleted cut-off"
         f = DaREForest.load(tmp_path / f"m{rnd}")
         if rnd == 2:
             new = np.array([f"new-{i}" for i in range(4)], dtype=object)
