@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sklearn.datasets import load_breast_cancer
+from sklearn.model_selection import cross_val_score
+from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
 from jobs.learners.dare.costs import BatchPolicy
@@ -558,3 +562,114 @@ def test_saved_forest_holds_only_live_records(tmp_path) -> None:
         assert f.verify().exact, rnd
     found = TraceScanner({ids[i]: X[i] for i in live[:5]}).scan([tmp_path / "m5"])
     assert {x.record_id for x in found} == set(ids[live[:5]].tolist())  # not a vacuous scan
+
+
+# ------------------------------------------------------------------ the scikit-learn contract
+
+#: checks of scikit-learn's that DaREForest fails on purpose
+EXPECTED_FAILED_CHECKS = {
+    "check_classifiers_classes": "labels of dtype object are refused: the classes are saved "
+    "as plain arrays (no pickle)",
+    "check_classifiers_regression_target": "a float label is a class like any other: labels "
+    "are any comparable numbers or strings",
+    "check_supervised_y_2d": "a column of labels (n, 1) is refused, not raveled: y is one "
+    "label per record",
+}
+
+
+@parametrize_with_checks([DaREForest(n_estimators=5, max_depth=4, k=3)],
+                         expected_failed_checks=lambda _est: EXPECTED_FAILED_CHECKS)
+def test_scikit_learn_checks(estimator, check):
+    check(estimator)
+
+
+def test_cross_val_score_on_a_real_table():
+    """fit(X, y) with no record ids (they default to the row numbers), clone, score."""
+    X, y = load_breast_cancer(return_X_y=True)
+    scores = cross_val_score(DaREForest(n_estimators=10, max_depth=6, k=5, random_state=0),
+                             X, y, cv=3)
+    assert scores.shape == (3,) and scores.min() > 0.9
+
+
+def test_default_record_ids_are_the_row_numbers():
+    rng = np.random.default_rng(13)
+    X, y = make_data(rng, 40)
+    a = DaREForest(**SMALL).fit(X, y)
+    assert a.record_ids_.tolist() == sorted(str(i) for i in range(40))
+    assert a.content_hash() == DaREForest(**SMALL).fit(X, y, record_ids=np.arange(40)
+                                                       ).content_hash()
+    assert a.n_features_in_ == 5 and a.score(X, y) > 0.5
+    with pytest.raises(ValueError):
+        DaREForest(**SMALL).fit(X, y, record_ids=np.arange(39))
+    with pytest.raises(TypeError):
+        DaREForest(5)  # hyperparameters are keyword-only
+
+
+# ------------------------------------------------------------------ same bits as before
+
+#: per forest, content hashes after a fit, deletions and an addition, the SHA-256 of the
+#: saved meta.json and of the saved arrays (names, dtypes, shapes, bytes), and the hash
+#: after loading that bundle and deleting once more: computed with the mixin
+#: implementation (before issue 27's restructuring), which saved the same bits
+PINNED = {
+    "greedy": (
+        "3672b5eab9f40e9b1880e472639924afa96978905f9ba0e12e9bff457e15a154",
+        "72685ed0d778b2f644db475533147494db6db782aa713f4dc06c8f308eff50d3",
+        "ee76df24d4972f78ab1d6f2837b68d61563accc519b9076b33cb8118ad933d0a",
+        "7bca601960faa013df51d4790fde89a337003a460098506d5d0d07c938b1873b",
+        "91d76a0d7383f62fdce385ad4e9d9dff76580f23912513f0d0f7d82a95d9b0ea",
+        "7c35e1bb7a4b61921276ab6ec964fd161a5875570dc52eb01ee445980eda50bb",
+    ),
+    "random_entropy": (
+        "e12c82221936c723dfb9c3affd5f5cae7c2f105f0df9df4aa3d1099401bbcdb6",
+        "ad5b9f71af0a5d36630bcc154818a7d0b62ed34f54a136302f69cdefd9fde5fd",
+        "f75ea2c49fe8df80b12e36981bede1b54f18cc06252e75eacd5c79300ac95788",
+        "df0ed7be1ab4da0bc17f3b9e5ed1e43b046fdfa0d290bfdf9105280b58593fef",
+        "a2e11befe769983bcf6e697c0585e9a33c43d999695306cffc10f7fd794c67dc",
+        "ea8d9a864a017d2e286a9989c840158f21c3ef45a09a430b8b0a61883c16caed",
+    ),
+    "sidecar": (
+        "58f3f494ff57f4916d9350450873749a3c468089b1d207410b8627dd0c69d000",
+        "fa755039ed4838de485e917a8d180fe86d159d15d6a8594a7b6905525cad9bc7",
+        "4ab393c3cf57a291b6cf610a010fb31e5a03fabce1b2c18c82dc26a84c785c7f",
+        "f0d578016522384a865bae2b1bb390a08c8e8462aae211f09e53c029e2002ea7",
+        "78ccb9e6edc16d4a078bd1cbba95264ada234f7ecc0c1ffbc553ee74f3cf5399",
+        "5d5ea5a87900cf797e877bbb2846fe470e3fff0dd066f0651387f0fba9fee7ea",
+    ),
+}
+PINNED_PARAMS = {
+    "greedy": dict(n_estimators=5, max_depth=6, k=5, random_state=3),
+    "random_entropy": dict(n_estimators=4, max_depth=6, k=4, d_rmax=2, criterion="entropy",
+                           min_samples_leaf=2, random_state=5),
+    "sidecar": dict(n_estimators=6, max_depth=8, k=10, d_rmax=1, random_domain=2.0,
+                    random_state=7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_hashes_and_saved_bundles_are_the_bits_of_before(name, tmp_path):
+    X, y = load_breast_cancer(return_X_y=True)
+    if name == "sidecar":  # features scaled to [0, 1], as the sidecar serves them
+        X = (X - X.min(axis=0)) / (X.max(axis=0) - X.min(axis=0))
+    ids = np.array([f"bc-{i}" for i in range(len(X))], dtype=object)
+    m = DaREForest(**PINNED_PARAMS[name]).fit(X[:500], y[:500], record_ids=ids[:500])
+    got = [m.content_hash()]
+    m.delete(ids[[3]])
+    m.delete(ids[10:30])
+    got.append(m.content_hash())
+    m.add(ids[500:510], X[500:510], y[500:510])
+    got.append(m.content_hash())
+    m.save(tmp_path / "m")
+    got.append(hashlib.sha256((tmp_path / "m" / "meta.json").read_bytes()).hexdigest())
+    h = hashlib.sha256()
+    with np.load(tmp_path / "m" / "arrays.npz") as z:
+        for key in z.files:
+            a = np.ascontiguousarray(z[key])
+            for part in (key.encode(), str(a.dtype).encode(), repr(a.shape).encode(),
+                         a.tobytes()):
+                h.update(part)
+    got.append(h.hexdigest())
+    loaded = DaREForest.load(tmp_path / "m")
+    loaded.delete(ids[[40]])
+    got.append(loaded.content_hash())
+    assert tuple(got) == PINNED[name]

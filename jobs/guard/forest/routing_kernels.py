@@ -8,23 +8,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-
-class Trees(NamedTuple):
-    """The forest's trees in compact node ids (:meth:`ForestStructure.kernel`): routing,
-    class counts, and each leaf's records (``rec[rec_off[u]:rec_off[u + 1]]``, record
-    positions) with their labels ``y``."""
-
-    root: np.ndarray
-    kind: np.ndarray
-    left: np.ndarray
-    right: np.ndarray
-    attr: np.ndarray
-    thr: np.ndarray
-    cnt: np.ndarray
-    n: np.ndarray
-    rec_off: np.ndarray
-    rec: np.ndarray
-    y: np.ndarray
+#: the forest's trees in compact node ids (:meth:`ForestStructure.kernel`): routing, class
+#: counts, and each leaf's records (``rec[rec_off[u]:rec_off[u + 1]]``, record positions)
+#: with their labels ``y``
+Trees = NamedTuple("Trees", [(name, np.ndarray) for name in (
+    "root", "kind", "left", "right", "attr", "thr", "cnt", "n", "rec_off", "rec", "y")])
 
 
 class PairIndex(NamedTuple):
@@ -38,16 +26,9 @@ class PairIndex(NamedTuple):
     w_rec: np.ndarray
 
 
-class GrownPool(NamedTuple):
-    """The exact pairs' grown subtrees, as nodes of one pool (:meth:`FragilePairs.pool`)."""
-
-    leaf: np.ndarray
-    attr: np.ndarray
-    thr: np.ndarray
-    left: np.ndarray
-    right: np.ndarray
-    cnt: np.ndarray
-    n: np.ndarray
+#: the exact pairs' grown subtrees, as nodes of one pool (:meth:`FragilePairs.pool`)
+GrownPool = NamedTuple("GrownPool", [(name, np.ndarray) for name in (
+    "leaf", "attr", "thr", "left", "right", "cnt", "n")])
 
 
 class QueryArrays(NamedTuple):

@@ -115,6 +115,19 @@ def layout_rows(slot_at: np.ndarray, tree: np.ndarray, s: np.ndarray, e: np.ndar
 
 
 @njit(cache=True)
+def gather_rows(nd, nodes, layout, out, at):
+    """Append node nd's live records (from its layout range) to out[at:]; returns the
+    new end."""
+    t = nodes.tree[nd]
+    for q in range(nodes.start[nd], nodes.end[nd]):
+        sl = layout.slot_at[t, q]
+        if sl >= 0:
+            out[at] = sl
+            at += 1
+    return at
+
+
+@njit(cache=True)
 def _free_below(rt, nodes, caches, ctr, dfs):
     """Free every node below rt (and their caches)."""
     top = 0
@@ -164,15 +177,10 @@ def prepare_rebuild(roots: np.ndarray, nodes, caches, layout, ctr: np.ndarray,
         rt = roots[i]
         _free_below(rt, nodes, caches, ctr, dfs)
         uncache_node(rt, nodes, caches, ctr)
-        t = nodes.tree[rt]
         lo = m
-        for q in range(nodes.start[rt], nodes.end[rt]):
-            sl = layout.slot_at[t, q]
-            if sl >= 0:
-                rows[m] = sl
-                m += 1
-        sp = _push(stack, sp, rt, t, nodes.path[rt], nodes.depth[rt], nodes.start[rt],
-                   nodes.end[rt], lo, m)
+        m = gather_rows(rt, nodes, layout, rows, m)
+        sp = _push(stack, sp, rt, nodes.tree[rt], nodes.path[rt], nodes.depth[rt],
+                   nodes.start[rt], nodes.end[rt], lo, m)
     ctr[CTR_SP] = sp
     return m
 
@@ -307,13 +315,7 @@ def node_tables(todo: np.ndarray, nodes, caches, tables, recs, layout, ctr: np.n
             ctr[CTR_SP] = i
             ctr[CTR_NEED_H] = P * (nodes.n[nd] // hist_ratio + 1)
             return 1
-        t = nodes.tree[nd]
-        m = 0
-        for q in range(nodes.start[nd], nodes.end[nd]):
-            sl = layout.slot_at[t, q]
-            if sl >= 0:
-                rows[m] = sl
-                m += 1
+        m = gather_rows(nd, nodes, layout, rows, 0)
         for ss in range(P):
             ctr[CTR_HGARB] += caches.table_len[cid, ss]
             caches.table_len[cid, ss] = 0

@@ -11,17 +11,8 @@ import numpy as np
 
 from jobs.learners.base import read_bundle_meta, read_bundle_payload, write_bundle
 from jobs.learners.dare import pools
+from jobs.learners.dare import state as fs
 from jobs.learners.dare.costs import BatchPolicy, CostModel
-from jobs.learners.dare.state import (
-    CachePool,
-    EntryPool,
-    ForestState,
-    Layout,
-    NodePool,
-    PoolCounts,
-    RecordStore,
-    SplitRule,
-)
 from jobs.learners.dare.training import tree_keys
 from jobs.learners.dare.values import new_domains, rerank
 
@@ -46,7 +37,7 @@ _SAVED = (
 )  # fmt: skip
 
 
-def _scalars(st: ForestState) -> dict[str, int]:
+def _scalars(st: fs.ForestState) -> dict[str, int]:
     """The counts the format saves (capacities and counters, under their saved names)."""
     rec, c = st.records, st.counts
     return {
@@ -57,12 +48,12 @@ def _scalars(st: ForestState) -> dict[str, int]:
     }  # fmt: skip
 
 
-def state_arrays(st: ForestState) -> dict[str, np.ndarray]:
+def state_arrays(st: fs.ForestState) -> dict[str, np.ndarray]:
     """The state's arrays a bundle holds, under their saved names."""
     return {name: getattr(getattr(st, group), field) for name, group, field in _SAVED}
 
 
-def _saved_arrays(st: ForestState) -> dict[str, np.ndarray]:
+def _saved_arrays(st: fs.ForestState) -> dict[str, np.ndarray]:
     """What :func:`save` writes: the state's arrays and the records (ids as strings)."""
     arrays = state_arrays(st)
     rec = st.records
@@ -74,7 +65,7 @@ def _saved_arrays(st: ForestState) -> dict[str, np.ndarray]:
     return arrays
 
 
-def save(st: ForestState, path: str | Path, params: dict[str, Any], content_hash: str) -> None:
+def save(st: fs.ForestState, path: str | Path, params: dict[str, Any], content_hash: str) -> None:
     """Write the bundle of a compact forest (:func:`jobs.learners.dare.records.compact_store`)."""
     arrays = _saved_arrays(st)
     meta = {
@@ -95,7 +86,7 @@ def read(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _store(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> RecordStore:
+def _store(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> fs.RecordStore:
     s = meta["scalars"]
     cap, n = int(s["_cap"]), int(s["_nrec"])
     X = np.zeros((int(meta["n_features"]), cap), dtype=np.float64)
@@ -103,7 +94,7 @@ def _store(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> RecordStore:
     ids = np.empty(cap, dtype=object)
     ids[:n] = arrays["ids"].tolist()
     alive = arrays["alive"]
-    return RecordStore(
+    return fs.RecordStore(
         X=X, y=arrays["y"], alive=alive, ids=ids,
         slot={ids[i]: i for i in np.flatnonzero(alive[:n]).tolist()}, n_slots=n,
         n_live=int(s["_nlive"]), class_n=arrays["class_n"], classes=arrays["classes"],
@@ -114,28 +105,29 @@ def _group(arrays: dict[str, np.ndarray], group: str) -> dict[str, np.ndarray]:
     return {field: arrays[name] for name, grp, field in _SAVED if grp == group}
 
 
-def restore(meta: dict[str, Any], arrays: dict[str, np.ndarray], rule: SplitRule,
+def restore(meta: dict[str, Any], arrays: dict[str, np.ndarray], rule: fs.SplitRule,
             random_state: int, random_domain: float | None, policy: BatchPolicy
-            ) -> ForestState:
+            ) -> fs.ForestState:
     """The forest a bundle holds, its derived state rebuilt (the value group tables on
     its first update)."""
     rec = _store(meta, arrays)
     s = meta["scalars"]
     node_fields = _group(arrays, "nodes")
     bound, sampled = pools.fresh_bounds(len(node_fields["tree"]), rule.n_sampled)
-    nodes = NodePool(**node_fields, bound=bound, sampled=sampled)
+    nodes = fs.NodePool(**node_fields, bound=bound, sampled=sampled)
     cache_fields = _group(arrays, "caches")
     shape = cache_fields["attr"].shape
-    caches = CachePool(**cache_fields, table_off=np.zeros(shape, dtype=np.int64),
-                       table_len=np.zeros(shape, dtype=np.int32))
-    return ForestState(
+    caches = fs.CachePool(**cache_fields, table_off=np.zeros(shape, dtype=np.int64),
+                          table_len=np.zeros(shape, dtype=np.int32))
+    return fs.ForestState(
         rule=rule, records=rec, values=rerank(rec, None)[0],
         domains=new_domains(rec, random_domain), tree_keys=tree_keys(random_state, rule.n_trees),
-        nodes=nodes, caches=caches, entries=EntryPool(**_group(arrays, "entries")),
-        tables=pools.new_table_pool(0, len(rec.classes)), layout=Layout(**_group(arrays, "layout")),
-        counts=PoolCounts(free_nodes=int(s["_nfree_n"]), free_caches=int(s["_cfree_n"]),
-                          entries_used=int(s["_eused"]), entries_garbage=int(s["_egarb"]),
-                          tables_used=0, tables_garbage=0),
+        nodes=nodes, caches=caches, entries=fs.EntryPool(**_group(arrays, "entries")),
+        tables=pools.new_table_pool(0, len(rec.classes)),
+        layout=fs.Layout(**_group(arrays, "layout")),
+        counts=fs.PoolCounts(free_nodes=int(s["_nfree_n"]), free_caches=int(s["_cfree_n"]),
+                             entries_used=int(s["_eused"]), entries_garbage=int(s["_egarb"]),
+                             tables_used=0, tables_garbage=0),
         # = what the builder went through
         costs=CostModel(policy, rule.n_trees, int(nodes.n[nodes.used].sum()), rec.n_live),
         tables_stale=True,

@@ -39,6 +39,7 @@ from jobs.learners.dare.build_kernels import (
     CTR_NEED_H,
     CTR_NFLAG,
     bound_of,
+    gather_rows,
     install_cache,
     uncache_node,
 )
@@ -556,19 +557,6 @@ def _drift(b):
 
 
 @njit(cache=True)
-def _node_rows(nd, nodes, layout, rbuf):
-    """rbuf[:m] = the live records of node nd (from its layout range); returns m."""
-    t = nodes.tree[nd]
-    m = 0
-    for q in range(nodes.start[nd], nodes.end[nd]):
-        sl = layout.slot_at[t, q]
-        if sl >= 0:
-            rbuf[m] = sl
-            m += 1
-    return m
-
-
-@njit(cache=True)
 def _set_r2(nd, r2, nodes, recs):
     """Same split, new upper value: move the threshold to the new midpoint."""
     va = recs.voff[nodes.attr[nd]]
@@ -622,7 +610,7 @@ def _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs, layout,
             nd, nxt, c, nodes, rule, tab, sc) > bound:
         nodes.bound[nd] = bound
         return False
-    m = _node_rows(nd, nodes, layout, rbuf)
+    m = gather_rows(nd, nodes, layout, rbuf, 0)
     d = decide_one(rbuf, 0, m, nodes.tree[nd], nodes.path[nd], nodes.depth[nd], cid >= 0,
                    recs, rule, tab, w, lists, cnt)
     flag = True
@@ -696,7 +684,7 @@ def _leaf_changed(nd, nodes, recs, layout, rule, tab, w, lists, cnt, rbuf):
         else:
             nodes.why[nd] = W_PURE
         return False
-    m = _node_rows(nd, nodes, layout, rbuf)
+    m = gather_rows(nd, nodes, layout, rbuf, 0)
     d = decide_one(rbuf, 0, m, nodes.tree[nd], nodes.path[nd], nodes.depth[nd], False, recs,
                    rule, tab, w, lists, cnt)
     if d.kind == LEAF:

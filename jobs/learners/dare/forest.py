@@ -147,7 +147,7 @@ from typing import Any, ClassVar
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils.validation import check_array, check_is_fitted, validate_data
 
 from jobs.learners.base import (
     Learner,
@@ -191,11 +191,14 @@ class _PowersOfTwo(Interval):
 
 def _labels(y: Any, n: int) -> np.ndarray:
     """`y` as n labels of one comparable kind (numbers or strings, finite)."""
+    if y is None:
+        raise ValueError("DaREForest requires y to be passed, but the target y is None")
     arr = np.asarray(y)
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"y must be 1-D with {n} labels, got shape {arr.shape}")
     if arr.dtype == object:
-        raise ValueError("y must be a numeric or string array (not objects)")
+        raise ValueError("Unknown label type: y must be a numeric or string array (not "
+                         "objects: the classes are saved as plain arrays)")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise ValueError("y contains NaN or infinite labels")
     return arr
@@ -321,7 +324,8 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
         the row numbers."""
         for name in ("state_", "generation_"):
             self.__dict__.pop(name, None)
-        Xa = check_features(X, None, None)
+        Xa = check_features(check_array(X, dtype=np.float64, ensure_all_finite=False), None,
+                            None)
         rids = training_ids(record_ids, len(Xa))
         if len(rids) == 0:
             raise ValueError("fit needs at least one record")
@@ -331,10 +335,16 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
         self.generation_ = next(_GENERATIONS)
         return self
 
+    def _queries(self, X: Any) -> np.ndarray:
+        """X as the forest reads queries: scikit-learn's checks (2-D, dense, real, the
+        fitted width), then :func:`check_features` (finite; a canonical copy, -0.0 is 0.0)."""
+        self._fitted()
+        Xc = validate_data(self, X, reset=False, dtype=np.float64, ensure_all_finite=False)
+        return check_features(Xc, None, None)
+
     def scores(self, X: Any) -> np.ndarray:
         """Mean over trees of the leaf class frequencies, shape (n, n_classes)."""
-        st = self._fitted()
-        return routing.scores(st, check_features(X, None, st.n_features))
+        return routing.scores(self._fitted(), self._queries(X))
 
     def leaf_nodes(self, X: Any) -> np.ndarray:
         """Read-only: the leaf node id reached by every query in every tree, shape (T, n).
@@ -342,8 +352,7 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
         Node ids index the rows of :meth:`leaves` (``leaves()["node"]``); they are pool slots,
         valid only until the forest is next updated."""
         st = self._fitted()
-        Xq = check_features(X, None, st.n_features)
-        return routing.leaf_of(st, Xq, np.arange(st.rule.n_trees)).astype(np.int64)
+        return routing.leaf_of(st, self._queries(X), np.arange(st.rule.n_trees)).astype(np.int64)
 
     def leaves(self) -> dict[str, np.ndarray]:
         """Read-only: every leaf of every tree with its cell of the input space.

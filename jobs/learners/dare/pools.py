@@ -110,49 +110,48 @@ def _with_fresh(free: np.ndarray, n_free: int, old: int, cap: int) -> tuple[np.n
     return out, n_free + len(fresh)
 
 
-# ----------------------------------------------------------------------------- nodes
+# ------------------------------------------------------------------- nodes and cache rows
+
+
+def _with_room(pool: NodePool | CachePool, fill: dict[str, object], n_free: int, m: int
+               ) -> tuple[NodePool | CachePool, int]:
+    """`pool` with at least m free rows (its capacity doubles), and its free count."""
+    if n_free >= m:
+        return pool, n_free
+    old = len(getattr(pool, next(iter(fill))))
+    cap = max(2 * old, old + m)
+    grown = {name: _resized(getattr(pool, name), cap, f) for name, f in fill.items()}
+    free, n_free = _with_fresh(pool.free, n_free, old, cap)
+    return type(pool)(**grown, free=free), n_free
+
+
+def _take(free: np.ndarray, n_free: int, m: int) -> np.ndarray:
+    """The m ids a pool hands out next (the top of its free list, lowest first)."""
+    return free[n_free - m : n_free][::-1].copy()
 
 
 def grow_nodes(st: ForestState, m: int) -> None:
     """Make sure at least m nodes are free (the pool doubles)."""
-    if st.counts.free_nodes >= m:
-        return
-    old = len(st.nodes.tree)
-    cap = max(2 * old, old + m)
-    grown = {name: _resized(getattr(st.nodes, name), cap, fill)
-             for name, fill in _NODE_FILL.items()}
-    free, st.counts.free_nodes = _with_fresh(st.nodes.free, st.counts.free_nodes, old, cap)
-    st.nodes = NodePool(**grown, free=free)
+    st.nodes, st.counts.free_nodes = _with_room(st.nodes, _NODE_FILL, st.counts.free_nodes, m)
 
 
 def alloc_nodes(st: ForestState, m: int) -> np.ndarray:
     grow_nodes(st, m)
-    n_free = st.counts.free_nodes
-    out = st.nodes.free[n_free - m : n_free][::-1].copy()
+    out = _take(st.nodes.free, st.counts.free_nodes, m)
     st.counts.free_nodes -= m
     st.nodes.used[out] = True
     return out
 
 
-# ----------------------------------------------------------------------------- cache rows
-
-
 def grow_caches(st: ForestState, m: int) -> None:
     """Make sure at least m cache rows are free (the table doubles)."""
-    if st.counts.free_caches >= m:
-        return
-    old = len(st.caches.attr)
-    cap = max(2 * old, old + m)
-    grown = {name: _resized(getattr(st.caches, name), cap, fill)
-             for name, fill in _CACHE_FILL.items()}
-    free, st.counts.free_caches = _with_fresh(st.caches.free, st.counts.free_caches, old, cap)
-    st.caches = CachePool(**grown, free=free)
+    st.caches, st.counts.free_caches = _with_room(st.caches, _CACHE_FILL,
+                                                  st.counts.free_caches, m)
 
 
 def alloc_caches(st: ForestState, m: int) -> np.ndarray:
     grow_caches(st, m)
-    n_free = st.counts.free_caches
-    out = st.caches.free[n_free - m : n_free][::-1].copy()
+    out = _take(st.caches.free, st.counts.free_caches, m)
     st.counts.free_caches -= m
     return out
 
@@ -189,22 +188,29 @@ def alloc_entries(st: ForestState, m: int) -> int:
     return start
 
 
+def _capacity_for(st: ForestState, pool: str, m: int) -> int:
+    """The capacity the segment pool `pool` ("entries" or "tables") must grow to so that
+    m more rows fit (0: they fit), after compacting its garbage where that is over a
+    quarter of what it uses (segments move)."""
+    used = getattr(st.counts, f"{pool}_used")
+    if used + m <= len(getattr(st, pool)[0]):
+        return 0
+    if getattr(st.counts, f"{pool}_garbage") > used // 4:
+        (compact_entries if pool == "entries" else compact_tables)(st)
+    used, cap = getattr(st.counts, f"{pool}_used"), len(getattr(st, pool)[0])
+    if used + m <= cap:
+        return 0
+    return max(cap + cap // (4 if pool == "entries" else 2), used + m)
+
+
 def reserve_entries(st: ForestState, m: int) -> None:
     """Make room for m more entries (may compact the pool, moving cached segments)."""
-    counts = st.counts
-    if counts.entries_used + m <= len(st.entries.r1):
-        return
-    if counts.entries_garbage > counts.entries_used // 4:
-        compact_entries(st)
-    ecap = len(st.entries.r1)
-    if counts.entries_used + m > ecap:
-        cap = max(ecap + ecap // 4, counts.entries_used + m)
-        used = counts.entries_used
-        e = st.entries
-        left = np.zeros((e.left.shape[0], cap), dtype=e.left.dtype)
-        left[:, :used] = e.left[:, :used]
+    cap = _capacity_for(st, "entries", m)
+    if cap:
+        used, e = st.counts.entries_used, st.entries
         st.entries = EntryPool(r1=_resized(e.r1[:used], cap, -1),
-                               r2=_resized(e.r2[:used], cap, -1), left=left)
+                               r2=_resized(e.r2[:used], cap, -1),
+                               left=_resized(e.left[:, :used].T, cap, 0).T.copy())
 
 
 def compact_entries(st: ForestState) -> None:
@@ -235,17 +241,11 @@ def compact_entries(st: ForestState) -> None:
 
 def reserve_tables(st: ForestState, m: int) -> None:
     """Make room for m more table entries (may compact the pool, moving segments)."""
-    counts = st.counts
-    if counts.tables_used + m <= len(st.tables.rank):
-        return
-    if counts.tables_garbage > counts.tables_used // 4:
-        compact_tables(st)
-    hcap = len(st.tables.rank)
-    if counts.tables_used + m > hcap:
-        cap = max(hcap + hcap // 2, counts.tables_used + m)
-        used = counts.tables_used
-        st.tables = TablePool(rank=_resized(st.tables.rank[:used], cap, 0),
-                              cnt=_resized(st.tables.cnt[:used], cap, 0))
+    cap = _capacity_for(st, "tables", m)
+    if cap:
+        used, h = st.counts.tables_used, st.tables
+        st.tables = TablePool(rank=_resized(h.rank[:used], cap, 0),
+                              cnt=_resized(h.cnt[:used], cap, 0))
 
 
 def compact_tables(st: ForestState) -> None:
