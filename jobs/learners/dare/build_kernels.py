@@ -115,12 +115,11 @@ def layout_rows(slot_at: np.ndarray, tree: np.ndarray, s: np.ndarray, e: np.ndar
 
 
 @njit(cache=True)
-def gather_rows(nd, nodes, layout, out, at):
-    """Append node nd's live records (from its layout range) to out[at:]; returns the
-    new end."""
-    t = nodes.tree[nd]
-    for q in range(nodes.start[nd], nodes.end[nd]):
-        sl = layout.slot_at[t, q]
+def gather_rows(slot_at, t, s, e, out, at):
+    """Append the live records of tree t's layout range [s, e) (a node's) to out[at:];
+    returns the new end."""
+    for q in range(s, e):
+        sl = slot_at[t, q]
         if sl >= 0:
             out[at] = sl
             at += 1
@@ -178,69 +177,11 @@ def prepare_rebuild(roots: np.ndarray, nodes, caches, layout, ctr: np.ndarray,
         _free_below(rt, nodes, caches, ctr, dfs)
         uncache_node(rt, nodes, caches, ctr)
         lo = m
-        m = gather_rows(rt, nodes, layout, rows, m)
+        m = gather_rows(layout.slot_at, nodes.tree[rt], nodes.start[rt], nodes.end[rt], rows, m)
         sp = _push(stack, sp, rt, nodes.tree[rt], nodes.path[rt], nodes.depth[rt],
                    nodes.start[rt], nodes.end[rt], lo, m)
     ctr[CTR_SP] = sp
     return m
-
-
-@njit(cache=True)
-def _store_node(nd, tree, path, depth, s, e, n, d, cnt, lists, nodes, rule):
-    """Write node nd's decision `d` (:func:`decide_one`) and counts into the node pool."""
-    nodes.used[nd] = True
-    nodes.tree[nd] = tree
-    nodes.depth[nd] = depth
-    nodes.path[nd] = path
-    nodes.n[nd] = n
-    for c in range(cnt.shape[0]):
-        nodes.cnt[nd, c] = cnt[c]
-    nodes.start[nd] = s
-    nodes.end[nd] = e
-    nodes.kind[nd] = d.kind
-    nodes.why[nd] = d.why
-    nodes.attr[nd] = d.attr
-    nodes.thr[nd] = d.thr
-    nodes.r1[nd] = d.r1
-    nodes.r2[nd] = d.r2
-    nodes.draw[nd] = d.draw
-    nodes.cid[nd] = -1
-    if d.kind == GREEDY:
-        nodes.bound[nd] = bound_of(d.second)
-        for ss in range(rule.n_sampled):
-            nodes.sampled[nd, ss] = lists.attr[ss]
-
-
-@njit(cache=True)
-def _partition(rows, lo, hi, kind, attr, r1, thr, recs):
-    """Partition rows[lo:hi] in place by the split (left first); returns the left size."""
-    i = lo
-    j = hi - 1
-    while i <= j:
-        sl = rows[i]
-        go = recs.rank[sl, attr] <= r1 if kind == GREEDY else recs.X[attr, sl] <= thr
-        if go:
-            i += 1
-        else:
-            rows[i] = rows[j]
-            rows[j] = sl
-            j -= 1
-    return i - lo
-
-
-@njit(cache=True)
-def _short_of_room(n, nodes, entries, tables, ctr, rule):
-    """Whether the pools may not hold one more node of n records (and its children);
-    says how much room a cache and its group tables need."""
-    KB = rule.k + rule.buffer
-    need_h = rule.n_sampled * (n // rule.hist_ratio + 1)
-    if (ctr[CTR_NFREE] < 2 or ctr[CTR_CFREE] < 1
-            or ctr[CTR_EUSED] + rule.n_sampled * KB > entries.r1.shape[0]
-            or ctr[CTR_HUSED] + need_h > tables.rank.shape[0]):
-        ctr[CTR_NEED_E] = rule.n_sampled * KB
-        ctr[CTR_NEED_H] = need_h
-        return True
-    return False
 
 
 @njit(cache=True)
@@ -251,47 +192,121 @@ def build_subtrees(stack: np.ndarray, ctr: np.ndarray, rows: np.ndarray, nodes, 
     of `rows`, partitioned in place): every node is :func:`decide_one` of its records;
     greedy nodes with at least cache_min records keep their lists; leaves place their
     records in the layout. Returns 0 when done, 1 when a pool is short (the caller grows
-    the pools, ctr[CTR_NEED_H] says how many group table entries, and calls again)."""
+    the pools, ctr[CTR_NEED_H] says how many group table entries, and calls again).
+
+    One loop, not steps: with the split search it is a fit's time (and a retrain's), and
+    splitting it cost a tenth of that."""
+    n_tree, n_depth, n_path, n_kind, n_why = (nodes.tree, nodes.depth, nodes.path, nodes.kind,
+                                              nodes.why)
+    n_left, n_right, n_attr, n_thr = nodes.left, nodes.right, nodes.attr, nodes.thr
+    n_r1, n_r2, n_draw, n_n, n_cnt = nodes.r1, nodes.r2, nodes.draw, nodes.n, nodes.cnt
+    n_s, n_e, n_cid, n_used = nodes.start, nodes.end, nodes.cid, nodes.used
+    nfree, n_bound, n_sattr = nodes.free, nodes.bound, nodes.sampled
+    cfree = caches.free
+    s_attr = lists.attr
+    samp, pos = layout.slot_at, layout.pos
+    rank, X = recs.rank, recs.X
+    P, cache_min, hist_ratio = rule.n_sampled, rule.cache_min, rule.hist_ratio
     KB = rule.k + rule.buffer
+    C = cnt.shape[0]
+    ecap = entries.r1.shape[0]
+    hcap = tables.rank.shape[0]
     sp = ctr[CTR_SP]
     while sp > 0:
-        top = stack[sp - 1]
-        nd, tree, path, depth = top[_ND], top[_TREE], top[_PATH], top[_DEPTH]
-        s, e, lo, hi = top[_START], top[_END], top[_LO], top[_HI]
+        nd = stack[sp - 1, _ND]
+        tree = stack[sp - 1, _TREE]
+        path = stack[sp - 1, _PATH]
+        depth = stack[sp - 1, _DEPTH]
+        s = stack[sp - 1, _START]
+        e = stack[sp - 1, _END]
+        lo = stack[sp - 1, _LO]
+        hi = stack[sp - 1, _HI]
         n = hi - lo
-        if _short_of_room(n, nodes, entries, tables, ctr, rule):
+        need_h = P * (n // hist_ratio + 1)
+        if (ctr[CTR_NFREE] < 2 or ctr[CTR_CFREE] < 1 or ctr[CTR_EUSED] + P * KB > ecap
+                or ctr[CTR_HUSED] + need_h > hcap):
             ctr[CTR_SP] = sp
+            ctr[CTR_NEED_E] = P * KB
+            ctr[CTR_NEED_H] = need_h
             return 1
         sp -= 1
         d = decide_one(rows, lo, hi, tree, path, depth, True, recs, rule, tab, w, lists, cnt)
+        kind, why, attr, thr, r1, r2 = d.kind, d.why, d.attr, d.thr, d.r1, d.r2
         ctr[CTR_WORK] += n
-        _store_node(nd, tree, path, depth, s, e, n, d, cnt, lists, nodes, rule)
-        if d.kind == GREEDY and n >= rule.cache_min:
-            cid = caches.free[ctr[CTR_CFREE] - 1]
+        n_used[nd] = True
+        n_tree[nd] = tree
+        n_depth[nd] = depth
+        n_path[nd] = path
+        n_n[nd] = n
+        for c in range(C):
+            n_cnt[nd, c] = cnt[c]
+        n_s[nd] = s
+        n_e[nd] = e
+        n_kind[nd] = kind
+        n_why[nd] = why
+        n_attr[nd] = attr
+        n_thr[nd] = thr
+        n_r1[nd] = r1
+        n_r2[nd] = r2
+        n_draw[nd] = d.draw
+        n_cid[nd] = -1
+        if kind == GREEDY:
+            n_bound[nd] = bound_of(d.second)
+            for ss in range(P):
+                n_sattr[nd, ss] = s_attr[ss]
+        if kind == GREEDY and n >= cache_min:
+            cid = cfree[ctr[CTR_CFREE] - 1]
             ctr[CTR_CFREE] -= 1
             install_cache(cid, caches, entries, tables, lists, ctr, KB)
-            nodes.cid[nd] = cid
-        if d.kind == LEAF:
-            nodes.left[nd] = -1
-            nodes.right[nd] = -1
+            n_cid[nd] = cid
+        if kind == LEAF:
+            n_left[nd] = -1
+            n_right[nd] = -1
             for i in range(n):
                 sl = rows[lo + i]
-                layout.slot_at[tree, s + i] = sl
-                layout.pos[tree, sl] = s + i
+                samp[tree, s + i] = sl
+                pos[tree, sl] = s + i
             for q in range(s + n, e):
-                layout.slot_at[tree, q] = -1
+                samp[tree, q] = -1
             continue
-        nl = _partition(rows, lo, hi, d.kind, d.attr, d.r1, d.thr, recs)
+        i = lo
+        j = hi - 1
+        while i <= j:
+            sl = rows[i]
+            go = rank[sl, attr] <= r1 if kind == GREEDY else X[attr, sl] <= thr
+            if go:
+                i += 1
+            else:
+                rows[i] = rows[j]
+                rows[j] = sl
+                j -= 1
+        nl = i - lo
         nf = ctr[CTR_NFREE]
-        lk = nodes.free[nf - 1]
-        rk = nodes.free[nf - 2]
+        lk = nfree[nf - 1]
+        rk = nfree[nf - 2]
         ctr[CTR_NFREE] = nf - 2
-        nodes.used[lk] = True
-        nodes.used[rk] = True
-        nodes.left[nd] = lk
-        nodes.right[nd] = rk
-        sp = _push(stack, sp, rk, tree, (path << 1) | 1, depth + 1, s + nl, e, lo + nl, hi)
-        sp = _push(stack, sp, lk, tree, path << 1, depth + 1, s, s + nl, lo, lo + nl)
+        n_used[lk] = True
+        n_used[rk] = True
+        n_left[nd] = lk
+        n_right[nd] = rk
+        stack[sp, _ND] = rk
+        stack[sp, _TREE] = tree
+        stack[sp, _PATH] = (path << 1) | 1
+        stack[sp, _DEPTH] = depth + 1
+        stack[sp, _START] = s + nl
+        stack[sp, _END] = e
+        stack[sp, _LO] = lo + nl
+        stack[sp, _HI] = hi
+        sp += 1
+        stack[sp, _ND] = lk
+        stack[sp, _TREE] = tree
+        stack[sp, _PATH] = path << 1
+        stack[sp, _DEPTH] = depth + 1
+        stack[sp, _START] = s
+        stack[sp, _END] = s + nl
+        stack[sp, _LO] = lo
+        stack[sp, _HI] = lo + nl
+        sp += 1
     ctr[CTR_SP] = 0
     return 0
 
@@ -315,7 +330,7 @@ def node_tables(todo: np.ndarray, nodes, caches, tables, recs, layout, ctr: np.n
             ctr[CTR_SP] = i
             ctr[CTR_NEED_H] = P * (nodes.n[nd] // hist_ratio + 1)
             return 1
-        m = gather_rows(nd, nodes, layout, rows, 0)
+        m = gather_rows(layout.slot_at, nodes.tree[nd], nodes.start[nd], nodes.end[nd], rows, 0)
         for ss in range(P):
             ctr[CTR_HGARB] += caches.table_len[cid, ss]
             caches.table_len[cid, ss] = 0
@@ -323,7 +338,8 @@ def node_tables(todo: np.ndarray, nodes, caches, tables, recs, layout, ctr: np.n
             if a < 0:
                 continue
             nv = recs.voff[a + 1] - recs.voff[a]
-            ng = value_groups(rows, 0, m, a, recs.rank, recs.y, nv, C, w)
+            ng = value_groups(rows, 0, m, a, recs.rank, recs.y, nv, C, w.keys, w.tmp,
+                              w.dense, w.dense_tot, w.g_rank, w.g_cnt)
             if ng * hist_ratio > m:
                 continue
             hu = ctr[CTR_HUSED]

@@ -22,8 +22,6 @@ is its :class:`~jobs.learners.dare.state.GlobalOrder`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 from numba import njit
 
@@ -64,57 +62,25 @@ __all__ = ["CTR_LEN", "STAT_CACHES", "STAT_NODES", "delete_record"]
 STAT_NODES, STAT_CACHES = 0, 1
 
 
-class _Touching(NamedTuple):
-    """The live listed pairs of a slot that touch the deleted value w: A = (prev, w),
-    B = (w, next) (entry, -1: not listed) and their positions among the live entries
-    (the first k are the scored ones)."""
-
-    a: int
-    b: int
-    a_pos: int
-    b_pos: int
-
-
-class _Scratch(NamedTuple):
-    """Class count rows of one deletion: w's group, its neighbours, score rows."""
-
-    gw: np.ndarray
-    gp: np.ndarray
-    gn: np.ndarray
-    left_row: np.ndarray  # (1, C)
-    right_row: np.ndarray
-
-
 @njit(cache=True)
-def _group_counts(g, nd, a, q, nodes, order, recs, layout):
-    """g[:] = class counts of node nd's live records whose `a` value has rank q: from the
-    node's layout range or the value's run in the global order, whichever is shorter."""
+def _group_counts(g, tree, s, e, a, q, roff, rstart, gorder, pos, alive, y, samp, rank):
+    """g[:] = class counts of the node's live records whose `a` value has rank q: from the
+    node's layout range [s, e) or the value's run in the global order, whichever is
+    shorter."""
     g[:] = 0
-    t, s, e = nodes.tree[nd], nodes.start[nd], nodes.end[nd]
-    ro = order.roff[a] + q
-    if e - s < order.rstart[ro + 1] - order.rstart[ro]:
+    ro = roff[a] + q
+    if e - s < rstart[ro + 1] - rstart[ro]:
         for p_ in range(s, e):
-            sl = layout.slot_at[t, p_]
-            if sl >= 0 and recs.rank[sl, a] == q:
-                g[recs.y[sl]] += 1
+            sl = samp[tree, p_]
+            if sl >= 0 and rank[sl, a] == q:
+                g[y[sl]] += 1
         return
-    for i in range(order.rstart[ro], order.rstart[ro + 1]):
-        sl = order.gorder[a, i]
-        if order.alive[sl]:
-            ps = layout.pos[t, sl]
+    for i in range(rstart[ro], rstart[ro + 1]):
+        sl = gorder[a, i]
+        if alive[sl]:
+            ps = pos[tree, sl]
             if ps >= s and ps < e:
-                g[recs.y[sl]] += 1
-
-
-@njit(cache=True)
-def _group_of(g, ht, q, nd, a, nodes, order, recs, layout, tables):
-    """g[:] = class counts of node nd's value group of rank q: row ht of its value group
-    table where it keeps one (ht >= 0), else counted from its records."""
-    if ht >= 0:
-        for cc in range(g.shape[0]):
-            g[cc] = tables.cnt[ht, cc]
-    else:
-        _group_counts(g, nd, a, q, nodes, order, recs, layout)
+                g[y[sl]] += 1
 
 
 @njit(cache=True)
@@ -135,40 +101,38 @@ def _valid(g1, g2):
 
 
 @njit(cache=True)
-def _neighbour(nd, a, wr, up, nodes, order, recs, layout):
-    """Rank of the nearest value of `a` among node nd's live records strictly above (up)
-    or below wr; -1 if none. Scans the node's layout range or walks the attribute's
-    global order, whichever is shorter (same answer)."""
-    t, s, e, n = nodes.tree[nd], nodes.start[nd], nodes.end[nd], nodes.n[nd]
-    gorder = order.gorder
+def _neighbour(tree, s, e, n, a, wr, up, samp, rank, roff, rstart, gorder, pos, alive):
+    """Rank of the nearest value of `a` among the node's live records strictly above (up) or
+    below wr; -1 if none. Scans the node's layout range or walks the attribute's global
+    order, whichever is shorter (same answer)."""
     G = gorder.shape[1]
     if (e - s) <= 2 * G // max(n, 1) + 16:
         res = -1
         for q in range(s, e):
-            sl = layout.slot_at[t, q]
+            sl = samp[tree, q]
             if sl >= 0:
-                rk = np.int64(recs.rank[sl, a])
+                rk = np.int64(rank[sl, a])
                 if up:
                     if rk > wr and (res < 0 or rk < res):
                         res = rk
                 elif rk < wr and rk > res:
                     res = rk
         return res
-    ro = order.roff[a] + wr
+    ro = roff[a] + wr
     if up:
-        for i in range(order.rstart[ro + 1], G):
+        for i in range(rstart[ro + 1], G):
             sl = gorder[a, i]
-            if order.alive[sl]:
-                ps = layout.pos[t, sl]
+            if alive[sl]:
+                ps = pos[tree, sl]
                 if ps >= s and ps < e:
-                    return np.int64(recs.rank[sl, a])
+                    return np.int64(rank[sl, a])
     else:
-        for i in range(order.rstart[ro] - 1, -1, -1):
+        for i in range(rstart[ro] - 1, -1, -1):
             sl = gorder[a, i]
-            if order.alive[sl]:
-                ps = layout.pos[t, sl]
+            if alive[sl]:
+                ps = pos[tree, sl]
                 if ps >= s and ps < e:
-                    return np.int64(recs.rank[sl, a])
+                    return np.int64(rank[sl, a])
     return -1
 
 
@@ -178,38 +142,40 @@ def _prio(sk, vmix, va, r):
 
 
 @njit(cache=True)
-def _scan_entries(off, ln, wr, c, entries):
-    """Decrement the left counts of the listed pairs at or above w's rank wr (record of
-    class c left their left side) and find the pairs that touch w."""
+def _scan_entries(off, ln, wr, c, er1, er2, eleft):
+    """Decrement the left counts of a slot's live pairs at or above w's rank wr (a record
+    of class c left their left side) and find the pairs that touch w: A = (prev, w) and
+    B = (w, next) (entry, -1: not listed) with their positions among the live entries
+    (the first k are the scored ones)."""
     A = -1
     B = -1
     live = 0
     posA = 0
     posB = 0
     for E_ in range(off, off + ln):
-        r1 = entries.r1[E_]
+        r1 = er1[E_]
         if r1 < 0:
             continue
         if r1 >= wr:
-            entries.left[c, E_] -= 1
-        if entries.r2[E_] == wr:
+            eleft[c, E_] -= 1
+        if er2[E_] == wr:
             A = E_
             posA = live
         if r1 == wr:
             B = E_
             posB = live
         live += 1
-    return _Touching(A, B, posA, posB)
+    return A, B, posA, posB
 
 
 @njit(cache=True)
-def _table_group(rank, hoff, hl, wr):
+def _table_row(hr, hoff, hl, wr):
     """Row of value rank wr in a value group table (present: the record was in the node)."""
     lo = hoff
     hi = hoff + hl - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if rank[mid] < wr:
+        if hr[mid] < wr:
             lo = mid + 1
         else:
             hi = mid
@@ -217,93 +183,95 @@ def _table_group(rank, hoff, hl, wr):
 
 
 @njit(cache=True)
-def _drop_table_group(tables, hp, hoff, hl):
-    """Remove row hp from a value group table (w's value vanished from the node), so
-    that its neighbours become adjacent."""
-    C = tables.cnt.shape[1]
-    for q in range(hp, hoff + hl - 1):
-        tables.rank[q] = tables.rank[q + 1]
-        for cc in range(C):
-            tables.cnt[q, cc] = tables.cnt[q + 1, cc]
-
-
-@njit(cache=True)
-def _drop_invalid(tp, hp, k, nd, a, nodes, entries, tables, recs, layout, order, sc):
-    """w's group survives (counts in sc.gw): the pairs touching it can only turn invalid.
-    Returns whether one of the scored pairs died."""
+def _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree, s, e, a, roff, rstart,
+                  gorder, pos, alive, y, samp, rank):
+    """w's group survives (its counts in gw): the listed pairs touching it, A = (prev, w)
+    and B = (w, next), can only turn invalid. Their neighbour groups come from the value
+    group table's rows around hp where the slot keeps one (hp >= 0), else counted. Returns
+    whether one of the scored pairs (the first k) died."""
     touched = False
-    if tp.a >= 0:
-        _group_of(sc.gp, hp - 1 if hp >= 0 else -1, entries.r1[tp.a], nd, a, nodes, order,
-                  recs, layout, tables)
-        if not _valid(sc.gp, sc.gw):
-            entries.r1[tp.a] = -1
-            touched |= tp.a_pos < k
-    if tp.b >= 0:
-        _group_of(sc.gn, hp + 1 if hp >= 0 else -1, entries.r2[tp.b], nd, a, nodes, order,
-                  recs, layout, tables)
-        if not _valid(sc.gw, sc.gn):
-            entries.r1[tp.b] = -1
-            touched |= tp.b_pos < k
+    if A >= 0:
+        if hp >= 0:
+            for cc in range(gp.shape[0]):
+                gp[cc] = hc[hp - 1, cc]
+        else:
+            _group_counts(gp, tree, s, e, a, er1[A], roff, rstart, gorder, pos, alive, y, samp,
+                          rank)
+        if not _valid(gp, gw):
+            er1[A] = -1
+            touched |= posA < k
+    if B >= 0:
+        if hp >= 0:
+            for cc in range(gn.shape[0]):
+                gn[cc] = hc[hp + 1, cc]
+        else:
+            _group_counts(gn, tree, s, e, a, er2[B], roff, rstart, gorder, pos, alive, y, samp,
+                          rank)
+        if not _valid(gw, gn):
+            er1[B] = -1
+            touched |= posB < k
     return touched
 
 
 @njit(cache=True)
-def _next_above(bnext, hp, hoff, hl, nd, a, wr, nodes, order, recs, layout, tables):
-    """Rank of the node's next value above the vanished w (B's upper value if it was
-    listed); -1 if none."""
+def _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff, rstart, gorder,
+                pos, alive):
+    """Rank of the node's next value above the vanished w (B's upper value where B was
+    listed, else from the value group table or the records); -1 if none."""
     if bnext >= 0:
         return bnext
     if hp >= 0:
-        return tables.rank[hp] if hp < hoff + hl else -1
-    return _neighbour(nd, a, wr, True, nodes, order, recs, layout)
+        return hr[hp] if hp < hoff + hl else -1
+    return _neighbour(tree, s, e, n, a, wr, True, samp, rank, roff, rstart, gorder, pos, alive)
 
 
 @njit(cache=True)
-def _pair_valid(prev, nxt, hp, nd, a, nodes, order, recs, layout, tables, sc):
-    """Whether (prev, nxt), adjacent once w vanished, is a valid pair (their groups in
-    sc.gp and sc.gn)."""
-    _group_of(sc.gp, hp - 1 if hp >= 0 else -1, prev, nd, a, nodes, order, recs, layout,
-              tables)
-    _group_of(sc.gn, hp if hp >= 0 else -1, nxt, nd, a, nodes, order, recs, layout, tables)
-    return _valid(sc.gp, sc.gn)
+def _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder, pos, alive, y,
+                 samp, rank):
+    """gp, gn = the class counts of the node's value groups prev and nxt, adjacent once w
+    vanished: the value group table's rows around hp where the slot keeps one (hp >= 0),
+    else counted from the records."""
+    if hp >= 0:
+        for cc in range(gp.shape[0]):
+            gp[cc] = hc[hp - 1, cc]
+            gn[cc] = hc[hp, cc]
+        return
+    _group_counts(gp, tree, s, e, a, prev, roff, rstart, gorder, pos, alive, y, samp, rank)
+    _group_counts(gn, tree, s, e, a, nxt, roff, rstart, gorder, pos, alive, y, samp, rank)
 
 
 @njit(cache=True)
-def _left_of(g, prev, B, hp, hoff, nd, a, nodes, entries, recs, layout, tables):
-    """g[:] = left class counts of the pair (prev, next): B's (its left side is the same
-    records), the table's groups up to prev, or counted from the node's records."""
+def _left_counts(g, prev, B, hp, hoff, eleft, hc, tree, s, e, a, y, samp, rank):
+    """g[:] = left class counts of the pair (prev, next): B's (the same records are on
+    its left), the table's groups up to prev, or counted from the node's records."""
     C = g.shape[0]
+    g[:] = 0
     if B >= 0:
         for cc in range(C):
-            g[cc] = entries.left[cc, B]
+            g[cc] = eleft[cc, B]
     elif hp >= 0:
-        g[:] = 0
         for q in range(hoff, hp):
             for cc in range(C):
-                g[cc] += tables.cnt[q, cc]
+                g[cc] += hc[q, cc]
     else:
-        g[:] = 0
-        t = nodes.tree[nd]
-        for q in range(nodes.start[nd], nodes.end[nd]):
-            sl = layout.slot_at[t, q]
-            if sl >= 0 and recs.rank[sl, a] <= prev:
-                g[recs.y[sl]] += 1
+        for q in range(s, e):
+            sl = samp[tree, q]
+            if sl >= 0 and rank[sl, a] <= prev:
+                g[y[sl]] += 1
 
 
 @njit(cache=True)
-def _insert_pair(cid, ss, prev, nxt, h, v, sk, va, g, caches, entries, recs, ctr):
-    """Copy slot ss's live entries to a fresh segment at the end of the entry pool (the
-    caller made room), the pair (prev, nxt) with left counts g at its priority position
-    (h, v). Returns its position among the live entries."""
-    off = caches.off[cid, ss]
-    ln = caches.length[cid, ss]
-    er1, er2, eleft = entries.r1, entries.r2, entries.left
+def _insert_pair(prev, nxt, h, v, sk, va, g, off, ln, er1, er2, eleft, vals, vmix, ctr):
+    """Copy a slot's live entries er*[off:off + ln] to a fresh segment at the end of the
+    entry pool (the caller made room), the pair (prev, nxt) with left counts g at its
+    priority position (h, v). Returns (the segment's start, its length, that position
+    among the live entries)."""
     C = g.shape[0]
     nb = 0
     for E_ in range(off, off + ln):
         if er1[E_] >= 0:
-            eh = _prio(sk, recs.vmix, va, er1[E_])
-            if eh < h or (eh == h and recs.vals[va + er1[E_]] < v):
+            eh = _prio(sk, vmix, va, er1[E_])
+            if eh < h or (eh == h and vals[va + er1[E_]] < v):
                 nb += 1
     start = ctr[CTR_EUSED]
     d = start
@@ -326,43 +294,12 @@ def _insert_pair(cid, ss, prev, nxt, h, v, sk, va, g, caches, entries, recs, ctr
         eleft[cc, di] = g[cc]
     ctr[CTR_EUSED] = start + j + 1
     ctr[CTR_EGARB] += ln
-    caches.off[cid, ss] = start
-    caches.length[cid, ss] = j + 1
-    return nb
-
-
-@njit(cache=True)
-def _insert_merged(nd, nk, cid, ss, a, wr, B, bnext, hp, hoff, hl, k, nodes, caches,
-                   entries, tables, recs, layout, order, ctr, sc):
-    """w's value vanished and no listed pair ended at it: the merged pair (prev, next)
-    that was not listed may now be valid and under the slot's cut-off; if so it is
-    inserted at its priority position. Returns whether it lands among the scored ones."""
-    if hp >= 0:
-        prev = tables.rank[hp - 1] if hp > hoff else -1
-    else:
-        prev = _neighbour(nd, a, wr, False, nodes, order, recs, layout)
-    if prev < 0:
-        return False
-    va = recs.voff[a]
-    sk = h2(nk ^ _TAG_THR, np.uint64(a))
-    h = _prio(sk, recs.vmix, va, prev)
-    v = recs.vals[va + prev]
-    cp = caches.cut_prio[cid, ss]
-    if not (caches.all_pairs[cid, ss] or h < cp or (h == cp and v <= caches.cut_value[cid, ss])):
-        return False
-    nxt = _next_above(bnext, hp, hoff, hl, nd, a, wr, nodes, order, recs, layout, tables)
-    if nxt < 0:
-        return False
-    if not _pair_valid(prev, nxt, hp, nd, a, nodes, order, recs, layout, tables, sc):
-        return False
-    _left_of(sc.gp, prev, B, hp, hoff, nd, a, nodes, entries, recs, layout, tables)
-    return _insert_pair(cid, ss, prev, nxt, h, v, sk, va, sc.gp, caches, entries, recs,
-                        ctr) < k
+    return start, j + 1, nb
 
 
 @njit(cache=True)
 def _cached_repair(nd, nk, r, c, k, nodes, caches, entries, tables, recs, layout, order, ctr,
-                   sc):
+                   gw, gp, gn):
     """Incremental update of cached greedy node nd's lists after record r (class c) left
     it (the record is already dead and out of the layout, the node's counts already
     decremented).
@@ -376,118 +313,174 @@ def _cached_repair(nd, nk, r, c, k, nodes, caches, entries, tables, recs, layout
     Returns (changed, r2): changed if a slot's first k live pairs, the ones scored, are
     not the same pairs as before (one of them died, or a pair was inserted among them; a
     pair that only moved its upper value keeps its left counts, so it is the same
-    candidate); r2 >= 0 is the stored split's new upper value if its pair moved it."""
+    candidate); r2 >= 0 is the stored split's new upper value if its pair moved it.
+
+    Its steps take the arrays they read, not the pools: a step called per slot with the
+    pools as arguments made a deletion a third slower."""
+    n_attr, n_r1 = nodes.attr, nodes.r1
+    c_attr, c_off, c_len, c_all = caches.attr, caches.off, caches.length, caches.all_pairs
+    c_cutp, c_cutv, c_hoff, c_hlen = (caches.cut_prio, caches.cut_value, caches.table_off,
+                                      caches.table_len)
+    er1, er2, eleft = entries.r1, entries.r2, entries.left
+    hr, hc = tables.rank, tables.cnt
+    rank, y, vals, vmix, voff = recs.rank, recs.y, recs.vals, recs.vmix, recs.voff
+    samp, pos = layout.slot_at, layout.pos
+    roff, rstart, gorder, alive = order.roff, order.rstart, order.gorder, order.alive
+    P = c_attr.shape[1]
+    C = hc.shape[1]
     cid = nodes.cid[nd]
+    tree, s, e, n = nodes.tree[nd], nodes.start[nd], nodes.end[nd], nodes.n[nd]
     touched = False
     best_r2 = -1
-    for ss in range(caches.attr.shape[1]):
-        a = caches.attr[cid, ss]
+    for ss in range(P):
+        a = c_attr[cid, ss]
         if a < 0:
             continue
-        wr = np.int64(recs.rank[r, a])
-        tp = _scan_entries(caches.off[cid, ss], caches.length[cid, ss], wr, c, entries)
-        hl = caches.table_len[cid, ss]
-        hoff = caches.table_off[cid, ss]
+        wr = np.int64(rank[r, a])
+        A, B, posA, posB = _scan_entries(c_off[cid, ss], c_len[cid, ss], wr, c, er1, er2, eleft)
+        hl = c_hlen[cid, ss]
+        hoff = c_hoff[cid, ss]
         hp = -1
         if hl > 0:
-            hp = _table_group(tables.rank, hoff, hl, wr)
-            tables.cnt[hp, c] -= 1
-            for cc in range(sc.gw.shape[0]):
-                sc.gw[cc] = tables.cnt[hp, cc]
-        else:
-            sc.gw[:] = 0
-            ro = order.roff[a] + wr
-            if order.rstart[ro + 1] - order.rstart[ro] > 1:
-                _group_counts(sc.gw, nd, a, wr, nodes, order, recs, layout)
-        if sc.gw.sum() > 0:
-            touched |= _drop_invalid(tp, hp, k, nd, a, nodes, entries, tables, recs, layout,
-                                     order, sc)
-            continue
-        if hl > 0:
-            _drop_table_group(tables, hp, hoff, hl)
+            hp = _table_row(hr, hoff, hl, wr)
+            hc[hp, c] -= 1
+            tot = 0
+            for cc in range(C):
+                gw[cc] = hc[hp, cc]
+                tot += gw[cc]
+            if tot > 0:  # w's group survives: pairs touching it can only turn invalid
+                touched |= _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree,
+                                         s, e, a, roff, rstart, gorder, pos, alive, y, samp, rank)
+                continue
+            # the group vanished: drop it, so that its neighbours become adjacent
+            for q in range(hp, hoff + hl - 1):
+                hr[q] = hr[q + 1]
+                for cc in range(C):
+                    hc[q, cc] = hc[q + 1, cc]
             hl -= 1
-            caches.table_len[cid, ss] = hl
+            c_hlen[cid, ss] = hl
             ctr[CTR_HGARB] += 1
+        else:
+            gw[:] = 0
+            ro = roff[a] + wr
+            if rstart[ro + 1] - rstart[ro] > 1:
+                _group_counts(gw, tree, s, e, a, wr, roff, rstart, gorder, pos, alive, y, samp,
+                              rank)
+            if gw.sum() > 0:
+                touched |= _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree,
+                                         s, e, a, roff, rstart, gorder, pos, alive, y, samp, rank)
+                continue
         # w's group vanished: (prev, w) becomes (prev, next); (w, next) disappears
         bnext = -1
-        if tp.b >= 0:
-            bnext = entries.r2[tp.b]
-            entries.r1[tp.b] = -1
-            touched |= tp.b_pos < k
-        if tp.a >= 0:
-            nxt = _next_above(bnext, hp, hoff, hl, nd, a, wr, nodes, order, recs, layout,
-                              tables)
-            prev = entries.r1[tp.a]
-            if nxt >= 0 and _pair_valid(prev, nxt, hp, nd, a, nodes, order, recs, layout,
-                                        tables, sc):
-                entries.r2[tp.a] = nxt
-                if a == nodes.attr[nd] and prev == nodes.r1[nd]:
+        if B >= 0:
+            bnext = er2[B]
+            er1[B] = -1
+            touched |= posB < k
+        if A >= 0:
+            prev = er1[A]
+            nxt = _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff,
+                              rstart, gorder, pos, alive)
+            if nxt >= 0:
+                _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder,
+                             pos, alive, y, samp, rank)
+            if nxt >= 0 and _valid(gp, gn):
+                er2[A] = nxt
+                if a == n_attr[nd] and prev == n_r1[nd]:
                     best_r2 = nxt
             else:
-                entries.r1[tp.a] = -1
-                touched |= tp.a_pos < k
+                er1[A] = -1
+                touched |= posA < k
             continue
-        if caches.all_pairs[cid, ss] and tp.b < 0:
+        if c_all[cid, ss] and B < 0:
             continue
-        touched |= _insert_merged(nd, nk, cid, ss, a, wr, tp.b, bnext, hp, hoff, hl, k,
-                                  nodes, caches, entries, tables, recs, layout, order, ctr, sc)
+        # a pair (prev, next) that was not stored may now be valid and under the cut-off
+        if hp >= 0:
+            prev = hr[hp - 1] if hp > hoff else -1
+        else:
+            prev = _neighbour(tree, s, e, n, a, wr, False, samp, rank, roff, rstart, gorder,
+                              pos, alive)
+        if prev < 0:
+            continue
+        va = voff[a]
+        sk = h2(nk ^ _TAG_THR, np.uint64(a))
+        h = _prio(sk, vmix, va, prev)
+        v = vals[va + prev]
+        cp = c_cutp[cid, ss]
+        if not (c_all[cid, ss] or h < cp or (h == cp and v <= c_cutv[cid, ss])):
+            continue
+        nxt = _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff, rstart,
+                          gorder, pos, alive)
+        if nxt < 0:
+            continue
+        _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder, pos, alive,
+                     y, samp, rank)
+        if not _valid(gp, gn):
+            continue
+        _left_counts(gp, prev, B, hp, hoff, eleft, hc, tree, s, e, a, y, samp, rank)
+        c_off[cid, ss], c_len[cid, ss], nb = _insert_pair(
+            prev, nxt, h, v, sk, va, gp, c_off[cid, ss], c_len[cid, ss], er1, er2, eleft, vals,
+            vmix, ctr)
+        touched |= nb < k
     return touched, best_r2
 
 
 @njit(cache=True)
-def _cached_score(nd, nodes, caches, entries, rule, tab, sc):
+def _cached_score(nd, nodes, caches, entries, k, msl, gini, tab, Lb, Rb):
     """Re-score the first k live pairs of each slot of cached node nd.
 
     Returns a status (0 same split, 1 same split with a new v2, 2 best split changed, 3
     the cache must be recomputed: a slot holds fewer than k pairs and not every valid
     one), the new r2 and the runner-up score (status 0 and 1)."""
-    k, msl, gini = rule.k, rule.min_samples_leaf, rule.gini
-    Lb, Rb = sc.left_row, sc.right_row
-    C = nodes.cnt.shape[1]
-    cid = nodes.cid[nd]
-    n = nodes.n[nd]
+    n_attr, n_r1, n_r2, n_n, n_cnt, n_cid = (nodes.attr, nodes.r1, nodes.r2, nodes.n,
+                                             nodes.cnt, nodes.cid)
+    c_attr, c_off, c_len, c_all = caches.attr, caches.off, caches.length, caches.all_pairs
+    er1, er2, eleft = entries.r1, entries.r2, entries.left
+    P = c_attr.shape[1]
+    C = n_cnt.shape[1]
+    cid = n_cid[nd]
+    n = n_n[nd]
     best_sc = -np.inf
     second = -np.inf
     best = -1
     battr = -1
-    for ss in range(caches.attr.shape[1]):
-        a = caches.attr[cid, ss]
+    for ss in range(P):
+        a = c_attr[cid, ss]
         if a < 0:
             continue
-        off = caches.off[cid, ss]
+        off = c_off[cid, ss]
         nval = 0
-        for E_ in range(off, off + caches.length[cid, ss]):
-            if entries.r1[E_] >= 0:
+        for E_ in range(off, off + c_len[cid, ss]):
+            if er1[E_] >= 0:
                 nval += 1
-        if (nval < k and not caches.all_pairs[cid, ss]) or nval == 0:
+        if (nval < k and not c_all[cid, ss]) or nval == 0:
             return 3, -1, np.inf  # (whatever was scored so far is moot)
         taken = 0
-        for E_ in range(off, off + caches.length[cid, ss]):
+        for E_ in range(off, off + c_len[cid, ss]):
             if taken >= k:
                 break
-            if entries.r1[E_] < 0:
+            if er1[E_] < 0:
                 continue
             taken += 1
             nl = np.int64(0)
             for cc in range(C):
-                Lb[0, cc] = entries.left[cc, E_]
+                Lb[0, cc] = eleft[cc, E_]
                 nl += Lb[0, cc]
             nr = np.int64(n) - nl
             if nl >= msl and nr >= msl:
                 for cc in range(C):
-                    Rb[0, cc] = np.int64(nodes.cnt[nd, cc]) - Lb[0, cc]
-                s_ = score1(Lb, 0, Rb, 0, nl, nr, gini, tab)
-                if s_ > best_sc:
+                    Rb[0, cc] = np.int64(n_cnt[nd, cc]) - Lb[0, cc]
+                sc = score1(Lb, 0, Rb, 0, nl, nr, gini, tab)
+                if sc > best_sc:
                     second = best_sc
-                    best_sc = s_
+                    best_sc = sc
                     best = E_
                     battr = a
-                elif s_ > second:
-                    second = s_
-    if best >= 0 and battr == nodes.attr[nd] and entries.r1[best] == nodes.r1[nd]:
+                elif sc > second:
+                    second = sc
+    if best >= 0 and battr == n_attr[nd] and er1[best] == n_r1[nd]:
         if not gini:
             second = np.inf
-        return (1 if entries.r2[best] != nodes.r2[nd] else 0), np.int64(entries.r2[best]), second
+        return (1 if er2[best] != n_r2[nd] else 0), np.int64(er2[best]), second
     return 2, -1, np.inf
 
 
@@ -497,18 +490,20 @@ def _groups_unchanged(nd, r, c, nodes, recs, layout):
     after record r (class c) left it: true unless the record's value group, on some
     sampled attribute, vanished from the node or became pure (the only ways a pair can
     appear, disappear or merge). Counts the groups from the node's records."""
-    t, s, e = nodes.tree[nd], nodes.start[nd], nodes.end[nd]
-    for ss in range(nodes.sampled.shape[1]):
-        a = nodes.sampled[nd, ss]
+    t, s, e, sattr = nodes.tree[nd], nodes.start[nd], nodes.end[nd], nodes.sampled
+    rank, y = recs.rank, recs.y
+    samp = layout.slot_at
+    for ss in range(sattr.shape[1]):
+        a = sattr[nd, ss]
         if a < 0:
             continue
-        wr = np.int64(recs.rank[r, a])
+        wr = np.int64(rank[r, a])
         other = -1  # a class other than c seen in w's group; -2: two of them
         same = False  # a record of class c seen in w's group
         for q in range(s, e):
-            sl = layout.slot_at[t, q]
-            if sl >= 0 and recs.rank[sl, a] == wr:
-                lab = recs.y[sl]
+            sl = samp[t, q]
+            if sl >= 0 and rank[sl, a] == wr:
+                lab = y[sl]
                 if lab == c:
                     same = True
                 elif other == -1:
@@ -525,25 +520,25 @@ def _groups_unchanged(nd, r, c, nodes, recs, layout):
 
 
 @njit(cache=True)
-def _split_score(nd, nxt, c, nodes, rule, tab, sc):
+def _split_score(nd, nxt, c, nodes, msl, gini, tab, Lb, Rb):
     """Score of greedy node nd's stored split from its children's counts, after record r
     (class c, on its way to child nxt, whose counts are not yet decremented) left it;
     -inf if a side now holds fewer than msl records."""
-    Lb, Rb = sc.left_row, sc.right_row
-    C = nodes.cnt.shape[1]
-    lk = nodes.left[nd]
+    n_left, n_n, n_cnt = nodes.left, nodes.n, nodes.cnt
+    C = n_cnt.shape[1]
+    lk = n_left[nd]
     nl = np.int64(0)
     for cc in range(C):
-        Lb[0, cc] = nodes.cnt[lk, cc]
+        Lb[0, cc] = n_cnt[lk, cc]
     if nxt == lk:
         Lb[0, c] -= 1
     for cc in range(C):
         nl += Lb[0, cc]
-        Rb[0, cc] = np.int64(nodes.cnt[nd, cc]) - Lb[0, cc]
-    nr = np.int64(nodes.n[nd]) - nl
-    if nl < rule.min_samples_leaf or nr < rule.min_samples_leaf:
+        Rb[0, cc] = np.int64(n_cnt[nd, cc]) - Lb[0, cc]
+    nr = np.int64(n_n[nd]) - nl
+    if nl < msl or nr < msl:
         return -np.inf
-    return score1(Lb, 0, Rb, 0, nl, nr, rule.gini, tab)
+    return score1(Lb, 0, Rb, 0, nl, nr, gini, tab)
 
 
 @njit(cache=True)
@@ -566,62 +561,67 @@ def _set_r2(nd, r2, nodes, recs):
 
 @njit(cache=True)
 def _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs, layout, order, rule,
-                    tab, w, lists, cnt, rbuf, ctr, stats, sc):
+                    tab, w, lists, cnt, rbuf, ctr, stats, gw, gp, gn, Lb, Rb):
     """Update greedy node nd (not pure, not too small) after record r (class c, on its way
     to child nxt) left it; returns whether its canonical split now differs from the stored
     one.
 
-    A node whose other candidates' scores are bounded (nodes.bound: the runner-up at the
-    last full scoring, plus what the deletions since can have added) keeps its split
-    without re-scoring when the candidates are the same pairs as then and the split still
-    beats the bound; otherwise a cached node re-scores its lists, an uncached one is
-    re-derived from its records (and a cache that ran short is recomputed)."""
-    P = rule.n_sampled
-    KB = rule.k + rule.buffer
-    n = nodes.n[nd]
-    cid = nodes.cid[nd]
-    if cid >= 0 and n < rule.cache_min:
+    A node whose other candidates' scores are bounded (n_bound: the runner-up at the last
+    full scoring, plus what the deletions since can have added) keeps its split without
+    re-scoring when the candidates are the same pairs as then and the split still beats
+    the bound; otherwise a cached node re-scores its lists, an uncached one is re-derived
+    from its records (and a cache that ran short is recomputed)."""
+    n_tree, n_depth, n_path, n_attr, n_r1 = (nodes.tree, nodes.depth, nodes.path, nodes.attr,
+                                             nodes.r1)
+    n_r2, n_n, n_cid, n_bound, n_sattr = (nodes.r2, nodes.n, nodes.cid, nodes.bound,
+                                          nodes.sampled)
+    msl, P, k, buf, gini = rule.min_samples_leaf, rule.n_sampled, rule.k, rule.buffer, rule.gini
+    cache_min = rule.cache_min
+    KB = k + buf
+    n = n_n[nd]
+    cid = n_cid[nd]
+    if cid >= 0 and n < cache_min:
         for ss in range(P):  # the cache's attributes are the node's sampled ones
-            nodes.sampled[nd, ss] = caches.attr[cid, ss]
+            n_sattr[nd, ss] = caches.attr[cid, ss]
         uncache_node(nd, nodes, caches, ctr)
         cid = -1
-    bound = _drift(nodes.bound[nd])
-    nodes.bound[nd] = np.inf
+    bound = _drift(n_bound[nd])
+    n_bound[nd] = np.inf
     if cid >= 0:
-        nk = h2(recs.tree_keys[nodes.tree[nd]], np.uint64(nodes.path[nd]))
-        touched, nr2 = _cached_repair(nd, nk, r, c, rule.k, nodes, caches, entries, tables,
-                                      recs, layout, order, ctr, sc)
-        if not touched and bound < np.inf and _split_score(nd, nxt, c, nodes, rule, tab,
-                                                           sc) > bound:
+        nk = h2(recs.tree_keys[n_tree[nd]], np.uint64(n_path[nd]))
+        touched, nr2 = _cached_repair(nd, nk, r, c, k, nodes, caches, entries, tables, recs,
+                                      layout, order, ctr, gw, gp, gn)
+        if not touched and bound < np.inf and _split_score(nd, nxt, c, nodes, msl, gini, tab,
+                                                           Lb, Rb) > bound:
             if nr2 >= 0:
                 _set_r2(nd, nr2, nodes, recs)
-            nodes.bound[nd] = bound
+            n_bound[nd] = bound
             return False
-        st, nr2, second = _cached_score(nd, nodes, caches, entries, rule, tab, sc)
+        st, nr2, second = _cached_score(nd, nodes, caches, entries, k, msl, gini, tab, Lb, Rb)
         if st == 0 or st == 1:
             if st == 1:
                 _set_r2(nd, nr2, nodes, recs)
-            nodes.bound[nd] = bound_of(second)
+            n_bound[nd] = bound_of(second)
             return False
         if st == 2:
             return True
         stats[STAT_CACHES] += 1
     elif bound < np.inf and _groups_unchanged(nd, r, c, nodes, recs, layout) and _split_score(
-            nd, nxt, c, nodes, rule, tab, sc) > bound:
-        nodes.bound[nd] = bound
+            nd, nxt, c, nodes, msl, gini, tab, Lb, Rb) > bound:
+        n_bound[nd] = bound
         return False
-    m = gather_rows(nd, nodes, layout, rbuf, 0)
-    d = decide_one(rbuf, 0, m, nodes.tree[nd], nodes.path[nd], nodes.depth[nd], cid >= 0,
-                   recs, rule, tab, w, lists, cnt)
+    m = gather_rows(layout.slot_at, n_tree[nd], nodes.start[nd], nodes.end[nd], rbuf, 0)
+    d = decide_one(rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], cid >= 0, recs, rule, tab,
+                   w, lists, cnt)
     flag = True
-    if d.kind == GREEDY and d.attr == nodes.attr[nd] and d.r1 == nodes.r1[nd]:
+    if d.kind == GREEDY and d.attr == n_attr[nd] and d.r1 == n_r1[nd]:
         flag = False
-        if d.r2 != nodes.r2[nd]:
+        if d.r2 != n_r2[nd]:
             _set_r2(nd, d.r2, nodes, recs)
-        nodes.bound[nd] = bound_of(d.second)
+        n_bound[nd] = bound_of(d.second)
         for ss in range(P):
-            nodes.sampled[nd, ss] = lists.attr[ss]
-    if cid >= 0 and d.kind == GREEDY and m >= rule.cache_min:
+            n_sattr[nd, ss] = lists.attr[ss]
+    if cid >= 0 and d.kind == GREEDY and m >= cache_min:
         # a cache is a function of the node's records alone: install it even where the
         # split changed (correct if it flips back)
         install_cache(cid, caches, entries, tables, lists, ctr, KB)
@@ -629,8 +629,8 @@ def _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs, layout,
 
 
 @njit(cache=True)
-def outermost(root: np.ndarray, dirty: np.ndarray, kind: np.ndarray, left: np.ndarray,
-              right: np.ndarray) -> np.ndarray:
+def outermost(root: np.ndarray, dirty: np.ndarray, n_kind: np.ndarray, n_left: np.ndarray,
+              n_right: np.ndarray) -> np.ndarray:
     """The dirty nodes with no dirty ancestor (each tree walked down to its first ones)."""
     out = np.empty(dirty.shape[0], np.int64)
     m = 0
@@ -644,64 +644,11 @@ def outermost(root: np.ndarray, dirty: np.ndarray, kind: np.ndarray, left: np.nd
             if dirty[u]:
                 out[m] = u
                 m += 1
-            elif kind[u] != LEAF:
-                stack[top] = left[u]
-                stack[top + 1] = right[u]
+            elif n_kind[u] != LEAF:
+                stack[top] = n_left[u]
+                stack[top + 1] = n_right[u]
                 top += 2
     return out[:m]
-
-
-@njit(cache=True)
-def _short_of_room(nd, nodes, caches, entries, tables, rule, ctr):
-    """Whether the entry or group table pool may not hold what updating cached greedy
-    node nd writes (its rewritten segments and a recomputed cache); says how much."""
-    cid = nodes.cid[nd]
-    if nodes.kind[nd] != GREEDY or cid < 0:
-        return False
-    P = rule.n_sampled
-    need_e = P * (rule.k + rule.buffer)
-    for ss in range(P):
-        need_e += caches.length[cid, ss] + 1
-    need_h = P * (nodes.n[nd] // rule.hist_ratio + 1)
-    if (ctr[CTR_EUSED] + need_e > entries.r1.shape[0]
-            or ctr[CTR_HUSED] + need_h > tables.rank.shape[0]):
-        ctr[CTR_NEED_E] = need_e
-        ctr[CTR_NEED_H] = need_h
-        return True
-    return False
-
-
-@njit(cache=True)
-def _leaf_changed(nd, nodes, recs, layout, rule, tab, w, lists, cnt, rbuf):
-    """Whether leaf nd (its counts already decremented) must now split. A leaf's reason
-    follows its counts; one that was constant or too small to split is re-derived."""
-    n = nodes.n[nd]
-    if nodes.why[nd] <= W_PURE:
-        if nodes.depth[nd] >= rule.max_depth:
-            nodes.why[nd] = W_DEPTH
-        elif n < 2 * rule.min_samples_leaf:
-            nodes.why[nd] = W_SMALL
-        else:
-            nodes.why[nd] = W_PURE
-        return False
-    m = gather_rows(nd, nodes, layout, rbuf, 0)
-    d = decide_one(rbuf, 0, m, nodes.tree[nd], nodes.path[nd], nodes.depth[nd], False, recs,
-                   rule, tab, w, lists, cnt)
-    if d.kind == LEAF:
-        nodes.why[nd] = d.why
-        return False
-    return True
-
-
-@njit(cache=True)
-def _random_changed(nd, nxt, domchg, nodes):
-    """Whether random node nd's draw no longer stands: a side emptied (the record goes to
-    nxt, whose counts are not yet decremented), it fell back, or its domain moved."""
-    lk = nodes.left[nd]
-    rk = nodes.right[nd]
-    nl = nodes.n[lk] - (1 if nxt == lk else 0)
-    nr = nodes.n[rk] - (1 if nxt == rk else 0)
-    return nl == 0 or nr == 0 or nodes.draw[nd] < 0 or domchg[nodes.attr[nd]]
 
 
 @njit(cache=True)
@@ -723,13 +670,29 @@ def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndar
     table pool is short for the next node (ctr[CTR_NEED_E], ctr[CTR_NEED_H] say how much
     room to make): the walk stops before touching that node and resumes there
     (ctr[CTR_AT_TREE], ctr[CTR_AT_NODE]) when called again with the same ctr."""
-    C = nodes.cnt.shape[1]
-    T = layout.root.shape[0]
-    sc = _Scratch(np.zeros(C, np.int64), np.zeros(C, np.int64), np.zeros(C, np.int64),
-                  np.zeros((1, C), np.int64), np.zeros((1, C), np.int64))
+    n_tree, n_depth, n_path, n_kind, n_why = (nodes.tree, nodes.depth, nodes.path, nodes.kind,
+                                              nodes.why)
+    n_left, n_right, n_attr, n_thr, n_r1 = (nodes.left, nodes.right, nodes.attr, nodes.thr,
+                                            nodes.r1)
+    n_draw, n_n, n_cnt, n_cid = nodes.draw, nodes.n, nodes.cnt, nodes.cid
+    X, rank = recs.X, recs.rank
+    c_len = caches.length
+    maxd, msl, P = rule.max_depth, rule.min_samples_leaf, rule.n_sampled
+    hist_ratio = rule.hist_ratio
+    KB = rule.k + rule.buffer
+    root = layout.root
+    C = n_cnt.shape[1]
+    T = root.shape[0]
+    ecap = entries.r1.shape[0]
+    hcap = tables.rank.shape[0]
+    gw = np.zeros(C, np.int64)
+    gp = np.zeros(C, np.int64)
+    gn = np.zeros(C, np.int64)
+    Lb = np.zeros((1, C), np.int64)
+    Rb = np.zeros((1, C), np.int64)
     nflag = ctr[CTR_NFLAG]
     for t in range(ctr[CTR_AT_TREE], T):
-        nd = layout.root[t]
+        nd = root[t]
         if ctr[CTR_AT_NODE] >= 0:
             nd = ctr[CTR_AT_NODE]
             ctr[CTR_AT_NODE] = -1
@@ -737,35 +700,69 @@ def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndar
             if not stop and dirty[nd]:
                 # its parent reads its counts (a random node's empty child, a greedy
                 # node's split score): they follow the records; nothing else does
-                nodes.n[nd] -= 1
-                nodes.cnt[nd, c] -= 1
+                n_n[nd] -= 1
+                n_cnt[nd, c] -= 1
                 break
-            if _short_of_room(nd, nodes, caches, entries, tables, rule, ctr):
-                ctr[CTR_AT_TREE] = t
-                ctr[CTR_AT_NODE] = nd
-                ctr[CTR_NFLAG] = nflag
-                return -1
-            kind = nodes.kind[nd]
+            kind = n_kind[nd]
+            cid = n_cid[nd]
+            if kind == GREEDY and cid >= 0:
+                # room for its rewritten segments and a recomputed cache
+                need_e = P * KB
+                for ss in range(P):
+                    need_e += c_len[cid, ss] + 1
+                need_h = P * (n_n[nd] // hist_ratio + 1)
+                if ctr[CTR_EUSED] + need_e > ecap or ctr[CTR_HUSED] + need_h > hcap:
+                    ctr[CTR_NEED_E] = need_e
+                    ctr[CTR_NEED_H] = need_h
+                    ctr[CTR_AT_TREE] = t
+                    ctr[CTR_AT_NODE] = nd
+                    ctr[CTR_NFLAG] = nflag
+                    return -1
             nxt = -1
             if kind != LEAF:
-                a = nodes.attr[nd]
-                go = (recs.rank[r, a] <= nodes.r1[nd] if kind == GREEDY
-                      else recs.X[a, r] <= nodes.thr[nd])
-                nxt = nodes.left[nd] if go else nodes.right[nd]
-            nodes.n[nd] -= 1
-            nodes.cnt[nd, c] -= 1
-            n = nodes.n[nd]
+                a = n_attr[nd]
+                go = rank[r, a] <= n_r1[nd] if kind == GREEDY else X[a, r] <= n_thr[nd]
+                nxt = n_left[nd] if go else n_right[nd]
+            n_n[nd] -= 1
+            n_cnt[nd, c] -= 1
+            n = n_n[nd]
             stats[STAT_NODES] += 1
+            flag = False
             if kind == LEAF:
-                flag = _leaf_changed(nd, nodes, recs, layout, rule, tab, w, lists, cnt, rbuf)
-            elif nodes.cnt[nd].max() == n or n < 2 * rule.min_samples_leaf:
-                flag = True
-            elif kind == RANDOM:
-                flag = _random_changed(nd, nxt, domchg, nodes)
+                why = n_why[nd]
+                if why <= W_PURE:  # a leaf's reason follows its counts
+                    if n_depth[nd] >= maxd:
+                        n_why[nd] = W_DEPTH
+                    elif n < 2 * msl:
+                        n_why[nd] = W_SMALL
+                    else:
+                        n_why[nd] = W_PURE
+                else:  # constant or too small to split: re-derive
+                    m = gather_rows(layout.slot_at, n_tree[nd], nodes.start[nd], nodes.end[nd],
+                                    rbuf, 0)
+                    d = decide_one(rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], False,
+                                   recs, rule, tab, w, lists, cnt)
+                    if d.kind == LEAF:
+                        n_why[nd] = d.why
+                    else:
+                        flag = True
             else:
-                flag = _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs,
-                                       layout, order, rule, tab, w, lists, cnt, rbuf, ctr,
-                                       stats, sc)
+                cmax = 0
+                for cc in range(C):
+                    if n_cnt[nd, cc] > cmax:
+                        cmax = n_cnt[nd, cc]
+                if cmax == n or n < 2 * msl:
+                    flag = True
+                elif kind == RANDOM:
+                    lk = n_left[nd]
+                    rk = n_right[nd]
+                    nl = n_n[lk] - (1 if nxt == lk else 0)
+                    nr = n_n[rk] - (1 if nxt == rk else 0)
+                    flag = nl == 0 or nr == 0 or n_draw[nd] < 0 or domchg[n_attr[nd]]
+                else:
+                    flag = _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs,
+                                           layout, order, rule, tab, w, lists, cnt, rbuf, ctr,
+                                           stats, gw, gp, gn, Lb, Rb)
             if flag:
                 if stop:
                     flagged[nflag] = nd

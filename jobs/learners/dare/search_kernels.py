@@ -208,16 +208,6 @@ class NodeDecision(NamedTuple):
     second: float
 
 
-class _Best(NamedTuple):
-    """The best scored pair of a node so far (and the runner-up's score)."""
-
-    score: float
-    second: float
-    attr: int
-    r1: int
-    r2: int
-
-
 class TaskSplits(NamedTuple):
     """:func:`greedy_tasks`' answer: per task the split, per task and slot the lists, and
     the lists' entries and value group tables packed in task then slot order."""
@@ -339,11 +329,10 @@ def _key_sort(heap, size, heaped):
 
 
 @njit(cache=True)
-def value_groups(rows, lo, hi, a, rank, y, nv, C, w):
-    """The value groups of attribute a among rows[lo:hi]: w.g_rank[:ng] ascending with
-    their class counts w.g_cnt[:ng]; returns ng. Counted in a dense table when the
-    attribute has few distinct values (ties), else by sorting (rank, label) keys."""
-    keys, dense, dtot, g_rank, g_cnt = w.keys, w.dense, w.dense_tot, w.g_rank, w.g_cnt
+def value_groups(rows, lo, hi, a, rank, y, nv, C, keys, tmp, dense, dtot, g_rank, g_cnt):
+    """The value groups of attribute a among rows[lo:hi]: g_rank[:ng] ascending with their
+    class counts g_cnt[:ng]; returns ng. Counted in a dense table when the attribute has
+    few distinct values (ties), else by sorting (rank, label) keys."""
     nt = hi - lo
     ng = 0
     if nv <= _DENSE * nt:
@@ -372,7 +361,7 @@ def value_groups(rows, lo, hi, a, rank, y, nv, C, w):
     for i in range(nt):
         r = rows[lo + i]
         keys[i] = (np.int64(rank[r, a]) << lb) | y[r]
-    kk = _sort_keys(keys, w.tmp, nt, nbits)
+    kk = _sort_keys(keys, tmp, nt, nbits)
     i = 0
     while i < nt:
         rk = kk[i] >> lb
@@ -389,153 +378,6 @@ def value_groups(rows, lo, hi, a, rank, y, nv, C, w):
 
 
 @njit(cache=True)
-def _valid_pairs(ng, cnt, sk, va, vmix, K, w):
-    """Walk an attribute's ng value groups in order: the prefix sums below each group
-    (w.prefix_*) and the keys (priority, index) of the K first valid pairs in
-    w.best_keys (a max-heap once K are in). Returns (kept, heaped, valid pairs)."""
-    g_cnt, g_rank, pc = w.g_cnt, w.g_rank, w.prefix_cnt
-    pil, pdot, pnl, bkey = w.prefix_sq, w.prefix_dot, w.prefix_n, w.best_keys
-    C = cnt.shape[0]
-    nb = 0
-    heaped = False
-    nvalid = 0
-    prev_pure = False
-    prev_lab = -1
-    for c in range(C):
-        pc[0, c] = 0
-    pil[0] = 0
-    pdot[0] = 0
-    pnl[0] = 0
-    for g in range(ng):
-        nz = 0
-        lab = -1
-        for c in range(C):
-            if g_cnt[g, c] > 0:
-                nz += 1
-                lab = c
-        pure = nz == 1
-        if g > 0:
-            il = pil[g - 1]
-            dt = pdot[g - 1]
-            nlg = pnl[g - 1]
-            for c in range(C):
-                x = g_cnt[g - 1, c]
-                p0 = pc[g - 1, c]
-                pc[g, c] = p0 + x
-                if x > 0:
-                    il += (2 * p0 + x) * x
-                    dt += cnt[c] * x
-                    nlg += x
-            pil[g] = il
-            pdot[g] = dt
-            pnl[g] = nlg
-            if not (prev_pure and pure and prev_lab == lab):
-                # = h2(sk, bits(v1)): vmix holds mix(bits(v) + GOLD) per value
-                key = (((mix(sk ^ vmix[va + g_rank[g - 1]]) >> _S32) << _S32)
-                       | np.uint64(nvalid))
-                w.pair_group[nvalid] = g
-                nvalid += 1
-                # keep the K smallest keys (a max-heap once K are in)
-                if nb < K:
-                    bkey[nb] = key
-                    nb += 1
-                else:
-                    if not heaped:
-                        for i in range(K // 2 - 1, -1, -1):
-                            _key_down(bkey, i, K)
-                        heaped = True
-                    if key < bkey[0]:
-                        bkey[0] = key
-                        _key_down(bkey, 0, K)
-        prev_pure = pure
-        prev_lab = lab
-    return nb, heaped, nvalid
-
-
-@njit(cache=True)
-def _score_pairs(a, m, nt, cnt, stot, rule, tab, w, best):
-    """Score the first m kept pairs of attribute a in (priority, index) order and fold
-    them into `best`: with a cache they are sorted; without one they are all kept, in
-    any order, and a tie in score goes to the smaller key, as in key order. Gini from
-    the running integer sums: a candidate's left side has sum L_c^2 = prefix_sq and
-    sum cnt_c L_c = prefix_dot, so its right side has sum R_c^2 = stot - 2 prefix_dot +
-    prefix_sq: the same integers score1 forms, so the same bits, in O(1) per candidate."""
-    bkey, pc, pnl = w.best_keys, w.prefix_cnt, w.prefix_n
-    Lb, Rb = w.left_row, w.right_row
-    C = cnt.shape[0]
-    msl = rule.min_samples_leaf
-    best_sc, second = best.score, best.second
-    best_a, best_r1, best_r2 = best.attr, best.r1, best.r2
-    bkey_best = np.uint64(0)
-    for q in range(m):
-        g = w.pair_group[np.int64(bkey[q] & _LOW32)]
-        nl = pnl[g]
-        nr = nt - nl
-        if nl >= msl and nr >= msl:
-            if rule.gini:
-                il = w.prefix_sq[g]
-                sc = il / nl + (stot - 2 * w.prefix_dot[g] + il) / nr
-            else:
-                for c in range(C):
-                    Lb[0, c] = pc[g, c]
-                    Rb[0, c] = cnt[c] - pc[g, c]
-                sc = score1(Lb, 0, Rb, 0, nl, nr, rule.gini, tab)
-            if sc > best_sc or (sc == best_sc and best_a == a and bkey[q] < bkey_best):
-                second = best_sc
-                best_sc = sc
-                best_a = a
-                best_r1 = w.g_rank[g - 1]
-                best_r2 = w.g_rank[g]
-                bkey_best = bkey[q]
-            elif sc > second:
-                second = sc
-    return _Best(best_sc, second, best_a, best_r1, best_r2)
-
-
-@njit(cache=True)
-def _keep_lists(slot, nb, nvalid, ng, nt, va, vals, KB, hist_ratio, hpos, w, lists):
-    """Copy slot `slot`'s first nb pairs (sorted), whether they are every valid pair, the
-    cut-off and, where the attribute has at most one distinct value per hist_ratio
-    records, its value group table into `lists`; returns the tables' new end."""
-    bkey, g_rank, pc = w.best_keys, w.g_rank, w.prefix_cnt
-    C = pc.shape[1]
-    for q in range(nb):
-        g = w.pair_group[np.int64(bkey[q] & _LOW32)]
-        lists.r1[slot * KB + q] = g_rank[g - 1]
-        lists.r2[slot * KB + q] = g_rank[g]
-        for c in range(C):
-            lists.left[slot * KB + q, c] = pc[g, c]
-    lists.length[slot] = nb
-    lists.all_pairs[slot] = nvalid <= KB
-    if nb > 0:
-        lists.cut_prio[slot] = np.int64(bkey[nb - 1] >> _S32)
-        lists.cut_value[slot] = vals[va + lists.r1[slot * KB + nb - 1]]
-    if ng * hist_ratio <= nt:
-        lists.table_off[slot] = hpos
-        lists.table_len[slot] = ng
-        for g in range(ng):
-            lists.table_rank[hpos] = g_rank[g]
-            for c in range(C):
-                lists.table_cnt[hpos, c] = w.g_cnt[g, c]
-            hpos += 1
-    return hpos
-
-
-@njit(cache=True)
-def _reset_lists(lists, P, cache):
-    for ss in range(P):
-        lists.attr[ss] = -1
-    if cache:
-        for ss in range(P):
-            lists.all_pairs[ss] = True
-            lists.cut_prio[ss] = -1
-            lists.cut_value[ss] = 0.0
-            lists.length[ss] = 0
-            lists.table_len[ss] = 0
-            lists.table_off[ss] = 0
-
-
-@njit(cache=True)
 def greedy_one(rows, lo, hi, nk, cnt, cache, recs, rule, tab, w, lists):
     """Greedy split of one node holding rows[lo:hi] (class counts cnt), as specified in
     :mod:`jobs.learners.dare.forest`: the first min(P, p) non-constant attributes in keyed
@@ -543,57 +385,180 @@ def greedy_one(rows, lo, hi, nk, cnt, cache, recs, rule, tab, w, lists):
     ranked by (h2(h2(nk ^ TAG_THR, a), bits(v1)) >> 32, index), the first k scored, the
     best score wins, ties to the earlier (slot, priority, index).
 
-    lists.attr receives the sampled attributes (-1: none); with `cache`, `lists` receives
-    the rest of the node's lists (:class:`NodeLists`)."""
-    p = recs.rank.shape[1]  # rank is record-major: (slots, features)
+    lists.attr receives the sampled attributes (-1: none). With `cache`, `lists` also
+    receives per slot the first k + buffer pairs (r1, r2, left counts), whether they are
+    all the valid pairs, the cut-off (priority, v1) and, where the attribute has at most
+    one distinct value per hist_ratio records, its value group table (:class:`NodeLists`).
+
+    One function, not steps: this loop is most of a fit's time (and of a retrain's), and
+    splitting it cost a tenth of that."""
+    keys, tmp, dense, g_rank, g_cnt = w.keys, w.tmp, w.dense, w.g_rank, w.g_cnt
+    hb, order, bkey, dtot, pg = w.attr_hash, w.attr_heap, w.best_keys, w.dense_tot, w.pair_group
+    pc, Lb, Rb, pil, pdot, pnl = (w.prefix_cnt, w.left_row, w.right_row, w.prefix_sq,
+                                  w.prefix_dot, w.prefix_n)
+    s_attr, s_all, s_cutp, s_cutv = lists.attr, lists.all_pairs, lists.cut_prio, lists.cut_value
+    s_len, s_r1, s_r2, s_left = lists.length, lists.r1, lists.r2, lists.left
+    s_hlen, s_hoff, s_hr, s_hc = lists.table_len, lists.table_off, lists.table_rank, lists.table_cnt
+    rank, y, vmix, voff, vals = recs.rank, recs.y, recs.vmix, recs.voff, recs.vals
+    P, k, buf, msl, gini = rule.n_sampled, rule.k, rule.buffer, rule.min_samples_leaf, rule.gini
+    hist_ratio = rule.hist_ratio
+    p = rank.shape[1]  # rank is record-major: (slots, features)
     C = cnt.shape[0]
-    P = rule.n_sampled
-    k = rule.k
-    KB = k + rule.buffer
     need = min(P, p)
+    KB = k + buf
     K = KB if cache else k
     nt = hi - lo
-    _reset_lists(lists, P, cache)
-    _order_init(nk ^ _TAG_GATTR, p, w.attr_hash, w.attr_heap)
+    for ss in range(P):
+        s_attr[ss] = -1
+    if cache:
+        for ss in range(P):
+            s_all[ss] = True
+            s_cutp[ss] = -1
+            s_cutv[ss] = 0.0
+            s_len[ss] = 0
+            s_hlen[ss] = 0
+            s_hoff[ss] = 0
+    _order_init(nk ^ _TAG_GATTR, p, hb, order)
+    # Gini from running integer sums: a candidate's left side has sum L_c^2 = pil and
+    # sum cnt_c L_c = pdot, so its right side has sum R_c^2 = stot - 2 pdot + pil: the
+    # same integers score1 forms, so the same bits, in O(1) per candidate
     stot = np.int64(0)
     for c in range(C):
         stot += np.int64(cnt[c]) * np.int64(cnt[c])
     left = p
-    best = _Best(-np.inf, -np.inf, np.int64(-1), np.int64(-1), np.int64(-1))
+    best_sc = -np.inf
+    second = -np.inf
+    best_a = -1
+    best_r1 = -1
+    best_r2 = -1
     slot = 0
     hpos = 0
     while slot < need and left > 0:
-        a = _order_pop(w.attr_hash, w.attr_heap, left)
+        a = _order_pop(hb, order, left)
         left -= 1
-        va = recs.voff[a]
-        nv = recs.voff[a + 1] - va
-        ng = value_groups(rows, lo, hi, a, recs.rank, recs.y, nv, C, w)
+        va = voff[a]
+        nv = voff[a + 1] - va
+        ng = value_groups(rows, lo, hi, a, rank, y, nv, C, keys, tmp, dense, dtot, g_rank, g_cnt)
         if ng < 2:
             continue  # constant attribute: no slot
         sk = h2(nk ^ _TAG_THR, np.uint64(a))
-        nb, heaped, nvalid = _valid_pairs(ng, cnt, sk, va, recs.vmix, K, w)
+        nb = 0
+        heaped = False
+        nvalid = 0
+        prev_pure = False
+        prev_lab = -1
+        for c in range(C):
+            pc[0, c] = 0
+        pil[0] = 0
+        pdot[0] = 0
+        pnl[0] = 0
+        for g in range(ng):
+            nz = 0
+            lab = -1
+            for c in range(C):
+                if g_cnt[g, c] > 0:
+                    nz += 1
+                    lab = c
+            pure = nz == 1
+            if g > 0:
+                il = pil[g - 1]
+                dt = pdot[g - 1]
+                nlg = pnl[g - 1]
+                for c in range(C):
+                    x = g_cnt[g - 1, c]
+                    p0 = pc[g - 1, c]
+                    pc[g, c] = p0 + x
+                    if x > 0:
+                        il += (2 * p0 + x) * x
+                        dt += cnt[c] * x
+                        nlg += x
+                pil[g] = il
+                pdot[g] = dt
+                pnl[g] = nlg
+                if not (prev_pure and pure and prev_lab == lab):
+                    # = h2(sk, bits(v1)): vmix holds mix(bits(v) + GOLD) per value
+                    key = (((mix(sk ^ vmix[va + g_rank[g - 1]]) >> _S32) << _S32)
+                           | np.uint64(nvalid))
+                    pg[nvalid] = g
+                    nvalid += 1
+                    # keep the K smallest keys (a max-heap once K are in)
+                    if nb < K:
+                        bkey[nb] = key
+                        nb += 1
+                    else:
+                        if not heaped:
+                            for i in range(K // 2 - 1, -1, -1):
+                                _key_down(bkey, i, K)
+                            heaped = True
+                        if key < bkey[0]:
+                            bkey[0] = key
+                            _key_down(bkey, 0, K)
+            prev_pure = pure
+            prev_lab = lab
         if cache:
-            _key_sort(w.best_keys, nb, heaped)
-        best = _score_pairs(a, min(k, nb), nt, cnt, stot, rule, tab, w, best)
-        lists.attr[slot] = a
+            _key_sort(bkey, nb, heaped)
+        # score the first k pairs in (priority, index) order: with a cache they are sorted;
+        # without one they are all nb kept, in any order, and a tie in score goes to the
+        # smaller key, as in key order
+        bkey_best = np.uint64(0)
+        for q in range(min(k, nb)):
+            g = pg[np.int64(bkey[q] & _LOW32)]
+            nl = pnl[g]
+            nr = nt - nl
+            if nl >= msl and nr >= msl:
+                if gini:
+                    il = pil[g]
+                    sc = il / nl + (stot - 2 * pdot[g] + il) / nr
+                else:
+                    for c in range(C):
+                        Lb[0, c] = pc[g, c]
+                        Rb[0, c] = cnt[c] - pc[g, c]
+                    sc = score1(Lb, 0, Rb, 0, nl, nr, gini, tab)
+                if sc > best_sc or (sc == best_sc and best_a == a and bkey[q] < bkey_best):
+                    second = best_sc
+                    best_sc = sc
+                    best_a = a
+                    best_r1 = g_rank[g - 1]
+                    best_r2 = g_rank[g]
+                    bkey_best = bkey[q]
+                elif sc > second:
+                    second = sc
+        s_attr[slot] = a
         if cache:
-            hpos = _keep_lists(slot, nb, nvalid, ng, nt, va, recs.vals, KB, rule.hist_ratio,
-                               hpos, w, lists)
+            for q in range(nb):
+                g = pg[np.int64(bkey[q] & _LOW32)]
+                s_r1[slot * KB + q] = g_rank[g - 1]
+                s_r2[slot * KB + q] = g_rank[g]
+                for c in range(C):
+                    s_left[slot * KB + q, c] = pc[g, c]
+            s_len[slot] = nb
+            s_all[slot] = nvalid <= KB
+            if nb > 0:
+                s_cutp[slot] = np.int64(bkey[nb - 1] >> _S32)
+                s_cutv[slot] = vals[va + s_r1[slot * KB + nb - 1]]
+            if ng * hist_ratio <= nt:
+                s_hoff[slot] = hpos
+                s_hlen[slot] = ng
+                for g in range(ng):
+                    s_hr[hpos] = g_rank[g]
+                    for c in range(C):
+                        s_hc[hpos, c] = g_cnt[g, c]
+                    hpos += 1
         slot += 1
-    second = best.second if rule.gini else np.inf
-    return GreedySplit(best.attr >= 0, best.attr, best.r1, best.r2, np.int64(slot), second)
+    if not gini:
+        second = np.inf
+    return GreedySplit(best_a >= 0, best_a, best_r1, best_r2, np.int64(slot), second)
 
 
 @njit(cache=True)
-def random_one(rows, lo, hi, nk, recs, max_draws, w):
+def random_one(rows, lo, hi, nk, X, dom, max_draws, hb, order):
     """Random split of one node: the first attribute in keyed order (h2(nk ^ TAG_RATTR, a),
     stable) that is not constant on rows[lo:hi], and the first draw j of its keyed stream
     v_j = (2 u_j - 1) D_a inside [min, max) (the min after max_draws misses, draw -1)."""
-    X = recs.X
     p = X.shape[0]
-    _order_init(nk ^ _TAG_RATTR, p, w.attr_hash, w.attr_heap)
+    _order_init(nk ^ _TAG_RATTR, p, hb, order)
     for left in range(p, 0, -1):
-        a = _order_pop(w.attr_hash, w.attr_heap, left)
+        a = _order_pop(hb, order, left)
         mn = X[a, rows[lo]]
         mx = mn
         for i in range(lo + 1, hi):
@@ -604,7 +569,7 @@ def random_one(rows, lo, hi, nk, recs, max_draws, w):
                 mx = v
         if mn < mx:
             base = h2(nk ^ _TAG_DRAW, np.uint64(a))
-            D = recs.dom[a]
+            D = dom[a]
             for j in range(max_draws):
                 u = np.float64(h2(base, np.uint64(j)) >> _S11) * _INV53
                 v = (2.0 * u - 1.0) * D  # exact: u has 53 bits, D is a power of two
@@ -636,17 +601,18 @@ def decide_one(rows, lo, hi, tree, path, depth, want_cache, recs, rule, tab, w, 
     elif cmax == n:
         why = W_PURE
     kind = LEAF
-    attr = np.int64(-1)
+    attr = -1
     thr = 0.0
-    r1 = np.int64(-1)
-    r2 = np.int64(-1)
-    draw = np.int64(-1)
-    ns = np.int64(0)
+    r1 = -1
+    r2 = -1
+    draw = -1
+    ns = 0
     second = np.inf
     if why == 0:
         nk = h2(recs.tree_keys[tree], np.uint64(path))
         if depth < rule.d_rmax:
-            rs = random_one(rows, lo, hi, nk, recs, rule.max_draws, w)
+            rs = random_one(rows, lo, hi, nk, recs.X, recs.dom, rule.max_draws, w.attr_hash,
+                            w.attr_heap)
             attr, thr, draw = rs.attr, rs.thr, rs.draw
             if rs.ok:
                 kind = RANDOM
@@ -655,13 +621,13 @@ def decide_one(rows, lo, hi, tree, path, depth, want_cache, recs, rule, tab, w, 
         else:
             gs = greedy_one(rows, lo, hi, nk, cnt, want_cache and n >= rule.cache_min, recs,
                             rule, tab, w, lists)
-            r1, r2, ns, second = gs.r1, gs.r2, gs.slots, gs.second
+            attr, r1, r2, ns, second = gs.attr, gs.r1, gs.r2, gs.slots, gs.second
             if gs.ok:
                 kind = GREEDY
-                attr = gs.attr
                 va = recs.voff[attr]
                 thr = midpoint(recs.vals[va + r1], recs.vals[va + r2])
             else:
+                attr = -1
                 why = W_CONST if ns == 0 else W_MSL
     return NodeDecision(kind, why, attr, thr, r1, r2, draw, ns, second)
 
