@@ -44,8 +44,8 @@ def grow_store(st: ForestState, need: int) -> None:
         b[..., :n] = a[..., :n]
         return b
 
-    rec.X, rec.y, rec.alive, rec.ids = grown(rec.X), grown(rec.y), grown(rec.alive), grown(
-        rec.ids, None)
+    rec.X, rec.y, rec.alive = grown(rec.X), grown(rec.y), grown(rec.alive)
+    rec.ids = grown(rec.ids, None)
     st.layout = st.layout._replace(pos=grown(st.layout.pos))
     st.values.rank = grown(st.values.rank)
 
