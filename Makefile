@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 
 # numba compiles a kernel on first use (minutes for all of them on two cores) and caches
 # it beside its source: compile them here, not in the first deletion a worker applies.
-$(KERNELS): $(STAMP) jobs/learners/dare/kernels.py jobs/learners/dare/delete_kernels.py \
-            jobs/learners/dare/view.py jobs/guard/forest/forest_guard.py jobs/guard/forest/fragility.py \
+$(KERNELS): $(STAMP) jobs/learners/dare/search_kernels.py jobs/learners/dare/build_kernels.py \
+            jobs/learners/dare/delete_kernels.py jobs/learners/dare/view.py \
+            jobs/guard/forest/fragility.py jobs/guard/forest/routing_kernels.py \
             jobs/learners/networks/mlp_kernels.py
 	$(PY) -m jobs.orchestration.warm_kernels
 	touch $(KERNELS)

@@ -148,11 +148,11 @@ def test_works_on_an_exact_learner_dare():
     X, y = np.r_[Xr, Xf], np.r_[yr, yf]
     ids = np.arange(len(X))
     params = {"n_estimators": 10, "max_depth": 6, "k": 5, "random_state": 0}
-    forest = DaREForest(**params).fit(ids, X, y)
+    forest = DaREForest(**params).fit(X, y, record_ids=ids)
     before = FrozenScores(forest, Xr, Xf, Xt)
     rep = forest.delete(ids[len(Xr):])
     assert rep.guarantee == "exact"
-    retrained = DaREForest(**params).fit(ids[: len(Xr)], Xr, yr)
+    retrained = DaREForest(**params).fit(Xr, yr, record_ids=ids[: len(Xr)])
     out = evaluate_unlearning(forest, retrained, original=before, X_retain=Xr, y_retain=yr,
                               X_forget=Xf, y_forget=yf, X_test=Xt, y_test=yt,
                               attack_config=FAST)

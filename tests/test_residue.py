@@ -90,7 +90,7 @@ def test_finds_a_forests_feature_major_records_and_none_it_deleted(tmp_path, dty
     ids, X, y = _breast_cancer()
     n = 400
     forest = DaREForest(n_estimators=10, max_depth=5, k=5, random_state=3)
-    forest.fit(ids[:n], X[:n], y[:n])
+    forest.fit(X[:n], y[:n], record_ids=ids[:n])
     forest.save(tmp_path / "before")
     _drop_ids(tmp_path / "before", dtype)
     assert np.load(tmp_path / "before" / "arrays.npz")["X"].shape == (30, n)  # feature-major

@@ -1,8 +1,9 @@
 """The contract every learner offers the worker.
 
 Learners take arrays and record ids and know nothing of the ledger. They follow
-scikit-learn's conventions: hyperparameters in the constructor, fitted state in
-attributes ending in ``_``, ``random_state`` for every source of randomness.
+scikit-learn's conventions: keyword-only hyperparameters in the constructor,
+``fit(X, y, *, record_ids=None)``, fitted state in attributes ending in ``_``,
+``random_state`` for every source of randomness.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class Learner(abc.ABC):
     guarantee: Guarantee
 
     @abc.abstractmethod
-    def fit(self, ids: np.ndarray, X: np.ndarray, y: np.ndarray) -> Learner: ...
+    def fit(self, X: np.ndarray, y: np.ndarray, *, record_ids: np.ndarray | None = None
+            ) -> Learner:
+        """Train on (X, y), the rows named by `record_ids` (default: the row numbers, as
+        strings; see :func:`training_ids`)."""
 
     @abc.abstractmethod
     def delete(self, ids: np.ndarray) -> UpdateReport: ...
@@ -190,6 +194,16 @@ def unique_ids(ids: Any) -> np.ndarray:
     dup = duplicate_ids(rids)
     if dup:
         raise DuplicateRecordError(f"record id(s) named more than once: {dup[:5]}")
+    return rids
+
+
+def training_ids(record_ids: Any, n_rows: int) -> np.ndarray:
+    """The record ids of a fit on n_rows rows: `record_ids` (unique, one per row) or, when
+    None, the row numbers as strings, so that scikit-learn's ``fit(X, y)`` (cross
+    validation, pipelines) names its records too."""
+    rids = unique_ids(np.arange(n_rows) if record_ids is None else record_ids)
+    if len(rids) != n_rows:
+        raise ValueError(f"X has {n_rows} rows but {len(rids)} record ids were given")
     return rids
 
 

@@ -133,7 +133,7 @@ class ServedModel(abc.ABC):
         for key in ("hidden", "attack_hidden"):
             if key in merged:
                 merged[key] = tuple(merged[key])
-        model = sub(sub.learner_cls(**merged).fit(ids, X, y))
+        model = sub(sub.learner_cls(**merged).fit(X, y, record_ids=ids))
         if fit_guard:
             model.refresh_guard()
         return model

@@ -98,11 +98,11 @@ def run(name: str, d_rmax: int, quick: bool) -> dict:
     params = dict(n_estimators=trees, max_depth=10, k=25, d_rmax=d_rmax, random_state=0)
     # a throw-away fit and deletion first, so that loading the compiled kernels from
     # numba's cache is not timed (the service pays it once per process)
-    warm = DaREForest(**params).fit(np.arange(200), Xtr[:200], ytr[:200])
+    warm = DaREForest(**params).fit(Xtr[:200], ytr[:200], record_ids=np.arange(200))
     warm.delete([0])
     warm.delete([1, 2])
     t0 = time.perf_counter()
-    m = DaREForest(**params).fit(np.arange(cut), Xtr, ytr)
+    m = DaREForest(**params).fit(Xtr, ytr, record_ids=np.arange(cut))
     train_s = time.perf_counter() - t0
     acc = float((m.predict(Xte) == yte).mean())
     log(f"   DaRE trained in {train_s:.2f} s, accuracy {acc:.4f}")

@@ -579,7 +579,7 @@ def bench_dare(d: Data, args: argparse.Namespace) -> str:
     params = DARE_QUICK if args.quick else DARE_FULL
     ids = np.array(d.ids)
     t0 = time.perf_counter()
-    forest = DaREForest(random_state=0, **params).fit(ids, d.Xtr, d.ytr)
+    forest = DaREForest(random_state=0, **params).fit(d.Xtr, d.ytr, record_ids=ids)
     train_s = time.perf_counter() - t0
     C = forest.n_classes_
     acc = float((forest.predict(d.Xte) == d.yte).mean())

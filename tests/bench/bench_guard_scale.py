@@ -75,10 +75,10 @@ def one(n: int, data: str) -> dict:
     X = (X - X.min(axis=0)) / (X.max(axis=0) - X.min(axis=0))
     Xtr, ytr, Xte, yte = X[:n], y[:n], X[n:], y[n:]
     ids = np.array([f"r{i:07d}" for i in range(n)], dtype=object)
-    forest = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(ids, Xtr, ytr)
+    forest = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(Xtr, ytr, record_ids=ids)
     # compile the kernels on a small forest first: compile time is not fit time
-    small = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(ids[:300], Xtr[:300],
-                                                                       ytr[:300])
+    small = DaREForest(**DEFAULT_PARAMS["dare"], random_state=1).fit(Xtr[:300], ytr[:300],
+                                                                     record_ids=ids[:300])
     ForestGuard.fit(small).certain(Xte[:5])
     t0 = time.perf_counter()
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)

@@ -83,7 +83,7 @@ def test_sound_against_all_loo_forests(name):
     X, y = make(rng)
     Xtr, ytr, Xte, yte = X[:n_train], y[:n_train], X[n_train:], y[n_train:]
     ids = np.array([f"r{i}" for i in range(n_train)])
-    forest = DaREForest(random_state=3, **params).fit(ids, Xtr, ytr)
+    forest = DaREForest(random_state=3, **params).fit(Xtr, ytr, record_ids=ids)
     h0 = forest.content_hash()
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert forest.content_hash() == h0
@@ -141,7 +141,8 @@ def test_hash_mismatch_is_noise_all_until_refit():
     rng = np.random.default_rng(1)
     X, y = _two_d(rng)
     ids = np.array([f"r{i}" for i in range(60)])
-    forest = DaREForest(n_estimators=8, max_depth=4, k=5, random_state=0).fit(ids, X[:60], y[:60])
+    forest = DaREForest(n_estimators=8, max_depth=4, k=5, random_state=0).fit(X[:60], y[:60],
+                                                                              record_ids=ids)
     guard = ForestGuard.fit(forest, epsilon=1.0, random_state=0)
     assert guard.mode == SOUND
     Q = rng.random((500, 2))
@@ -167,7 +168,7 @@ def test_guard_notices_every_change_without_rehashing_each_query() -> None:
     X, y = make_moons(60, noise=0.2, random_state=0)
     X = (X - X.min(0)) / (X.max(0) - X.min(0))
     ids = [f"m{i}" for i in range(60)]
-    forest = DaREForest(n_estimators=5, max_depth=4, k=5, random_state=0).fit(ids, X, y)
+    forest = DaREForest(n_estimators=5, max_depth=4, k=5, random_state=0).fit(X, y, record_ids=ids)
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert guard.mode == SOUND
     before = forest.generation_
@@ -184,7 +185,7 @@ def _small_forest(n=60, seed=0, **params):
     X = (X - X.min(0)) / (X.max(0) - X.min(0))
     ids = [f"m{i}" for i in range(n)]
     kw = dict(n_estimators=8, max_depth=5, k=5, d_rmax=1, random_state=seed) | params
-    return DaREForest(**kw).fit(ids, X, y), X
+    return DaREForest(**kw).fit(X, y, record_ids=ids), X
 
 
 @pytest.mark.slow
@@ -296,10 +297,10 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
         X = rng.random((300, 5))
         y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, 300) > 1).astype(int)
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
-    forest = DaREForest(**params).fit(ids, X, y)
+    forest = DaREForest(**params).fit(X, y, record_ids=ids)
     nodes, off, slots = fragile_records(forest)
     v = dv.view(forest)
-    fragile = np.zeros((forest.n_estimators, forest._cap), bool)
+    fragile = np.zeros((forest.n_estimators, len(v.y)), bool)
     for i, nd in enumerate(nodes.tolist()):
         fragile[v.tree[nd], slots[off[i]:off[i + 1]]] = True
     for _, slot, _ in domain_fragile(forest):
@@ -307,7 +308,7 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     before = [_tree_leaves(forest, t) for t in range(forest.n_estimators)]
     stable = 0
     for rid in ids[rng.permutation(len(ids))[:120]].tolist():
-        slot = forest._slot[rid]
+        slot = dv.record_slots(forest, [rid])[0]
         after = copy.deepcopy(forest)
         after.delete([rid])
         for t in range(forest.n_estimators):
@@ -331,7 +332,7 @@ def test_a_small_state_budget_stays_sound(budget):
     X, y = _tied(rng, n=140, d=4)
     ids = np.array([f"r{i}" for i in range(len(y))])
     forest = DaREForest(n_estimators=10, max_depth=6, k=5, d_rmax=1,
-                        random_state=5).fit(ids, X, y)
+                        random_state=5).fit(X, y, record_ids=ids)
     small = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=budget)
     exact = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert small.fit_report.detail["exact_pairs"] < exact.fit_report.detail["exact_pairs"]
@@ -355,7 +356,7 @@ def test_an_incremental_update_equals_a_full_refit(budget):
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
     n = 400
     forest = DaREForest(n_estimators=10, max_depth=7, k=5, d_rmax=1, random_domain=2.0,
-                        random_state=1).fit(ids[:n], X[:n], y[:n])
+                        random_state=1).fit(X[:n], y[:n], record_ids=ids[:n])
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=budget)
     Q = rng.random((1500, X.shape[1]))
     live = list(ids[:n])
@@ -392,7 +393,7 @@ def test_an_update_out_of_time_stays_sound_and_a_refit_completes_it():
     X, y = _tied(rng, n=260, d=5, levels=8)
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
     forest = DaREForest(n_estimators=8, max_depth=6, k=5, d_rmax=1,
-                        random_state=3).fit(ids, X, y)
+                        random_state=3).fit(X, y, record_ids=ids)
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
     assert guard.complete and guard.bound_summary["complete"] is True
     live = list(ids)
@@ -425,7 +426,7 @@ def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
     X = rng.random((90, 3))
     y = np.where(np.arange(90) < 3, 2, (X[:, 0] > 0.5).astype(int))
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)
-    forest = DaREForest(n_estimators=6, max_depth=5, k=5, random_state=0).fit(ids, X, y)
+    forest = DaREForest(n_estimators=6, max_depth=5, k=5, random_state=0).fit(X, y, record_ids=ids)
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     Q = rng.random((800, 3))
     for deleted, added in ((["r000", "r001", "r002"], []), ([], ["n0"])):
@@ -462,7 +463,7 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
         if data == "three":
             y = y + (X[:, 2] > 0.7)
     ids = np.array([f"r{i:05d}" for i in range(n)], dtype=object)
-    forest = DaREForest(**params).fit(ids, X, y)
+    forest = DaREForest(**params).fit(X, y, record_ids=ids)
     forest.delete(ids[rng.permutation(n)[:40]].tolist())  # counts moved, some splits too
     full = fragile_records(forest, margin=False)
     short = fragile_records(forest)
@@ -493,7 +494,7 @@ def test_the_margin_shortcut_on_many_random_forests():
                             k=int(rng.integers(1, 12)), d_rmax=int(rng.integers(0, 2)),
                             min_samples_leaf=int(rng.integers(1, 4)),
                             criterion=["gini", "entropy"][seed % 2],
-                            random_state=seed).fit(ids[:n], X[:n], y[:n])
+                            random_state=seed).fit(X[:n], y[:n], record_ids=ids[:n])
         forest.delete(ids[rng.permutation(n)[:int(rng.integers(1, 30))]].tolist())
         forest.add(ids[n:], X[n:], y[n:])
         full = fragile_records(forest, margin=False)
@@ -511,6 +512,7 @@ def test_lists_kept_by_cached_nodes_are_the_split_search_s():
     where the list is shorter than that), and a shorter prefix still holds k + 2 pairs,
     what one more deletion needs."""
     from jobs.learners.dare import view as dv
+    from jobs.learners.dare.split_search import greedy_splits
 
     cached = prefixes = 0
     for seed in range(8):
@@ -522,9 +524,10 @@ def test_lists_kept_by_cached_nodes_are_the_split_search_s():
         y = ((X[:, 0] + 0.3 * rng.standard_normal(n + 200)) > 0.5).astype(int)
         ids = np.array([f"r{i:05d}" for i in range(n + 200)], dtype=object)
         forest = DaREForest(n_estimators=4, max_depth=7, k=int(rng.integers(2, 11)),
-                            d_rmax=seed % 2, random_state=seed).fit(ids[:n], X[:n], y[:n])
-        KB = forest._k + forest._BUFFER
-        need = forest._k + min(2, forest._BUFFER)
+                            d_rmax=seed % 2, random_state=seed).fit(X[:n], y[:n],
+                                                                    record_ids=ids[:n])
+        KB = forest.k + forest.tuning.buffer
+        need = forest.k + min(2, forest.tuning.buffer)
         for step in range(3):
             forest.delete(rng.choice(forest.record_ids_, int(rng.integers(1, 60)),
                                      replace=False).tolist())
@@ -533,14 +536,17 @@ def test_lists_kept_by_cached_nodes_are_the_split_search_s():
                 forest.add(ids[new], X[new], y[new])
             v = dv.view(forest)
             nodes = np.flatnonzero(v.used & (v.kind == dv.GREEDY))
-            cached += int((forest._n_cid[nodes] >= 0).sum())
+            pool = forest.state_.nodes
+            cached += int((pool.cid[nodes] >= 0).sum())
             rows, off = dv.node_records(forest, nodes)
             got = dv.candidates(forest, nodes, rows, off[:-1], off[1:])
-            ok, attr, r1, _r2, cache = forest._greedy(
-                forest._n_tree[nodes].astype(np.int64), forest._n_path[nodes].astype(np.int64),
-                forest._n_n[nodes].astype(np.int64), forest._n_cnt[nodes].astype(np.int64),
-                rows, off, np.ones(len(nodes), dtype=bool))
-            ct, sa, al, _cutp, _cutv, eo, ln, e_r1, e_r2, e_left = cache[:10]
+            ok, attr, r1, _r2, lists = greedy_splits(
+                forest.state_, pool.tree[nodes].astype(np.int64),
+                pool.path[nodes].astype(np.int64), pool.n[nodes].astype(np.int64),
+                pool.cnt[nodes].astype(np.int64), rows, off, np.ones(len(nodes), dtype=bool))
+            ct, sa, al, eo, ln = (lists.task, lists.slot_attr, lists.all_pairs, lists.off,
+                                  lists.length)
+            e_r1, e_r2, e_left = lists.e_r1, lists.e_r2, lists.e_left
             assert np.array_equal(got.ok, ok) and np.array_equal(got.split_attr, attr)
             assert np.array_equal(got.split_r1, r1)
             assert np.array_equal(got.attr[ct], sa)
@@ -566,7 +572,7 @@ def test_a_batch_that_changes_almost_every_node_refits():
     X, y = _tied(rng, n=400, d=6, levels=10)
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
     forest = DaREForest(n_estimators=6, max_depth=6, k=5, d_rmax=1, random_domain=2.0,
-                        random_state=2).fit(ids, X, y)
+                        random_state=2).fit(X, y, record_ids=ids)
     guard = ForestGuard.fit(forest, epsilon=0.0, random_state=0)
     deleted = list(ids[rng.permutation(len(ids))[:200]])
     forest.delete(deleted)
@@ -589,7 +595,7 @@ def test_grown_subtrees_are_the_same_when_tasks_share_nodes():
     X, y = _tied(rng, n=400, d=5, levels=6)
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
     forest = DaREForest(n_estimators=3, max_depth=6, k=4, d_rmax=0,
-                        random_state=2).fit(ids, X, y)
+                        random_state=2).fit(X, y, record_ids=ids)
     v = dv.view(forest)
     roots = np.flatnonzero(v.used & (v.depth == 1))[:2]
     rows, off = dv.node_records(forest, roots)

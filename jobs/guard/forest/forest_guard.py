@@ -114,7 +114,7 @@ from jobs.guard.forest.pairs import (
     merge_kept,
     path_keys,
 )
-from jobs.guard.forest.routing_kernels import PairIndex, gains, route
+from jobs.guard.forest.routing_kernels import PairIndex, QueryArrays, gains, route
 from jobs.guard.label_guard import LabelGuard
 from jobs.learners.base import (
     check_features,
@@ -195,7 +195,7 @@ class ForestGuard:
         self._pairs: FragilePairs | None = None
         self._ids: np.ndarray | None = None  # what the pairs' record positions name
         self._P: np.ndarray | None = None
-        self._kernel_args: tuple = ()
+        self._query: QueryArrays | None = None
         self._summary: dict[str, Any] = {}
         self._checked: tuple[int, str, bool] | None = None  # (generation, hash, matches)
 
@@ -349,9 +349,9 @@ class ForestGuard:
         self._classes = self.forest.classes_.copy()
         f_off, f_rec, f_root = pairs.by_node(len(st.kind), True)
         w_off, w_rec, _ = pairs.by_node(len(st.kind), False)
-        self._kernel_args = (st.kernel(), PairIndex(f_off, f_rec, f_root, w_off, w_rec),
-                             pairs.pool(), int(self.forest.n_records_),
-                             int(st.depth.max(initial=0)))
+        self._query = QueryArrays(st.kernel(), PairIndex(f_off, f_rec, f_root, w_off, w_rec),
+                                  pairs.pool(), int(self.forest.n_records_),
+                                  int(st.depth.max(initial=0)))
         self.forest_hash = rep.forest_hash
         self.fit_report = rep
         self._summary = self._summarise()
@@ -418,7 +418,7 @@ class ForestGuard:
         # equal hashes imply equal trees; checked because the kernels do not check bounds
         if not (np.array_equal(st.tree, arrays["node_tree"])
                 and np.array_equal(st.path, arrays["node_path"])
-                and pairs.fits(len(st.kind), forest.n_records_, forest.n_features_,
+                and pairs.fits(len(st.kind), forest.n_records_, forest.n_features_in_,
                                forest.n_classes_)):  # fmt: skip
             raise ValueError(f"{p}: the guard's state does not fit the forest's nodes")
         budget, rows = meta.get("state_budget", STATE_BUDGET), meta.get("grow_rows", GROW_ROWS)
@@ -471,7 +471,7 @@ class ForestGuard:
     # ---------------------------------------------------------------- queries
 
     def _rows(self, Q: np.ndarray) -> np.ndarray:
-        return route(Q, self._kernel_args[0])
+        return route(Q, self._query.trees)
 
     def _scores(self, rows: np.ndarray) -> np.ndarray:
         """Forest scores from the leaves, with DaREForest.scores' own numpy arithmetic
@@ -489,13 +489,13 @@ class ForestGuard:
         forest no longer matches the guard."""
         if not self._sound():
             raise RuntimeError("the forest changed since the guard was fitted; call refit()")
-        Q = check_features(X, None, self.forest.n_features_)
-        H, delta = gains(Q, *self._kernel_args)
+        Q = check_features(X, None, self.forest.n_features_in_)
+        H, delta = gains(Q, self._query)
         return self._scores(self._rows(Q)), delta, H
 
     def certain(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         """Predicted class index (lowest on ties) and whether every LOO forest agrees."""
-        Q = check_features(X, None, self.forest.n_features_)
+        Q = check_features(X, None, self.forest.n_features_in_)
         if not self._sound():
             return np.argmax(self.forest.scores(Q), axis=1), np.zeros(len(Q), dtype=bool)
         scores, _delta, H = self.bounds(Q)

@@ -68,7 +68,7 @@ from numba import njit, prange
 
 from jobs.learners.dare import view as dv
 from jobs.learners.dare.forest import DaREForest
-from jobs.learners.dare.kernels import _TAG_THR, _sort_keys, h2, mix, score1
+from jobs.learners.dare.search_kernels import _TAG_THR, _sort_keys, h2, mix, score1
 
 _S32 = np.uint64(32)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jobs.guard.forest.fragility import domain_fragile, fragile_records
+from jobs.guard.forest.routing_kernels import GrownPool, Trees
 from jobs.learners.dare import view as dv
 from jobs.learners.dare.common import _ranges
 from jobs.learners.dare.forest import DaREForest
@@ -93,10 +94,11 @@ class ForestStructure:
     def probabilities(self) -> np.ndarray:
         return self.cnt / np.maximum(self.n, 1)[:, None].astype(np.float64)
 
-    def kernel(self) -> tuple[np.ndarray, ...]:
+    def kernel(self) -> Trees:
         """What the query kernels read: routing, counts, the leaves' records, labels."""
-        return (self.root, self.kind, self.left, self.right, self.attr, self.thr, self.cnt,
-                self.n, self.rec_off, self.rec, self.y)
+        return Trees(root=self.root, kind=self.kind, left=self.left, right=self.right,
+                     attr=self.attr, thr=self.thr, cnt=self.cnt, n=self.n,
+                     rec_off=self.rec_off, rec=self.rec, y=self.y)
 
     def keys(self) -> np.ndarray:
         """(tree, heap path) rows: what names a node across updates."""
@@ -120,7 +122,7 @@ def _positions(forest: DaREForest) -> np.ndarray:
     """Slot -> position of the record in the forest's sorted record ids (-1: no record)."""
     ids = forest.record_ids_
     pos = np.full(len(dv.view(forest).y), -1, dtype=np.int64)
-    pos[[forest._slot[i] for i in ids.tolist()]] = np.arange(len(ids))
+    pos[dv.record_slots(forest, ids)] = np.arange(len(ids))
     return pos
 
 
@@ -147,9 +149,9 @@ class FragilePairs:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
 
-    def pool(self) -> tuple[np.ndarray, ...]:
+    def pool(self) -> GrownPool:
         """The subtrees' nodes, as the query kernel reads them."""
-        return tuple(getattr(self, k) for k in self.ARRAYS[3:])
+        return GrownPool(**{k: getattr(self, k) for k in self.ARRAYS[3:]})
 
     @classmethod
     def empty(cls, C: int) -> FragilePairs:
@@ -287,7 +289,7 @@ def below_dropped(forest: DaREForest, st: ForestStructure, touched: np.ndarray,
     changed = np.zeros(len(st.kind), dtype=bool)
     changed[touched] = True
     X = dv.view(forest).X  # (attribute, slot)
-    slot = np.array([forest._slot[i] for i in forest.record_ids_.tolist()], dtype=np.int64)
+    slot = dv.record_slots(forest, forest.record_ids_)
     want: dict[int, set[int]] = {}  # compact node -> record positions to compute there
     for u, r in zip(d_node[~covered].tolist(), d_prec[~covered].tolist(), strict=True):
         k = u
@@ -345,8 +347,7 @@ def grow_pairs(forest: DaREForest, st: ForestStructure, node: np.ndarray, prec: 
         chunk_rows = _CHUNK_ROWS // 8  # finer steps between looks at the clock
     order = order[exact[order]]
     node_x, prec_x, dom_x = node[order], prec[order], dom[order]
-    ids = forest.record_ids_
-    slot = np.array([forest._slot[i] for i in ids.tolist()], dtype=np.int64)
+    slot = dv.record_slots(forest, forest.record_ids_)
     n_rows = st.n[node_x]
     parts = []
     start = 0

@@ -8,6 +8,12 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+#: the forest's trees in compact node ids (:meth:`ForestStructure.kernel`): routing, class
+#: counts, and each leaf's records (``rec[rec_off[u]:rec_off[u + 1]]``, record positions)
+#: with their labels ``y``
+Trees = NamedTuple("Trees", [(name, np.ndarray) for name in (
+    "root", "kind", "left", "right", "attr", "thr", "cnt", "n", "rec_off", "rec", "y")])
+
 
 class PairIndex(NamedTuple):
     """Per compact node (CSR): the exact pairs' records and subtree roots, and the
@@ -20,10 +26,26 @@ class PairIndex(NamedTuple):
     w_rec: np.ndarray
 
 
+#: the exact pairs' grown subtrees, as nodes of one pool (:meth:`FragilePairs.pool`)
+GrownPool = NamedTuple("GrownPool", [(name, np.ndarray) for name in (
+    "leaf", "attr", "thr", "left", "right", "cnt", "n")])
+
+
+class QueryArrays(NamedTuple):
+    """Everything :func:`gains` reads: the trees, the pairs by node, their subtrees, the
+    number of records and the deepest leaf's depth."""
+
+    trees: Trees
+    pairs: PairIndex
+    grown: GrownPool
+    n_records: int
+    depth_max: int
+
+
 @njit(cache=True)
 def route(Q, tr):  # pragma: no cover - compiled
-    """Leaf (compact id) of every (tree, query), shape (T, n); `tr`: ForestStructure.kernel()."""
-    root, kind, left, right, attr, thr = tr[:6]
+    """Leaf (compact id) of every (tree, query), shape (T, n); `tr`: :class:`Trees`."""
+    root, kind, left, right, attr, thr = tr.root, tr.kind, tr.left, tr.right, tr.attr, tr.thr
     n = Q.shape[0]
     T = root.shape[0]
     out = np.empty((T, n), dtype=np.int64)
@@ -37,18 +59,21 @@ def route(Q, tr):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def gains(Q, tr, ix, g_, n_records, depth_max):  # pragma: no cover - compiled
+def gains(Q, qa):  # pragma: no cover - compiled
     """Per query i: H[i, a, b] = max over records x of sum_t (hi_{t,x,b} - lo_{t,x,a}) / T
     and delta[i] = max over x, c of the largest |sum_t| of its bounds / T, where a tree's
     (hi, lo) for x is its exact change (closed form for a stable record of q's leaf; for
     an exact fragile pair on q's path, the leaf of its grown subtree that q reaches
     against q's leaf), or the worst a tree can do for a worst-case pair on q's path:
     hi_b = 1 - p_b, lo_a = -p_a. Records whose deletion changes nothing at q give 0.
-    `tr`: the trees (:meth:`ForestStructure.kernel`), `ix`: the pairs by node
-    (:class:`PairIndex`), `g_`: their grown subtrees (:meth:`FragilePairs.pool`)."""
-    root, kind, left, right, attr, thr, cnt, nn, rec_off, rec, y = tr
-    f_off, f_rec, f_root, w_off, w_rec = ix
-    g_leaf, g_attr, g_thr, g_left, g_right, g_cnt, g_n = g_
+    `qa`: :class:`QueryArrays`."""
+    tr, ix, g_ = qa.trees, qa.pairs, qa.grown
+    n_records = qa.n_records
+    root, kind, left, right, attr, thr = tr.root, tr.kind, tr.left, tr.right, tr.attr, tr.thr
+    cnt, nn, rec_off, rec, y = tr.cnt, tr.n, tr.rec_off, tr.rec, tr.y
+    f_off, f_rec, f_root, w_off, w_rec = ix.f_off, ix.f_rec, ix.f_root, ix.w_off, ix.w_rec
+    g_leaf, g_attr, g_thr, g_left, g_right = g_.leaf, g_.attr, g_.thr, g_.left, g_.right
+    g_cnt, g_n = g_.cnt, g_.n
     n = Q.shape[0]
     T = root.shape[0]
     C = cnt.shape[1]
@@ -57,7 +82,7 @@ def gains(Q, tr, ix, g_, n_records, depth_max):  # pragma: no cover - compiled
     stamp = np.full(n_records, -1, np.int64)
     met = np.zeros(n_records, np.bool_)
     touched = np.empty(n_records, np.int64)
-    path = np.empty(depth_max + 2, np.int64)
+    path = np.empty(qa.depth_max + 2, np.int64)
     p = np.empty(C)
     H = np.zeros((n, C, C))
     delta = np.zeros(n)

@@ -42,6 +42,12 @@ def _h2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _mix(np.atleast_1d(a) ^ _mix(np.atleast_1d(b) + _GOLD))
 
 
+def node_keys(tree_keys: np.ndarray, tree: np.ndarray, path: np.ndarray) -> np.ndarray:
+    """The keyed hash naming each node (tree, heap path): every keyed choice at a node
+    derives from it."""
+    return _h2(tree_keys[tree], np.asarray(path).astype(_U64))
+
+
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + l) for each (s, l), as int64."""
     lens = np.asarray(lens, dtype=np.int64)
@@ -84,11 +90,6 @@ def _xlogx(n: int) -> np.ndarray:
     return tab
 
 
-class _Decisions:
-    """Per-task outcome of :meth:`DaREForest._decide` (parallel arrays)."""
-
-    __slots__ = (
-        "kind", "why", "attr", "thr", "r1", "r2", "draw", "n", "cnt", "go_left",
-        "cache_task", "cache_slots", "cache_all", "cache_cutp", "cache_cutv", "cache_off",
-        "cache_len", "e_r1", "e_r2", "e_left", "cache_hoff", "cache_hlen", "h_r", "h_c",
-    )  # fmt: skip
+def score_table(gini: bool, n: int) -> np.ndarray:
+    """The x log x table (at least n entries) that entropy scores read; a dummy for Gini."""
+    return _xlogx(n) if not gini else _XLOGX[0][:1]

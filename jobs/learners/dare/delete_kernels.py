@@ -3,10 +3,11 @@
 :func:`delete_record` walks the record's path in every tree, updates the counts, the
 cached candidate lists and value group tables, and re-checks every node on the path
 against its stored split; it never retrains (the caller rebuilds the outermost changed
-nodes with :func:`jobs.learners.dare.kernels.build_subtrees`). Where a node must be
-re-derived from its records it calls the same :func:`~jobs.learners.dare.kernels.decide_one`
-as training, and a cached node's candidates are re-scored with the same
-:func:`~jobs.learners.dare.kernels.score1`, so an update makes a retrain's choices bit for bit.
+nodes with :func:`jobs.learners.dare.build_kernels.build_subtrees`). Where a node must be
+re-derived from its records it calls the same
+:func:`~jobs.learners.dare.search_kernels.decide_one` as training, and a cached node's
+candidates are re-scored with the same :func:`~jobs.learners.dare.search_kernels.score1`,
+so an update makes a retrain's choices bit for bit.
 
 Ties. A cached slot on an attribute with few distinct values in its node (at most one per
 ``hist_ratio`` records when the cache was built) keeps the node's value group table: the
@@ -14,6 +15,9 @@ class counts of every value the node holds, in value order. The deleted record's
 its neighbours and their counts are then a binary search away; without the table they
 are counted from the records that share the value, which on a tied attribute is most of
 the node (or of the training set).
+
+The pools and records are the named tuples of :mod:`jobs.learners.dare.state` (``order``
+is its :class:`~jobs.learners.dare.state.GlobalOrder`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from jobs.learners.dare.kernels import (
-    _S32,
-    _TAG_THR,
+from jobs.learners.dare.build_kernels import (
     CTR_AT_NODE,
     CTR_AT_TREE,
     CTR_EGARB,
@@ -34,20 +36,25 @@ from jobs.learners.dare.kernels import (
     CTR_NEED_E,
     CTR_NEED_H,
     CTR_NFLAG,
+    bound_of,
+    gather_rows,
+    install_cache,
+    uncache_node,
+)
+from jobs.learners.dare.search_kernels import (
+    _S32,
+    _TAG_THR,
     GREEDY,
     LEAF,
     RANDOM,
     W_DEPTH,
     W_PURE,
     W_SMALL,
-    bound_of,
     decide_one,
     h2,
-    install_cache,
     midpoint,
     mix,
     score1,
-    uncache_node,
 )
 
 __all__ = ["CTR_LEN", "STAT_CACHES", "STAT_NODES", "delete_record"]
@@ -135,7 +142,164 @@ def _prio(sk, vmix, va, r):
 
 
 @njit(cache=True)
-def _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp, gn):
+def _scan_entries(off, ln, wr, c, er1, er2, eleft):
+    """Decrement the left counts of a slot's live pairs at or above w's rank wr (a record
+    of class c left their left side) and find the pairs that touch w: A = (prev, w) and
+    B = (w, next) (entry, -1: not listed) with their positions among the live entries
+    (the first k are the scored ones)."""
+    A = -1
+    B = -1
+    live = 0
+    posA = 0
+    posB = 0
+    for E_ in range(off, off + ln):
+        r1 = er1[E_]
+        if r1 < 0:
+            continue
+        if r1 >= wr:
+            eleft[c, E_] -= 1
+        if er2[E_] == wr:
+            A = E_
+            posA = live
+        if r1 == wr:
+            B = E_
+            posB = live
+        live += 1
+    return A, B, posA, posB
+
+
+@njit(cache=True)
+def _table_row(hr, hoff, hl, wr):
+    """Row of value rank wr in a value group table (present: the record was in the node)."""
+    lo = hoff
+    hi = hoff + hl - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hr[mid] < wr:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree, s, e, a, roff, rstart,
+                  gorder, pos, alive, y, samp, rank):
+    """w's group survives (its counts in gw): the listed pairs touching it, A = (prev, w)
+    and B = (w, next), can only turn invalid. Their neighbour groups come from the value
+    group table's rows around hp where the slot keeps one (hp >= 0), else counted. Returns
+    whether one of the scored pairs (the first k) died."""
+    touched = False
+    if A >= 0:
+        if hp >= 0:
+            for cc in range(gp.shape[0]):
+                gp[cc] = hc[hp - 1, cc]
+        else:
+            _group_counts(gp, tree, s, e, a, er1[A], roff, rstart, gorder, pos, alive, y, samp,
+                          rank)
+        if not _valid(gp, gw):
+            er1[A] = -1
+            touched |= posA < k
+    if B >= 0:
+        if hp >= 0:
+            for cc in range(gn.shape[0]):
+                gn[cc] = hc[hp + 1, cc]
+        else:
+            _group_counts(gn, tree, s, e, a, er2[B], roff, rstart, gorder, pos, alive, y, samp,
+                          rank)
+        if not _valid(gw, gn):
+            er1[B] = -1
+            touched |= posB < k
+    return touched
+
+
+@njit(cache=True)
+def _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff, rstart, gorder,
+                pos, alive):
+    """Rank of the node's next value above the vanished w (B's upper value where B was
+    listed, else from the value group table or the records); -1 if none."""
+    if bnext >= 0:
+        return bnext
+    if hp >= 0:
+        return hr[hp] if hp < hoff + hl else -1
+    return _neighbour(tree, s, e, n, a, wr, True, samp, rank, roff, rstart, gorder, pos, alive)
+
+
+@njit(cache=True)
+def _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder, pos, alive, y,
+                 samp, rank):
+    """gp, gn = the class counts of the node's value groups prev and nxt, adjacent once w
+    vanished: the value group table's rows around hp where the slot keeps one (hp >= 0),
+    else counted from the records."""
+    if hp >= 0:
+        for cc in range(gp.shape[0]):
+            gp[cc] = hc[hp - 1, cc]
+            gn[cc] = hc[hp, cc]
+        return
+    _group_counts(gp, tree, s, e, a, prev, roff, rstart, gorder, pos, alive, y, samp, rank)
+    _group_counts(gn, tree, s, e, a, nxt, roff, rstart, gorder, pos, alive, y, samp, rank)
+
+
+@njit(cache=True)
+def _left_counts(g, prev, B, hp, hoff, eleft, hc, tree, s, e, a, y, samp, rank):
+    """g[:] = left class counts of the pair (prev, next): B's (the same records are on
+    its left), the table's groups up to prev, or counted from the node's records."""
+    C = g.shape[0]
+    g[:] = 0
+    if B >= 0:
+        for cc in range(C):
+            g[cc] = eleft[cc, B]
+    elif hp >= 0:
+        for q in range(hoff, hp):
+            for cc in range(C):
+                g[cc] += hc[q, cc]
+    else:
+        for q in range(s, e):
+            sl = samp[tree, q]
+            if sl >= 0 and rank[sl, a] <= prev:
+                g[y[sl]] += 1
+
+
+@njit(cache=True)
+def _insert_pair(prev, nxt, h, v, sk, va, g, off, ln, er1, er2, eleft, vals, vmix, ctr):
+    """Copy a slot's live entries er*[off:off + ln] to a fresh segment at the end of the
+    entry pool (the caller made room), the pair (prev, nxt) with left counts g at its
+    priority position (h, v). Returns (the segment's start, its length, that position
+    among the live entries)."""
+    C = g.shape[0]
+    nb = 0
+    for E_ in range(off, off + ln):
+        if er1[E_] >= 0:
+            eh = _prio(sk, vmix, va, er1[E_])
+            if eh < h or (eh == h and vals[va + er1[E_]] < v):
+                nb += 1
+    start = ctr[CTR_EUSED]
+    d = start
+    j = 0
+    for E_ in range(off, off + ln):
+        if er1[E_] < 0:
+            continue
+        if j == nb:
+            d += 1
+        er1[d] = er1[E_]
+        er2[d] = er2[E_]
+        for cc in range(C):
+            eleft[cc, d] = eleft[cc, E_]
+        d += 1
+        j += 1
+    di = start + nb
+    er1[di] = prev
+    er2[di] = nxt
+    for cc in range(C):
+        eleft[cc, di] = g[cc]
+    ctr[CTR_EUSED] = start + j + 1
+    ctr[CTR_EGARB] += ln
+    return start, j + 1, nb
+
+
+@njit(cache=True)
+def _cached_repair(nd, nk, r, c, k, nodes, caches, entries, tables, recs, layout, order, ctr,
+                   gw, gp, gn):
     """Incremental update of cached greedy node nd's lists after record r (class c) left
     it (the record is already dead and out of the layout, the node's counts already
     decremented).
@@ -149,82 +313,44 @@ def _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp, gn):
     Returns (changed, r2): changed if a slot's first k live pairs, the ones scored, are
     not the same pairs as before (one of them died, or a pair was inserted among them; a
     pair that only moved its upper value keeps its left counts, so it is the same
-    candidate); r2 >= 0 is the stored split's new upper value if its pair moved it."""
-    n_tree, n_attr, n_r1, n_n, n_cnt, n_s, n_e, n_cid = (
-        N[0], N[7], N[9], N[12], N[13], N[14], N[15], N[16])
-    c_attr, c_off, c_len, c_all, c_cutp, c_cutv, c_hoff, c_hlen, _cf = CC
-    er1, er2, eleft = E
-    hr, hc = H
-    rank, y, vals, vmix, voff = R[1], R[2], R[3], R[4], R[5]
-    samp, pos = LAY
-    roff, rstart, gorder, alive = GO
+    candidate); r2 >= 0 is the stored split's new upper value if its pair moved it.
+
+    Its steps take the arrays they read, not the pools: a step called per slot with the
+    pools as arguments made a deletion a third slower."""
+    n_attr, n_r1 = nodes.attr, nodes.r1
+    c_attr, c_off, c_len, c_all = caches.attr, caches.off, caches.length, caches.all_pairs
+    c_cutp, c_cutv, c_hoff, c_hlen = (caches.cut_prio, caches.cut_value, caches.table_off,
+                                      caches.table_len)
+    er1, er2, eleft = entries.r1, entries.r2, entries.left
+    hr, hc = tables.rank, tables.cnt
+    rank, y, vals, vmix, voff = recs.rank, recs.y, recs.vals, recs.vmix, recs.voff
+    samp, pos = layout.slot_at, layout.pos
+    roff, rstart, gorder, alive = order.roff, order.rstart, order.gorder, order.alive
     P = c_attr.shape[1]
-    C = n_cnt.shape[1]
-    cid = n_cid[nd]
-    tree = n_tree[nd]
-    s = n_s[nd]
-    e = n_e[nd]
-    n = n_n[nd]
+    C = hc.shape[1]
+    cid = nodes.cid[nd]
+    tree, s, e, n = nodes.tree[nd], nodes.start[nd], nodes.end[nd], nodes.n[nd]
     touched = False
     best_r2 = -1
     for ss in range(P):
         a = c_attr[cid, ss]
         if a < 0:
             continue
-        allf = c_all[cid, ss]
-        off = c_off[cid, ss]
-        ln = c_len[cid, ss]
         wr = np.int64(rank[r, a])
-        A = -1
-        B = -1
-        live = 0  # live entries seen: the position of A and B among them decides
-        posA = 0  # whether they are scored (the first k)
-        posB = 0
-        for E_ in range(off, off + ln):
-            r1 = er1[E_]
-            if r1 < 0:
-                continue
-            if r1 >= wr:
-                eleft[c, E_] -= 1
-            if er2[E_] == wr:
-                A = E_
-                posA = live
-            if r1 == wr:
-                B = E_
-                posB = live
-            live += 1
+        A, B, posA, posB = _scan_entries(c_off[cid, ss], c_len[cid, ss], wr, c, er1, er2, eleft)
         hl = c_hlen[cid, ss]
         hoff = c_hoff[cid, ss]
         hp = -1
         if hl > 0:
-            # w's group in the node's value table (present: r was in the node)
-            lo = hoff
-            hi = hoff + hl - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if hr[mid] < wr:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            hp = lo
+            hp = _table_row(hr, hoff, hl, wr)
             hc[hp, c] -= 1
             tot = 0
             for cc in range(C):
                 gw[cc] = hc[hp, cc]
                 tot += gw[cc]
             if tot > 0:  # w's group survives: pairs touching it can only turn invalid
-                if A >= 0:
-                    for cc in range(C):
-                        gp[cc] = hc[hp - 1, cc]
-                    if not _valid(gp, gw):
-                        er1[A] = -1
-                        touched |= posA < k
-                if B >= 0:
-                    for cc in range(C):
-                        gn[cc] = hc[hp + 1, cc]
-                    if not _valid(gw, gn):
-                        er1[B] = -1
-                        touched |= posB < k
+                touched |= _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree,
+                                         s, e, a, roff, rstart, gorder, pos, alive, y, samp, rank)
                 continue
             # the group vanished: drop it, so that its neighbours become adjacent
             for q in range(hp, hoff + hl - 1):
@@ -241,18 +367,8 @@ def _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp, gn):
                 _group_counts(gw, tree, s, e, a, wr, roff, rstart, gorder, pos, alive, y, samp,
                               rank)
             if gw.sum() > 0:
-                if A >= 0:
-                    _group_counts(gp, tree, s, e, a, er1[A], roff, rstart, gorder, pos, alive, y,
-                                  samp, rank)
-                    if not _valid(gp, gw):
-                        er1[A] = -1
-                        touched |= posA < k
-                if B >= 0:
-                    _group_counts(gn, tree, s, e, a, er2[B], roff, rstart, gorder, pos, alive, y,
-                                  samp, rank)
-                    if not _valid(gw, gn):
-                        er1[B] = -1
-                        touched |= posB < k
+                touched |= _drop_invalid(A, B, posA, posB, k, hp, gw, gp, gn, er1, er2, hc, tree,
+                                         s, e, a, roff, rstart, gorder, pos, alive, y, samp, rank)
                 continue
         # w's group vanished: (prev, w) becomes (prev, next); (w, next) disappears
         bnext = -1
@@ -261,36 +377,21 @@ def _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp, gn):
             er1[B] = -1
             touched |= posB < k
         if A >= 0:
-            nxt = bnext
-            if nxt < 0:
-                if hp >= 0:
-                    nxt = hr[hp] if hp < hoff + hl else -1
-                else:
-                    nxt = _neighbour(tree, s, e, n, a, wr, True, samp, rank, roff, rstart,
-                                     gorder, pos, alive)
             prev = er1[A]
-            if nxt < 0:
+            nxt = _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff,
+                              rstart, gorder, pos, alive)
+            if nxt >= 0:
+                _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder,
+                             pos, alive, y, samp, rank)
+            if nxt >= 0 and _valid(gp, gn):
+                er2[A] = nxt
+                if a == n_attr[nd] and prev == n_r1[nd]:
+                    best_r2 = nxt
+            else:
                 er1[A] = -1
                 touched |= posA < k
-            else:
-                if hp >= 0:
-                    for cc in range(C):
-                        gp[cc] = hc[hp - 1, cc]
-                        gn[cc] = hc[hp, cc]
-                else:
-                    _group_counts(gp, tree, s, e, a, prev, roff, rstart, gorder, pos, alive, y,
-                                  samp, rank)
-                    _group_counts(gn, tree, s, e, a, nxt, roff, rstart, gorder, pos, alive, y,
-                                  samp, rank)
-                if _valid(gp, gn):
-                    er2[A] = nxt
-                    if a == n_attr[nd] and prev == n_r1[nd]:
-                        best_r2 = nxt
-                else:
-                    er1[A] = -1
-                    touched |= posA < k
             continue
-        if allf and B < 0:
+        if c_all[cid, ss] and B < 0:
             continue
         # a pair (prev, next) that was not stored may now be valid and under the cut-off
         if hp >= 0:
@@ -305,86 +406,35 @@ def _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp, gn):
         h = _prio(sk, vmix, va, prev)
         v = vals[va + prev]
         cp = c_cutp[cid, ss]
-        if not (allf or h < cp or (h == cp and v <= c_cutv[cid, ss])):
+        if not (c_all[cid, ss] or h < cp or (h == cp and v <= c_cutv[cid, ss])):
             continue
-        nxt = bnext
-        if nxt < 0:
-            if hp >= 0:
-                nxt = hr[hp] if hp < hoff + hl else -1
-            else:
-                nxt = _neighbour(tree, s, e, n, a, wr, True, samp, rank, roff, rstart, gorder,
-                                 pos, alive)
+        nxt = _next_value(bnext, hp, hoff, hl, hr, tree, s, e, n, a, wr, samp, rank, roff, rstart,
+                          gorder, pos, alive)
         if nxt < 0:
             continue
-        if hp >= 0:
-            for cc in range(C):
-                gp[cc] = hc[hp - 1, cc]
-                gn[cc] = hc[hp, cc]
-        else:
-            _group_counts(gp, tree, s, e, a, prev, roff, rstart, gorder, pos, alive, y, samp,
-                          rank)
-            _group_counts(gn, tree, s, e, a, nxt, roff, rstart, gorder, pos, alive, y, samp,
-                          rank)
+        _pair_groups(prev, nxt, hp, hc, gp, gn, tree, s, e, a, roff, rstart, gorder, pos, alive,
+                     y, samp, rank)
         if not _valid(gp, gn):
             continue
-        if B >= 0:
-            for cc in range(C):
-                gp[cc] = eleft[cc, B]
-        elif hp >= 0:
-            gp[:] = 0
-            for q in range(hoff, hp):
-                for cc in range(C):
-                    gp[cc] += hc[q, cc]
-        else:
-            gp[:] = 0
-            for q in range(s, e):
-                sl = samp[tree, q]
-                if sl >= 0 and rank[sl, a] <= prev:
-                    gp[y[sl]] += 1
-        # copy the live entries to a new segment, the new pair at its priority position
-        nb = 0
-        for E_ in range(off, off + ln):
-            if er1[E_] >= 0:
-                eh = _prio(sk, vmix, va, er1[E_])
-                if eh < h or (eh == h and vals[va + er1[E_]] < v):
-                    nb += 1
-        start = ctr[CTR_EUSED]
-        d = start
-        j = 0
-        for E_ in range(off, off + ln):
-            if er1[E_] < 0:
-                continue
-            if j == nb:
-                d += 1
-            er1[d] = er1[E_]
-            er2[d] = er2[E_]
-            for cc in range(C):
-                eleft[cc, d] = eleft[cc, E_]
-            d += 1
-            j += 1
-        di = start + nb
-        er1[di] = prev
-        er2[di] = nxt
-        for cc in range(C):
-            eleft[cc, di] = gp[cc]
-        ctr[CTR_EUSED] = start + j + 1
-        ctr[CTR_EGARB] += ln
-        c_off[cid, ss] = start
-        c_len[cid, ss] = j + 1
+        _left_counts(gp, prev, B, hp, hoff, eleft, hc, tree, s, e, a, y, samp, rank)
+        c_off[cid, ss], c_len[cid, ss], nb = _insert_pair(
+            prev, nxt, h, v, sk, va, gp, c_off[cid, ss], c_len[cid, ss], er1, er2, eleft, vals,
+            vmix, ctr)
         touched |= nb < k
     return touched, best_r2
 
 
 @njit(cache=True)
-def _cached_score(nd, N, CC, E, k, msl, gini, tab, Lb, Rb):
+def _cached_score(nd, nodes, caches, entries, k, msl, gini, tab, Lb, Rb):
     """Re-score the first k live pairs of each slot of cached node nd.
 
     Returns a status (0 same split, 1 same split with a new v2, 2 best split changed, 3
     the cache must be recomputed: a slot holds fewer than k pairs and not every valid
     one), the new r2 and the runner-up score (status 0 and 1)."""
-    n_attr, n_r1, n_r2, n_n, n_cnt, n_cid = N[7], N[9], N[10], N[12], N[13], N[16]
-    c_attr, c_off, c_len, c_all = CC[0], CC[1], CC[2], CC[3]
-    er1, er2, eleft = E
+    n_attr, n_r1, n_r2, n_n, n_cnt, n_cid = (nodes.attr, nodes.r1, nodes.r2, nodes.n,
+                                             nodes.cnt, nodes.cid)
+    c_attr, c_off, c_len, c_all = caches.attr, caches.off, caches.length, caches.all_pairs
+    er1, er2, eleft = entries.r1, entries.r2, entries.left
     P = c_attr.shape[1]
     C = n_cnt.shape[1]
     cid = n_cid[nd]
@@ -435,14 +485,14 @@ def _cached_score(nd, N, CC, E, k, msl, gini, tab, Lb, Rb):
 
 
 @njit(cache=True)
-def _groups_unchanged(nd, r, c, N, R, LAY):
+def _groups_unchanged(nd, r, c, nodes, recs, layout):
     """Whether the valid pairs of every attribute sampled at uncached node nd are the same
     after record r (class c) left it: true unless the record's value group, on some
     sampled attribute, vanished from the node or became pure (the only ways a pair can
     appear, disappear or merge). Counts the groups from the node's records."""
-    t, s, e, sattr = N[0][nd], N[14][nd], N[15][nd], N[20]
-    rank, y = R[1], R[2]
-    samp = LAY[0]
+    t, s, e, sattr = nodes.tree[nd], nodes.start[nd], nodes.end[nd], nodes.sampled
+    rank, y = recs.rank, recs.y
+    samp = layout.slot_at
     for ss in range(sattr.shape[1]):
         a = sattr[nd, ss]
         if a < 0:
@@ -470,11 +520,11 @@ def _groups_unchanged(nd, r, c, N, R, LAY):
 
 
 @njit(cache=True)
-def _split_score(nd, nxt, c, N, msl, gini, tab, Lb, Rb):
+def _split_score(nd, nxt, c, nodes, msl, gini, tab, Lb, Rb):
     """Score of greedy node nd's stored split from its children's counts, after record r
     (class c, on its way to child nxt, whose counts are not yet decremented) left it;
     -inf if a side now holds fewer than msl records."""
-    n_left, n_n, n_cnt = N[5], N[12], N[13]
+    n_left, n_n, n_cnt = nodes.left, nodes.n, nodes.cnt
     C = n_cnt.shape[1]
     lk = n_left[nd]
     nl = np.int64(0)
@@ -502,40 +552,16 @@ def _drift(b):
 
 
 @njit(cache=True)
-def _node_rows(nd, N, LAY, rbuf):
-    """rbuf[:m] = the live records of node nd (from its layout range); returns m."""
-    t = N[0][nd]
-    samp = LAY[0]
-    m = 0
-    for q in range(N[14][nd], N[15][nd]):
-        sl = samp[t, q]
-        if sl >= 0:
-            rbuf[m] = sl
-            m += 1
-    return m
-
-
-@njit(cache=True)
-def _set_r2(nd, r2, N, R):
+def _set_r2(nd, r2, nodes, recs):
     """Same split, new upper value: move the threshold to the new midpoint."""
-    a = N[7][nd]
-    vals, voff = R[3], R[5]
-    va = voff[a]
-    N[10][nd] = r2
-    N[8][nd] = midpoint(vals[va + N[9][nd]], vals[va + r2])
+    va = recs.voff[nodes.attr[nd]]
+    nodes.r2[nd] = r2
+    nodes.thr[nd] = midpoint(recs.vals[va + nodes.r1[nd]], recs.vals[va + r2])
 
 
 @njit(cache=True)
-def _route(nd, r, N, R):
-    """The child of internal node nd that record r goes to under the stored split."""
-    a = N[7][nd]
-    go = R[1][r, a] <= N[9][nd] if N[3][nd] == GREEDY else R[0][a, r] <= N[8][nd]
-    return N[5][nd] if go else N[6][nd]
-
-
-@njit(cache=True)
-def _greedy_changed(nd, nxt, r, c, N, CC, E, H, R, LAY, GO, Pm, tab, W, S, cnt, rbuf, ctr, stats,
-                    gw, gp, gn, Lb, Rb):
+def _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs, layout, order, rule,
+                    tab, w, lists, cnt, rbuf, ctr, stats, gw, gp, gn, Lb, Rb):
     """Update greedy node nd (not pure, not too small) after record r (class c, on its way
     to child nxt) left it; returns whether its canonical split now differs from the stored
     one.
@@ -545,57 +571,60 @@ def _greedy_changed(nd, nxt, r, c, N, CC, E, H, R, LAY, GO, Pm, tab, W, S, cnt, 
     re-scoring when the candidates are the same pairs as then and the split still beats
     the bound; otherwise a cached node re-scores its lists, an uncached one is re-derived
     from its records (and a cache that ran short is recomputed)."""
-    n_tree, n_depth, n_path, n_attr, n_r1, n_r2, n_n, n_cid, n_bound, n_sattr = (
-        N[0], N[1], N[2], N[7], N[9], N[10], N[12], N[16], N[19], N[20])
-    _maxd, _drmax, msl, P, k, buf, gini, cache_min, _md, _hr = Pm
+    n_tree, n_depth, n_path, n_attr, n_r1 = (nodes.tree, nodes.depth, nodes.path, nodes.attr,
+                                             nodes.r1)
+    n_r2, n_n, n_cid, n_bound, n_sattr = (nodes.r2, nodes.n, nodes.cid, nodes.bound,
+                                          nodes.sampled)
+    msl, P, k, buf, gini = rule.min_samples_leaf, rule.n_sampled, rule.k, rule.buffer, rule.gini
+    cache_min = rule.cache_min
     KB = k + buf
     n = n_n[nd]
     cid = n_cid[nd]
     if cid >= 0 and n < cache_min:
         for ss in range(P):  # the cache's attributes are the node's sampled ones
-            n_sattr[nd, ss] = CC[0][cid, ss]
-        uncache_node(nd, N, CC, ctr)
+            n_sattr[nd, ss] = caches.attr[cid, ss]
+        uncache_node(nd, nodes, caches, ctr)
         cid = -1
     bound = _drift(n_bound[nd])
     n_bound[nd] = np.inf
     if cid >= 0:
-        nk = h2(R[7][n_tree[nd]], np.uint64(n_path[nd]))
-        touched, nr2 = _cached_repair(nd, nk, r, c, k, N, CC, E, H, R, LAY, GO, ctr, gw, gp,
-                                      gn)
-        if not touched and bound < np.inf and _split_score(nd, nxt, c, N, msl, gini, tab, Lb,
-                                                           Rb) > bound:
+        nk = h2(recs.tree_keys[n_tree[nd]], np.uint64(n_path[nd]))
+        touched, nr2 = _cached_repair(nd, nk, r, c, k, nodes, caches, entries, tables, recs,
+                                      layout, order, ctr, gw, gp, gn)
+        if not touched and bound < np.inf and _split_score(nd, nxt, c, nodes, msl, gini, tab,
+                                                           Lb, Rb) > bound:
             if nr2 >= 0:
-                _set_r2(nd, nr2, N, R)
+                _set_r2(nd, nr2, nodes, recs)
             n_bound[nd] = bound
             return False
-        st, nr2, second = _cached_score(nd, N, CC, E, k, msl, gini, tab, Lb, Rb)
+        st, nr2, second = _cached_score(nd, nodes, caches, entries, k, msl, gini, tab, Lb, Rb)
         if st == 0 or st == 1:
             if st == 1:
-                _set_r2(nd, nr2, N, R)
+                _set_r2(nd, nr2, nodes, recs)
             n_bound[nd] = bound_of(second)
             return False
         if st == 2:
             return True
         stats[STAT_CACHES] += 1
-    elif bound < np.inf and _groups_unchanged(nd, r, c, N, R, LAY) and _split_score(
-            nd, nxt, c, N, msl, gini, tab, Lb, Rb) > bound:
+    elif bound < np.inf and _groups_unchanged(nd, r, c, nodes, recs, layout) and _split_score(
+            nd, nxt, c, nodes, msl, gini, tab, Lb, Rb) > bound:
         n_bound[nd] = bound
         return False
-    m = _node_rows(nd, N, LAY, rbuf)
-    dk, _w, da, _t, dr1, dr2, _d, _ns, second = decide_one(
-        rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], cid >= 0, R, Pm, tab, W, S, cnt)
+    m = gather_rows(layout.slot_at, n_tree[nd], nodes.start[nd], nodes.end[nd], rbuf, 0)
+    d = decide_one(rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], cid >= 0, recs, rule, tab,
+                   w, lists, cnt)
     flag = True
-    if dk == GREEDY and da == n_attr[nd] and dr1 == n_r1[nd]:
+    if d.kind == GREEDY and d.attr == n_attr[nd] and d.r1 == n_r1[nd]:
         flag = False
-        if dr2 != n_r2[nd]:
-            _set_r2(nd, dr2, N, R)
-        n_bound[nd] = bound_of(second)
+        if d.r2 != n_r2[nd]:
+            _set_r2(nd, d.r2, nodes, recs)
+        n_bound[nd] = bound_of(d.second)
         for ss in range(P):
-            n_sattr[nd, ss] = S[0][ss]
-    if cid >= 0 and dk == GREEDY and m >= cache_min:
+            n_sattr[nd, ss] = lists.attr[ss]
+    if cid >= 0 and d.kind == GREEDY and m >= cache_min:
         # a cache is a function of the node's records alone: install it even where the
         # split changed (correct if it flips back)
-        install_cache(cid, CC, E, H, S, ctr, KB)
+        install_cache(cid, caches, entries, tables, lists, ctr, KB)
     return flag
 
 
@@ -624,10 +653,9 @@ def outermost(root: np.ndarray, dirty: np.ndarray, n_kind: np.ndarray, n_left: n
 
 @njit(cache=True)
 def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndarray,
-                  flagged: np.ndarray, root: np.ndarray, N: tuple, CC: tuple, E: tuple, H: tuple,
-                  R: tuple, LAY: tuple, GO: tuple, Pm: tuple, tab: np.ndarray, W: tuple,
-                  S: tuple, cnt: np.ndarray, rbuf: np.ndarray, ctr: np.ndarray,
-                  stats: np.ndarray) -> int:
+                  flagged: np.ndarray, nodes, caches, entries, tables, recs, layout, order,
+                  rule, tab: np.ndarray, w, lists, cnt: np.ndarray, rbuf: np.ndarray,
+                  ctr: np.ndarray, stats: np.ndarray) -> int:
     """Remove record r (class c; already dead and out of the layout) from the counts, caches
     and value tables of the nodes on its paths, WITHOUT retraining: each node is
     re-evaluated against its stored split, and a tree's walk ends at the first node whose
@@ -642,16 +670,21 @@ def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndar
     table pool is short for the next node (ctr[CTR_NEED_E], ctr[CTR_NEED_H] say how much
     room to make): the walk stops before touching that node and resumes there
     (ctr[CTR_AT_TREE], ctr[CTR_AT_NODE]) when called again with the same ctr."""
-    (n_tree, n_depth, n_path, n_kind, n_why, n_left, n_right, n_attr, n_thr, n_r1, _r2,
-     n_draw, n_n, n_cnt, _s, _e, n_cid, _used, _nfree, _bound, _sattr) = N
-    X, rank = R[0], R[1]
-    c_len = CC[2]
-    maxd, _drmax, msl, P, k, buf, _gini, _cmin, _md, hist_ratio = Pm
-    KB = k + buf
+    n_tree, n_depth, n_path, n_kind, n_why = (nodes.tree, nodes.depth, nodes.path, nodes.kind,
+                                              nodes.why)
+    n_left, n_right, n_attr, n_thr, n_r1 = (nodes.left, nodes.right, nodes.attr, nodes.thr,
+                                            nodes.r1)
+    n_draw, n_n, n_cnt, n_cid = nodes.draw, nodes.n, nodes.cnt, nodes.cid
+    X, rank = recs.X, recs.rank
+    c_len = caches.length
+    maxd, msl, P = rule.max_depth, rule.min_samples_leaf, rule.n_sampled
+    hist_ratio = rule.hist_ratio
+    KB = rule.k + rule.buffer
+    root = layout.root
     C = n_cnt.shape[1]
     T = root.shape[0]
-    ecap = E[0].shape[0]
-    hcap = H[0].shape[0]
+    ecap = entries.r1.shape[0]
+    hcap = tables.rank.shape[0]
     gw = np.zeros(C, np.int64)
     gp = np.zeros(C, np.int64)
     gn = np.zeros(C, np.int64)
@@ -705,12 +738,12 @@ def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndar
                     else:
                         n_why[nd] = W_PURE
                 else:  # constant or too small to split: re-derive
-                    m = _node_rows(nd, N, LAY, rbuf)
-                    dk, dwhy, _a, _t, _r1, _r2, _d, _ns, _sc = decide_one(
-                        rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], False, R, Pm, tab,
-                        W, S, cnt)
-                    if dk == LEAF:
-                        n_why[nd] = dwhy
+                    m = gather_rows(layout.slot_at, n_tree[nd], nodes.start[nd], nodes.end[nd],
+                                    rbuf, 0)
+                    d = decide_one(rbuf, 0, m, n_tree[nd], n_path[nd], n_depth[nd], False,
+                                   recs, rule, tab, w, lists, cnt)
+                    if d.kind == LEAF:
+                        n_why[nd] = d.why
                     else:
                         flag = True
             else:
@@ -727,8 +760,9 @@ def delete_record(r: int, c: int, stop: bool, domchg: np.ndarray, dirty: np.ndar
                     nr = n_n[rk] - (1 if nxt == rk else 0)
                     flag = nl == 0 or nr == 0 or n_draw[nd] < 0 or domchg[n_attr[nd]]
                 else:
-                    flag = _greedy_changed(nd, nxt, r, c, N, CC, E, H, R, LAY, GO, Pm, tab, W,
-                                           S, cnt, rbuf, ctr, stats, gw, gp, gn, Lb, Rb)
+                    flag = _greedy_changed(nd, nxt, r, c, nodes, caches, entries, tables, recs,
+                                           layout, order, rule, tab, w, lists, cnt, rbuf, ctr,
+                                           stats, gw, gp, gn, Lb, Rb)
             if flag:
                 if stop:
                     flagged[nflag] = nd

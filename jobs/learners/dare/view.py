@@ -5,8 +5,8 @@ node, whether deleting that one record would change the node's split. It needs w
 the forest's own update code reads: the nodes, the records each node holds, the
 ranks and labels of the records and, for every greedy node, its candidate split lists
 exactly as the split search builds them. This module hands those out without letting
-the guard touch the forest's private state elsewhere; nothing here modifies the
-forest.
+the guard reach into the forest: it reads the public fields of the forest's state
+(:class:`~jobs.learners.dare.state.ForestState`); nothing here modifies the forest.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import njit
+from sklearn.utils.validation import check_is_fitted
 
+from jobs.learners.dare import builder, bundle, split_search
 from jobs.learners.dare.common import _W_MSL as W_MSL
-from jobs.learners.dare.common import GREEDY, LEAF, RANDOM, _h2, _ranges
+from jobs.learners.dare.common import GREEDY, LEAF, RANDOM, _h2, _ranges, score_table
 from jobs.learners.dare.forest import DaREForest
+from jobs.learners.dare.state import ForestState
 
 __all__ = ["GREEDY", "LEAF", "RANDOM", "W_MSL", "Candidates", "ForestView", "Grown",
-           "candidates", "grow", "node_records", "saved_nbytes", "view"]
+           "candidates", "grow", "node_records", "record_slots", "saved_nbytes", "view"]
 
 
 @dataclass(frozen=True)
@@ -82,25 +85,30 @@ class Candidates(NamedTuple):
 
 
 def view(forest: DaREForest) -> ForestView:
-    f = forest
-    f._check_fitted()
-    nodes = np.arange(f._ncap)
-    keys = _h2(f._tkeys[np.maximum(f._n_tree, 0)], f._n_path.astype(np.uint64))
-    table = f._tab(int(f._n_n.max(initial=0)) + 2)
+    check_is_fitted(forest)
+    st = forest.state_
+    nd, rec = st.nodes, st.records
+    keys = _h2(st.tree_keys[np.maximum(nd.tree, 0)], nd.path.astype(np.uint64))
     return ForestView(
-        n_trees=f._T, n_classes=len(f.classes_), msl=f._msl, k=f._k,
-        gini=f.criterion == "gini", root=f._root[: f._T].astype(np.int64), used=f._n_used,
-        kind=f._n_kind, why=f._n_why, depth=f._n_depth, left=f._n_left, right=f._n_right,
-        attr=f._n_attr, r1=f._n_r1, r2=f._n_r2, thr=f._n_thr, draw=f._n_draw, n=f._n_n,
-        cnt=f._n_cnt, tree=f._n_tree, path=f._n_path, rank=f._rank, X=f._X, y=f._y,
-        live=f._alive[: f._nrec], vmix=f._vmix, voff=f._voff, node_keys=keys[nodes],
-        xlogx=table,
+        n_trees=st.rule.n_trees, n_classes=st.n_classes, msl=st.rule.min_samples_leaf,
+        k=st.rule.k, gini=st.rule.gini, root=st.layout.root[: st.rule.n_trees].astype(np.int64),
+        used=nd.used, kind=nd.kind, why=nd.why, depth=nd.depth, left=nd.left, right=nd.right,
+        attr=nd.attr, r1=nd.r1, r2=nd.r2, thr=nd.thr, draw=nd.draw, n=nd.n, cnt=nd.cnt,
+        tree=nd.tree, path=nd.path, rank=st.values.rank, X=rec.X, y=rec.y,
+        live=rec.alive[: rec.n_slots], vmix=st.values.vmix, voff=st.values.voff,
+        node_keys=keys, xlogx=score_table(st.rule.gini, int(nd.n.max(initial=0)) + 2),
     )  # fmt: skip
 
 
 def node_records(forest: DaREForest, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The live records (slots) of each node, CSR (rows, off)."""
-    return forest._node_rows(np.asarray(nodes, dtype=np.int64))
+    return builder.node_rows(forest.state_, np.asarray(nodes, dtype=np.int64))
+
+
+def record_slots(forest: DaREForest, ids: np.ndarray) -> np.ndarray:
+    """The slot of each live record id (they index the view's record arrays)."""
+    slot = forest.state_.records.slot
+    return np.array([slot[i] for i in np.asarray(ids).tolist()], dtype=np.int64)
 
 
 def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
@@ -119,45 +127,46 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
     the decisions are those of the search's longer lists. The others (small nodes, slots
     whose deletions left fewer) run the split search on their records: after a stream of
     deletions, asking for the whole buffer sent most large nodes there."""
-    f = forest
+    st = forest.state_
+    nd, cc, e, rule = st.nodes, st.caches, st.entries, st.rule
     nodes = np.asarray(nodes, dtype=np.int64)
     m = len(nodes)
-    P = f._P
-    C = len(f.classes_)
-    cid = f._n_cid[nodes].astype(np.int64)
-    kept = _kept_lists(cid, f._c_attr, f._c_off, f._c_len, f._c_all, f._er1,
-                       f._k + min(2, f._BUFFER))
+    P = rule.n_sampled
+    cid = nd.cid[nodes].astype(np.int64)
+    kept = _kept_lists(cid, cc.attr, cc.off, cc.length, cc.all_pairs, e.r1,
+                       rule.k + min(2, rule.buffer))
     search = np.flatnonzero(~kept)
     slot_attr = np.full((m, P), -1, dtype=np.int64)
     allp = np.zeros((m, P), dtype=bool)
     eoff = np.zeros((m, P), dtype=np.int64)
     ln = np.zeros((m, P), dtype=np.int64)
     ok = np.ones(m, dtype=bool)
-    attr = f._n_attr[nodes].astype(np.int64)
-    r1 = f._n_r1[nodes].astype(np.int64)
+    attr = nd.attr[nodes].astype(np.int64)
+    r1 = nd.r1[nodes].astype(np.int64)
     e_r1 = e_r2 = np.zeros(0, dtype=np.int64)
-    e_left = np.zeros((0, C), dtype=np.int64)
+    e_left = np.zeros((0, st.n_classes), dtype=np.int64)
     if search.size:
         lens = (np.asarray(stop) - np.asarray(start))[search]
         sub = _ranges(np.asarray(start)[search], lens)
         soff = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        ok_s, attr_s, r1_s, _r2, cache = f._greedy(
-            f._n_tree[nodes[search]].astype(np.int64), f._n_path[nodes[search]].astype(np.int64),
-            f._n_n[nodes[search]].astype(np.int64), f._n_cnt[nodes[search]].astype(np.int64),
-            rows[sub], soff, np.ones(len(search), dtype=bool))
+        at = nodes[search]
+        ok_s, attr_s, r1_s, _r2, lists = split_search.greedy_splits(
+            st, nd.tree[at].astype(np.int64), nd.path[at].astype(np.int64),
+            nd.n[at].astype(np.int64), nd.cnt[at].astype(np.int64), rows[sub], soff,
+            np.ones(len(search), dtype=bool))
         ok[search], attr[search], r1[search] = ok_s, attr_s, r1_s
-        if cache is not None:
-            ct, sa, al, _cutp, _cutv, eo, el, e_r1, e_r2, e_left = cache[:10]
-            slot_attr[search[ct]], allp[search[ct]] = sa, al
-            eoff[search[ct]], ln[search[ct]] = eo, el
-            e_r1, e_r2 = e_r1.astype(np.int64), e_r2.astype(np.int64)
-            e_left = e_left.astype(np.int64)
+        if lists is not None:
+            ct = search[lists.task]
+            slot_attr[ct], allp[ct] = lists.slot_attr, lists.all_pairs
+            eoff[ct], ln[ct] = lists.off, lists.length
+            e_r1, e_r2 = lists.e_r1.astype(np.int64), lists.e_r2.astype(np.int64)
+            e_left = lists.e_left.astype(np.int64)
     hit = np.flatnonzero(kept)
     if hit.size:
         base = len(e_r1)
         sa, al, eo, el, c_r1, c_r2, c_left = _live_lists(
-            cid[hit], f._c_attr, f._c_off, f._c_len, f._c_all, f._er1, f._er2, f._eleft,
-            f._k + f._BUFFER)
+            cid[hit], cc.attr, cc.off, cc.length, cc.all_pairs, e.r1, e.r2, e.left,
+            rule.k + rule.buffer)
         slot_attr[hit], allp[hit], eoff[hit], ln[hit] = sa, al, eo + base, el
         e_r1 = np.concatenate([e_r1, c_r1])
         e_r2 = np.concatenate([e_r2, c_r2])
@@ -262,16 +271,17 @@ def grow(forest: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarr
     records minus one this is the subtree a deletion of that one record leaves. Level by
     level, all tasks at once. `domain` (attribute, D): grow as if that attribute's
     random-node domain were D (the forest's own is put back before returning)."""
-    f = forest
+    st = forest.state_
     if domain is not None:
         a, D = domain
-        saved = float(f._dom[a])
-        f._dom[a] = D
+        dom = st.domains.dom
+        saved = float(dom[a])
+        dom[a] = D
         try:
-            return grow(f, tree, path, depth, rows, off)
+            return grow(forest, tree, path, depth, rows, off)
         finally:
-            f._dom[a] = saved
-    C = len(f.classes_)
+            dom[a] = saved
+    C = st.n_classes
     ntask = len(tree)
     # nodes as they are made: (task, parent, side, leaf, attr, thr, cnt, n)
     cols: list[list[np.ndarray]] = [[] for _ in range(8)]
@@ -282,7 +292,7 @@ def grow(forest: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarr
     tree, path, depth = (np.asarray(a, dtype=np.int64) for a in (tree, path, depth))
     rows, off = np.asarray(rows, dtype=np.int64), np.asarray(off, dtype=np.int64)
     while len(cur_task):
-        d = _decide_once(f, tree, path, depth, rows, off)
+        d = _decide_once(st, tree, path, depth, rows, off)
         ids = made + np.arange(len(cur_task))
         made += len(cur_task)
         leaf = d.kind == LEAF
@@ -332,7 +342,7 @@ class _Decided(NamedTuple):
     go_left: np.ndarray
 
 
-def _decide_once(f: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.ndarray,
+def _decide_once(st: ForestState, tree: np.ndarray, path: np.ndarray, depth: np.ndarray,
                  rows: np.ndarray, off: np.ndarray) -> _Decided:
     """The forest's decisions for the tasks' nodes, each distinct task decided once.
 
@@ -365,12 +375,12 @@ def _decide_once(f: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.nd
         rep[apart] = apart
     uniq = np.flatnonzero(rep == own)
     if len(uniq) == ntask:
-        d = f._decide(tree, path, depth, rows, off, np.zeros(ntask, dtype=bool))
+        d = split_search.decide(st, tree, path, depth, rows, off, np.zeros(ntask, dtype=bool))
         return _Decided(d.kind, d.attr, d.thr, d.cnt, d.n, d.go_left)
     el_u = _ranges(off[uniq], n[uniq])
     off_u = np.concatenate([[0], np.cumsum(n[uniq])]).astype(np.int64)
-    d = f._decide(tree[uniq], path[uniq], depth[uniq], rows[el_u], off_u,
-                  np.zeros(len(uniq), dtype=bool))
+    d = split_search.decide(st, tree[uniq], path[uniq], depth[uniq], rows[el_u], off_u,
+                            np.zeros(len(uniq), dtype=bool))
     at = np.full(ntask, -1, dtype=np.int64)
     at[uniq] = np.arange(len(uniq))
     j = at[rep]
@@ -381,7 +391,8 @@ def _decide_once(f: DaREForest, tree: np.ndarray, path: np.ndarray, depth: np.nd
 
 def saved_nbytes(forest: DaREForest) -> int:
     """The size of what :meth:`DaREForest.save` writes (its arrays), in bytes."""
-    f = forest
-    n = int(f.n_records_)
-    arrays = [getattr(f, name) for name in f._SAVED]
-    return int(sum(a.nbytes for a in arrays) + f._X.shape[0] * n * 8 + n * 16)
+    st = forest.state_
+    rec = st.records
+    n = int(rec.n_live)
+    state = sum(a.nbytes for a in bundle.state_arrays(st).values())
+    return int(state + rec.X.shape[0] * n * 8 + n * 16)

@@ -1,0 +1,134 @@
+"""A DaRE forest on disk: ``meta.json`` (JSON) and ``arrays.npz`` (plain arrays, no
+pickle), the saved names of format ``obliviate.dare/1``. The value group tables, the
+score bounds and the cost model are derived state: a loaded forest rebuilds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.learners.base import read_bundle_meta, read_bundle_payload, write_bundle
+from jobs.learners.dare import pools
+from jobs.learners.dare import state as fs
+from jobs.learners.dare.costs import BatchPolicy, CostModel
+from jobs.learners.dare.training import tree_keys
+from jobs.learners.dare.values import new_domains, rerank
+
+FORMAT = "obliviate.dare/1"
+ARRAYS = "arrays.npz"
+
+#: (saved name, state group, field), in the order they are written
+_SAVED = (
+    ("y", "records", "y"), ("alive", "records", "alive"), ("class_n", "records", "class_n"),
+    ("n_tree", "nodes", "tree"), ("n_depth", "nodes", "depth"), ("n_path", "nodes", "path"),
+    ("n_kind", "nodes", "kind"), ("n_why", "nodes", "why"), ("n_left", "nodes", "left"),
+    ("n_right", "nodes", "right"), ("n_attr", "nodes", "attr"), ("n_thr", "nodes", "thr"),
+    ("n_r1", "nodes", "r1"), ("n_r2", "nodes", "r2"), ("n_draw", "nodes", "draw"),
+    ("n_n", "nodes", "n"), ("n_cnt", "nodes", "cnt"), ("n_s", "nodes", "start"),
+    ("n_e", "nodes", "end"), ("n_cid", "nodes", "cid"), ("n_used", "nodes", "used"),
+    ("nfree", "nodes", "free"), ("c_attr", "caches", "attr"), ("c_off", "caches", "off"),
+    ("c_len", "caches", "length"), ("c_all", "caches", "all_pairs"),
+    ("c_cutp", "caches", "cut_prio"), ("c_cutv", "caches", "cut_value"),
+    ("cfree", "caches", "free"), ("er1", "entries", "r1"), ("er2", "entries", "r2"),
+    ("eleft", "entries", "left"), ("samp", "layout", "slot_at"), ("pos", "layout", "pos"),
+    ("root", "layout", "root"),
+)  # fmt: skip
+
+
+def _scalars(st: fs.ForestState) -> dict[str, int]:
+    """The counts the format saves (capacities and counters, under their saved names)."""
+    rec, c = st.records, st.counts
+    return {
+        "_cap": rec.capacity, "_nrec": rec.n_slots, "_nlive": rec.n_live,
+        "_ncap": len(st.nodes.tree), "_nfree_n": c.free_nodes, "_ccap": len(st.caches.attr),
+        "_cfree_n": c.free_caches, "_ecap": len(st.entries.r1), "_eused": c.entries_used,
+        "_egarb": c.entries_garbage,
+    }  # fmt: skip
+
+
+def state_arrays(st: fs.ForestState) -> dict[str, np.ndarray]:
+    """The state's arrays a bundle holds, under their saved names."""
+    return {name: getattr(getattr(st, group), field) for name, group, field in _SAVED}
+
+
+def _saved_arrays(st: fs.ForestState) -> dict[str, np.ndarray]:
+    """What :func:`save` writes: the state's arrays and the records (ids as strings)."""
+    arrays = state_arrays(st)
+    rec = st.records
+    arrays["X"] = rec.X[:, : rec.n_slots]
+    arrays["ids"] = np.array(rec.ids[: rec.n_slots].tolist(), dtype=str)
+    arrays["classes"] = np.asarray(rec.classes)
+    if arrays["classes"].dtype == object:
+        arrays["classes"] = arrays["classes"].astype(str)
+    return arrays
+
+
+def save(st: fs.ForestState, path: str | Path, params: dict[str, Any], content_hash: str) -> None:
+    """Write the bundle of a compact forest (:func:`jobs.learners.dare.records.compact_store`)."""
+    arrays = _saved_arrays(st)
+    meta = {
+        "format": FORMAT,
+        "params": {k: (int(v) if isinstance(v, np.integer) else v) for k, v in params.items()},
+        "n_features": st.n_features,
+        "scalars": _scalars(st),
+        "content_hash": content_hash,
+    }  # fmt: skip
+    write_bundle(Path(path), meta, ARRAYS, lambda fh: np.savez(fh, **arrays))
+
+
+def read(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The meta and the arrays of a bundle (refusing one of another format)."""
+    meta = read_bundle_meta(Path(path), FORMAT, "DaRE")
+    with np.load(read_bundle_payload(Path(path), ARRAYS), allow_pickle=False) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    return meta, arrays
+
+
+def _store(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> fs.RecordStore:
+    s = meta["scalars"]
+    cap, n = int(s["_cap"]), int(s["_nrec"])
+    X = np.zeros((int(meta["n_features"]), cap), dtype=np.float64)
+    X[:, :n] = arrays["X"]
+    ids = np.empty(cap, dtype=object)
+    ids[:n] = arrays["ids"].tolist()
+    alive = arrays["alive"]
+    return fs.RecordStore(
+        X=X, y=arrays["y"], alive=alive, ids=ids,
+        slot={ids[i]: i for i in np.flatnonzero(alive[:n]).tolist()}, n_slots=n,
+        n_live=int(s["_nlive"]), class_n=arrays["class_n"], classes=arrays["classes"],
+    )  # fmt: skip
+
+
+def _group(arrays: dict[str, np.ndarray], group: str) -> dict[str, np.ndarray]:
+    return {field: arrays[name] for name, grp, field in _SAVED if grp == group}
+
+
+def restore(meta: dict[str, Any], arrays: dict[str, np.ndarray], rule: fs.SplitRule,
+            random_state: int, random_domain: float | None, policy: BatchPolicy
+            ) -> fs.ForestState:
+    """The forest a bundle holds, its derived state rebuilt (the value group tables on
+    its first update)."""
+    rec = _store(meta, arrays)
+    s = meta["scalars"]
+    node_fields = _group(arrays, "nodes")
+    bound, sampled = pools.fresh_bounds(len(node_fields["tree"]), rule.n_sampled)
+    nodes = fs.NodePool(**node_fields, bound=bound, sampled=sampled)
+    cache_fields = _group(arrays, "caches")
+    shape = cache_fields["attr"].shape
+    caches = fs.CachePool(**cache_fields, table_off=np.zeros(shape, dtype=np.int64),
+                          table_len=np.zeros(shape, dtype=np.int32))
+    return fs.ForestState(
+        rule=rule, records=rec, values=rerank(rec, None)[0],
+        domains=new_domains(rec, random_domain), tree_keys=tree_keys(random_state, rule.n_trees),
+        nodes=nodes, caches=caches, entries=fs.EntryPool(**_group(arrays, "entries")),
+        tables=pools.new_table_pool(0, len(rec.classes)),
+        layout=fs.Layout(**_group(arrays, "layout")),
+        counts=fs.PoolCounts(free_nodes=int(s["_nfree_n"]), free_caches=int(s["_cfree_n"]),
+                             entries_used=int(s["_eused"]), entries_garbage=int(s["_egarb"]),
+                             tables_used=0, tables_garbage=0),
+        # = what the builder went through
+        costs=CostModel(policy, rule.n_trees, int(nodes.n[nodes.used].sum()), rec.n_live),
+        tables_stale=True,
+    )  # fmt: skip

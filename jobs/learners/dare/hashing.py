@@ -1,0 +1,107 @@
+"""The content hash of a DaRE forest: SHA-256 over everything that determines its
+predictions and its future updates, and nothing that depends on the order of updates,
+memory layout or record slots (so an updated forest and a retrain hash alike)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+
+from jobs.learners.dare import builder
+from jobs.learners.dare.common import GREEDY, LEAF, RANDOM, _ranges
+from jobs.learners.dare.state import ForestState
+
+
+def canonical_nodes(st: ForestState) -> np.ndarray:
+    """The used nodes, tree by tree, each tree depth first (pre-order)."""
+    nd = st.nodes
+    nodes = np.flatnonzero(nd.used)
+    dep = nd.depth[nodes].astype(np.int64)
+    dm = int(dep.max()) + 1
+    key = (nd.path[nodes] - (np.int64(1) << dep)) << (dm - dep)
+    return nodes[np.lexsort((dep, key, nd.tree[nodes]))]
+
+
+def _selected_candidates(st: ForestState, nodes: np.ndarray) -> list[np.ndarray]:
+    """The k selected pairs of every cache slot of `nodes` (canonically ordered): per pair
+    its slot's (node index, slot, attribute), the pair's slot index, v1, v2, left counts."""
+    cc, e, val = st.caches, st.entries, st.values
+    k = st.rule.k
+    cached = np.flatnonzero(st.nodes.cid[nodes] >= 0)
+    cid = st.nodes.cid[nodes[cached]].astype(np.int64)
+    sa = cc.attr[cid]
+    sn, ss = np.nonzero(sa >= 0)
+    a = sa[sn, ss].astype(np.int64)
+    ln = cc.length[cid[sn], ss].astype(np.int64)
+    E = _ranges(cc.off[cid[sn], ss], ln)
+    seg = np.repeat(np.arange(len(sn)), ln)
+    alive = e.r1[E] >= 0
+    ca = np.cumsum(alive)
+    before = np.concatenate([[0], ca])[np.cumsum(ln) - ln]
+    sel = alive & (ca - alive - np.repeat(before, ln) < k)
+    E, seg = E[sel], seg[sel]
+    ea = a[seg]
+    v1 = val.vals[val.voff[ea] + e.r1[E]]
+    v2 = val.vals[val.voff[ea] + e.r2[E]]
+    return [cached[sn].astype(np.int64), ss.astype(np.int64), a, seg.astype(np.int64), v1, v2,
+            e.left[:, E].T.astype(np.int64)]
+
+
+def _structure(st: ForestState, nodes: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """Per node in canonical order: its place and kind, split, counts, children (as
+    indices into the order); thresholds and the greedy splits' values."""
+    nd, val = st.nodes, st.values
+    kind = nd.kind[nodes]
+    g = kind == GREEDY
+    a = nd.attr[nodes].astype(np.int64)
+    v1 = np.zeros(len(nodes))
+    v2 = np.zeros(len(nodes))
+    v1[g] = val.vals[val.voff[a[g]] + nd.r1[nodes[g]]]
+    v2[g] = val.vals[val.voff[a[g]] + nd.r2[nodes[g]]]
+    thr = np.where(kind != LEAF, nd.thr[nodes], 0.0)
+    draw = np.where(kind == RANDOM, nd.draw[nodes], -1).astype(np.int64)
+    struct = np.stack([
+        nd.tree[nodes], nd.depth[nodes], nd.path[nodes], kind, nd.why[nodes],
+        np.where(kind != LEAF, a, -1), draw, nd.n[nodes],
+        idx[np.where(kind != LEAF, nd.left[nodes], nodes)],
+        idx[np.where(kind != LEAF, nd.right[nodes], nodes)],
+    ], axis=1).astype(np.int64)  # fmt: skip
+    return [struct, thr, v1, v2, nd.cnt[nodes].astype(np.int64)]
+
+
+def _leaf_members(st: ForestState, nodes: np.ndarray, idx: np.ndarray, lslots: np.ndarray
+                  ) -> np.ndarray:
+    """Each leaf's records, by id: the leaf index of every live record in every tree."""
+    nd = st.nodes
+    leaves = nodes[nd.kind[nodes] == LEAF]
+    rows, off = builder.node_rows(st, leaves)
+    owner = np.full((st.rule.n_trees, st.records.capacity), -1, dtype=np.int64)
+    owner[np.repeat(nd.tree[leaves], np.diff(off)), rows] = np.repeat(idx[leaves], np.diff(off))
+    return owner[:, lslots]
+
+
+def content_hash(st: ForestState, header: dict[str, Any]) -> str:
+    """SHA-256 over the header (format, parameters, classes, width, live ids) and the
+    forest: structure, thresholds, counts, the selected candidates of cached nodes with
+    their counts, the keyed draw indices, each leaf's records and the live training set."""
+    nodes = canonical_nodes(st)
+    idx = np.full(len(st.nodes.tree), -1, dtype=np.int64)
+    idx[nodes] = np.arange(len(nodes))
+    rec = st.records
+    live_ids = sorted(rec.slot)
+    lslots = np.array([rec.slot[i] for i in live_ids], dtype=np.int64)
+    sel = _selected_candidates(st, nodes)
+    h = hashlib.sha256()
+    h.update(json.dumps({**header, "ids": live_ids}, sort_keys=True).encode())
+    for arr in (
+        *_structure(st, nodes, idx), *sel, _leaf_members(st, nodes, idx, lslots),
+        rec.X[:, lslots], rec.y[lslots].astype(np.int64),
+    ):
+        arr = np.ascontiguousarray(arr)
+        h.update(str(arr.dtype).encode())
+        h.update(repr(arr.shape).encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()

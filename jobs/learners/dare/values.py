@@ -1,0 +1,115 @@
+"""The value index of a DaRE forest (dense value ranks, the global value order) and the
+random-node domains, both functions of the records they are derived from."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jobs.learners.dare.common import _GOLD, _U64, GREEDY, _mix, _ranges
+from jobs.learners.dare.state import Domains, ForestState, RecordStore, ValueIndex
+
+
+def rerank(rec: RecordStore, old: ValueIndex | None) -> tuple[ValueIndex, list[np.ndarray] | None]:
+    """Dense ranks of every slot's values per attribute, the global sorted order and the
+    start of each value's run in it. With the `old` index, also per attribute the map
+    old rank -> new rank (whose rank array is reused where it is large enough)."""
+    p, n = rec.X.shape[0], rec.n_slots
+    old_vals = None
+    rank = None
+    if old is not None:
+        old_vals = [old.vals[old.voff[a] : old.voff[a + 1]] for a in range(p)]
+        rank = old.rank if old.rank.shape[1] >= rec.capacity else None
+    if rank is None:
+        rank = np.zeros((p, rec.capacity), dtype=np.int32)
+    vals, voff = [], [0]
+    gorder = np.empty((p, n), dtype=np.int32)
+    rstart, roff = [], [0]
+    for a in range(p):
+        u, inv = np.unique(rec.X[a, :n], return_inverse=True)
+        rank[a, :n] = inv
+        vals.append(u)
+        voff.append(voff[-1] + len(u))
+        gorder[a] = np.argsort(inv, kind="stable")
+        rs = np.zeros(len(u) + 1, dtype=np.int32)
+        np.cumsum(np.bincount(inv, minlength=len(u)), out=rs[1:])
+        rstart.append(rs)
+        roff.append(roff[-1] + len(u) + 1)
+    all_vals = np.concatenate(vals) if vals else np.zeros(0)
+    nvals_max = max((len(v) for v in vals), default=1)
+    # the compiled kernels read a record's ranks together: record-major, 16 bits where
+    # they fit (one cache line per record on tables of up to 32 features)
+    dt = np.uint16 if nvals_max <= 65_535 else np.int32
+    index = ValueIndex(
+        rank=rank, rank_rm=np.ascontiguousarray(rank.T, dtype=dt), vals=all_vals,
+        vmix=_mix(all_vals.view(_U64) + _GOLD),  # value half of the pair priority
+        voff=np.array(voff, dtype=np.int64), gorder=gorder, rstart=np.concatenate(rstart),
+        roff=np.array(roff, dtype=np.int64), nvals_max=nvals_max,
+    )  # fmt: skip
+    if old_vals is None:
+        return index, None
+    return index, [np.searchsorted(vals[a], old_vals[a]).astype(np.int32) for a in range(p)]
+
+
+def reindex(st: ForestState) -> None:
+    """Re-rank the records (after slots were added or dropped) and translate the ranks
+    stored in nodes, caches and value group tables."""
+    st.values, remap = rerank(st.records, st.values)
+    _remap_ranks(st, remap)
+
+
+def _remap_ranks(st: ForestState, remap: list[np.ndarray]) -> None:
+    flat = np.concatenate(remap)
+    base = np.concatenate([[0], np.cumsum([len(m) for m in remap])])
+    nd, cc, e = st.nodes, st.caches, st.entries
+    g = np.flatnonzero(nd.used & (nd.kind == GREEDY))
+    a = nd.attr[g].astype(np.int64)
+    nd.r1[g] = flat[base[a] + nd.r1[g]]
+    nd.r2[g] = flat[base[a] + nd.r2[g]]
+    cids = np.flatnonzero((cc.attr >= 0).any(axis=1))
+    if cids.size:
+        sa = cc.attr[cids].ravel().astype(np.int64)
+        ln = cc.length[cids].ravel().astype(np.int64)
+        E = _ranges(cc.off[cids].ravel(), ln)
+        ea = np.repeat(sa, ln)
+        live = e.r1[E] >= 0
+        E, ea = E[live], ea[live]
+        e.r1[E] = flat[base[ea] + e.r1[E]]
+        e.r2[E] = flat[base[ea] + e.r2[E]]
+    cids, ss = np.nonzero(cc.table_len > 0)
+    if cids.size:
+        ln = cc.table_len[cids, ss].astype(np.int64)
+        Hx = _ranges(cc.table_off[cids, ss], ln)
+        ha = np.repeat(cc.attr[cids, ss].astype(np.int64), ln)
+        st.tables.rank[Hx] = flat[base[ha] + st.tables.rank[Hx]]
+
+
+def new_domains(rec: RecordStore, fixed: float | None) -> Domains:
+    """The random-node domains of the live records (see :func:`update_domains`)."""
+    p = rec.X.shape[0]
+    dom = Domains(dom=np.ones(p, dtype=np.float64), absmax=np.zeros(p, dtype=np.float64),
+                  absmax_n=np.zeros(p, dtype=np.int64), fixed=fixed)
+    update_domains(dom, rec, np.arange(p))
+    return dom
+
+
+def update_domains(dom: Domains, rec: RecordStore, attrs: np.ndarray) -> np.ndarray:
+    """Random-node stream domains D_a = 2**e with 2**(e-1) <= max|x_a| < 2**e over the live
+    data (e <= 1023), or the fixed one. Returns the attributes whose D changed."""
+    attrs = np.asarray(attrs, dtype=np.int64)
+    if len(attrs) == 0:
+        return attrs
+    live = np.flatnonzero(rec.alive[: rec.n_slots])
+    ax = np.abs(rec.X[np.ix_(attrs, live)])
+    m = ax.max(axis=1) if live.size else np.zeros(len(attrs))
+    dom.absmax[attrs] = m
+    dom.absmax_n[attrs] = (ax == m[:, None]).sum(axis=1) if live.size else 0
+    if dom.fixed is not None:
+        new = np.full(len(attrs), float(dom.fixed))
+    else:
+        new = np.array([1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023))
+                        for v in m.tolist()])
+    changed = attrs[new != dom.dom[attrs]]
+    dom.dom[attrs] = new
+    return changed
