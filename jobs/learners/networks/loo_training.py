@@ -427,7 +427,7 @@ def _make_config(
 ) -> LOOConfig:
     C = int(n_classes) if n_classes is not None else int(y.max()) + 1 if len(y) else 1
     if C < 2:
-        raise ValueError("need at least 2 classes")
+        raise ValueError(f"need at least 2 classes, got {C} class{'' if C == 1 else 'es'}")
     if len(y) and (y.min() < 0 or y.max() >= C):
         raise ValueError("labels must be integers in [0, n_classes)")
     B = int(n_batches_) if n_batches_ is not None else n_batches(n_total, batch_size)
