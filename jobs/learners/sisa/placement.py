@@ -59,17 +59,10 @@ class Placement:
     def records(self, ids: np.ndarray, X: np.ndarray, y: np.ndarray,
                 added: np.ndarray) -> Records:
         """A record set sorted by id, with its keyed shards, slices and batch keys."""
-        order = np.argsort(ids, kind="stable")
-        ids, X, y, added = ids[order], X[order], y[order], added[order]
-        return Records(
-            ids=ids,
-            X=np.ascontiguousarray(X, dtype=np.float32),
-            y=np.ascontiguousarray(y, dtype=np.int64),
-            member=self.members(ids),
-            slice=self.slices(ids, added),
-            added=added.astype(bool),
-            keys=prf_u64_many(self.seed, "batch", ids),
-        )
+        added = added.astype(bool)
+        return Records.by_id(ids, X, y, member=self.members(ids),
+                             slice=self.slices(ids, added), added=added,
+                             keys=prf_u64_many(self.seed, "batch", ids))
 
     def tombstones(self, ids: np.ndarray, slices: np.ndarray | None = None) -> Tombstones:
         """The tombstones of records ``ids`` deleted from ``slices`` (aligned; default 0):

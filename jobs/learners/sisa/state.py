@@ -5,17 +5,15 @@ and read its fields; an update makes a new one."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from jobs.learners.base import UnknownRecordError, as_ids
-from jobs.learners.networks.torch_nets import torch_threads
+from jobs.learners.networks.records import RecordTable
+from jobs.learners.networks.training_spec import TrainingSpec
 
 FORMAT = "obliviate.sisa/1"
 State = dict[str, torch.Tensor]  # one network's weights: a state dict
@@ -24,15 +22,8 @@ NO_SLICES = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
-class EnsembleSpec:
-    """What every shard trains under: the resolved configuration (the estimator's
-    ``config_``), the seed, the label set, the input width and the device."""
-
-    config: dict[str, Any]
-    seed: int
-    classes: np.ndarray
-    n_features: int
-    device: torch.device
+class EnsembleSpec(TrainingSpec):
+    """What every shard trains under (:class:`TrainingSpec`), with the ensemble's shape."""
 
     @property
     def n_shards(self) -> int:
@@ -42,50 +33,16 @@ class EnsembleSpec:
     def n_slices(self) -> int:
         return self.config["n_slices"]
 
-    @property
-    def n_classes(self) -> int:
-        return len(self.classes)
-
-    def threads(self) -> Any:
-        """The CPU thread count fixed while training and predicting (part of the bits)."""
-        return torch_threads(self.config["cpu_threads"] if self.device.type == "cpu" else None)
-
-    def platform(self) -> dict[str, Any]:
-        """What the bits are reproducible on: device type, torch build, CPU threads."""
-        return {"device_type": self.device.type, "torch": torch.__version__,
-                "cpu_threads": self.config["cpu_threads"]}
-
 
 @dataclass(frozen=True, eq=False)
-class Records:
+class Records(RecordTable):
     """The live records, sorted by id, with their keyed placement: shard membership
     ``member`` (n, S), ``slice``, origin ``added`` (arrived by ``add``) and batch ``keys``."""
 
-    ids: np.ndarray
-    X: np.ndarray
-    y: np.ndarray
     member: np.ndarray
     slice: np.ndarray
     added: np.ndarray
     keys: np.ndarray
-
-    @cached_property
-    def row(self) -> dict[str, int]:
-        """The row of each live id."""
-        return {rid: k for k, rid in enumerate(self.ids.tolist())}
-
-    def rows_of(self, ids: Any) -> np.ndarray:
-        """Rows of live ids; :class:`UnknownRecordError` for any other."""
-        rids = as_ids(ids)
-        unknown = [i for i in rids.tolist() if i not in self.row]
-        if unknown:
-            raise UnknownRecordError(unknown, "unknown or already deleted record id")
-        return np.array([self.row[i] for i in rids.tolist()], dtype=np.int64)
-
-    def take(self, keep: np.ndarray) -> Records:
-        """The records of rows ``keep`` (a mask or indices)."""
-        return Records(**{f.name: getattr(self, f.name)[keep]
-                          for f in dataclasses.fields(self)})
 
     def of_shard(self, s: int) -> np.ndarray:
         """Rows of shard ``s``'s live records."""
