@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import cross_val_score
 from sklearn.utils.estimator_checks import check_param_validation, parametrize_with_checks
 
 from jobs.learners.game.stackelberg import GameUnlearningNet
 from jobs.learners.mlp.leave_one_out import LeaveOneOutMLP
+from jobs.learners.networks.torch_nets import torch_threads
 from jobs.learners.sisa.ensemble import SISAEnsemble
 
 # Small enough to fit in milliseconds, large enough to pass check_classifiers_train (0.83
@@ -31,10 +31,8 @@ ESTIMATORS = [
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+    with torch_threads(1):
+        yield
 
 
 @parametrize_with_checks(ESTIMATORS)

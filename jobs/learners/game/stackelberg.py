@@ -106,27 +106,26 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
+from sklearn.base import _fit_context
 from sklearn.utils._param_validation import StrOptions
-from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from jobs.learners import base
-from jobs.learners.base import Learner, UpdateReport, VerifyReport
+from jobs.learners.base import UpdateReport, VerifyReport
 from jobs.learners.game import bundle, checks, updates
 from jobs.learners.game.attacks import Attacker, pair_features_np
 from jobs.learners.game.config import resolve_config
 from jobs.learners.game.state import GameRecords, GameState
 from jobs.learners.game.training import GameTrainer, keyed_pick
 from jobs.learners.networks import torch_nets as nets
-from jobs.learners.networks.hyperparameters import SEED, Widths, count, number, row_ids
+from jobs.learners.networks.estimator import SpecClassifier
+from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
 from jobs.learners.networks.training_spec import TrainingSpec
 
 METHODS = ("game", "finetune")
 
 
-class GameUnlearningNet(ClassifierMixin, Learner, BaseEstimator):
+class GameUnlearningNet(SpecClassifier):
     """One network (MLP or small CNN) that forgets by the game of Liu et al. (approximate).
 
     Parameters
@@ -329,10 +328,7 @@ class GameUnlearningNet(ClassifierMixin, Learner, BaseEstimator):
         """
         t0 = time.perf_counter()
         cfg = resolve_config(self.get_params(deep=False))
-        X, y = validate_data(self, X, y, dtype=(np.float64, np.float32))
-        check_classification_targets(y)
-        rids = base.unique_ids(row_ids(record_ids, len(X)))
-        Xa = base.check_features(X, len(rids), None, dtype=np.float32)
+        rids, Xa, y = self._training_data(X, y, record_ids)
         if cfg["model"] == "cnn":
             nets.build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # refuses a non-square image
         classes = self._label_set(y)
@@ -368,44 +364,9 @@ class GameUnlearningNet(ClassifierMixin, Learner, BaseEstimator):
                              f"{classes.tolist()}")
         return classes
 
-    def _fitted(self) -> GameState:
-        check_is_fitted(self, "state_")
-        return self.state_
-
     # ------------------------------------------------------------------ fitted state
 
-    @property
-    def config_(self) -> dict[str, Any]:
-        return self._fitted().spec.config
-
-    @property
-    def seed_(self) -> int:
-        return self._fitted().spec.seed
-
-    @property
-    def device_(self) -> torch.device:
-        return self._fitted().spec.device
-
-    @property
-    def platform_(self) -> dict[str, Any]:
-        return self._fitted().platform
-
-    @property
-    def n_classes_(self) -> int:
-        return len(self.classes_)
-
-    @property
-    def record_ids_(self) -> np.ndarray:
-        """Live record ids, sorted (training records and held-out ``D_third`` ones)."""
-        return self._fitted().records.ids
-
-    @property
-    def X_(self) -> np.ndarray:
-        return self._fitted().records.X
-
-    @property
-    def y_(self) -> np.ndarray:
-        return self._fitted().records.y
+    state_: GameState
 
     @property
     def third_mask_(self) -> np.ndarray:
@@ -445,15 +406,7 @@ class GameUnlearningNet(ClassifierMixin, Learner, BaseEstimator):
     def scores(self, X: Any) -> np.ndarray:
         """Class probabilities (softmax of the network), shape (n, n_classes), float64."""
         state = self._fitted()
-        X = validate_data(self, X, reset=False, dtype=(np.float64, np.float32),
-                          ensure_min_samples=0)
-        Xa = base.check_features(X, None, self.n_features_in_, dtype=np.float32)
-        return GameTrainer(state.spec).probs(state.net, Xa)
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Labels: argmax of :meth:`scores`, ties to the lowest class index."""
-        self._fitted()
-        return super().predict(X)
+        return GameTrainer(state.spec).probs(state.net, self._queries(X))
 
     def attack_probability(self, X_forget: Any, before: Any) -> np.ndarray:
         """The frozen attacker's P("deleted") for rows, given their posteriors ``before``
@@ -535,11 +488,7 @@ class GameUnlearningNet(ClassifierMixin, Learner, BaseEstimator):
     def load(cls, path: str | Path) -> GameUnlearningNet:
         """Read a bundle written by :meth:`save`; checks the content hash."""
         params, state = bundle.load(path)
-        self = cls(**params)
-        self.n_features_in_ = state.spec.n_features
-        self.classes_ = state.spec.classes
-        self.state_ = state
-        return self
+        return cls._restored(params, state, state.spec.n_features, state.spec.classes)
 
 
 def _fitted_state(spec: TrainingSpec, records: GameRecords, X_third_ext: np.ndarray,

@@ -40,23 +40,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
-from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.base import _fit_context
 
 from jobs.learners.base import (
-    Learner,
     UpdateReport,
     VerifyReport,
-    check_features,
     encode_labels,
     ids_to_delete,
     records_to_add,
-    unique_ids,
 )
 from jobs.learners.mlp import bundle
 from jobs.learners.mlp.network_state import NO_KEYS, NetworkState
-from jobs.learners.networks.hyperparameters import SEED, Widths, count, number, row_ids
+from jobs.learners.networks.estimator import NetworkClassifier
+from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
 from jobs.learners.networks.loo_training import (
     LOOConfig,
     LOOSet,
@@ -68,7 +64,7 @@ from jobs.learners.networks.records import RecordTable
 from jobs.learners.networks.torch_nets import n_batches, resolve_device
 
 
-class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
+class LeaveOneOutMLP(NetworkClassifier):
     """A single MLP (inputs in [0, 1]^d) whose deletions are exact; see the module doc.
 
     Parameters
@@ -121,10 +117,7 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
     def fit(self, X: Any, y: Any, *, record_ids: Any = None) -> LeaveOneOutMLP:
         """Train ``N`` on the records (the LOO set comes later: :meth:`fit_loo`);
         ``record_ids`` default to the row numbers."""
-        X, y = validate_data(self, X, y, dtype=(np.float64, np.float32))
-        check_classification_targets(y)
-        rids = unique_ids(row_ids(record_ids, len(X)))
-        Xa = check_features(X, len(rids), None, dtype=np.float32)
+        rids, Xa, y = self._training_data(X, y, record_ids)
         classes = np.unique(y) if self.classes is None else np.asarray(list(self.classes))
         if len(classes) < 2 or len(np.unique(classes)) != len(classes):
             raise ValueError(f"need at least 2 distinct classes, got {len(classes)} "
@@ -185,10 +178,6 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
             retrained={"swap": swap, "networks": 0 if swap or len(rids) == 0 else 1},
             metrics={"n_records": float(len(self.state_.records.ids))})
 
-    def _fitted(self) -> NetworkState:
-        check_is_fitted(self, "state_")
-        return self.state_
-
     # ------------------------------------------------------------------ the LOO set
     def fit_loo(self, chunk_size: int = 512) -> LOOSet:
         """Train the LOO set of the current records (``N`` and every ``N_{-x}``) and keep it."""
@@ -216,6 +205,8 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
         self.state_ = dataclasses.replace(state, loo=loo)
 
     # ------------------------------------------------------------------ fitted state
+    state_: NetworkState
+
     @property
     def config_(self) -> LOOConfig:
         """``T``'s definition, with the batch count frozen at :meth:`fit`."""
@@ -224,22 +215,6 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
     @property
     def device_(self) -> torch.device:
         return self._fitted().device
-
-    @property
-    def platform_(self) -> dict[str, Any]:
-        return self._fitted().platform
-
-    @property
-    def record_ids_(self) -> np.ndarray:
-        return self._fitted().records.ids
-
-    @property
-    def X_(self) -> np.ndarray:
-        return self._fitted().records.X
-
-    @property
-    def y_(self) -> np.ndarray:
-        return self._fitted().records.y
 
     @property
     def tombstones_(self) -> np.ndarray:
@@ -262,16 +237,7 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
     # ------------------------------------------------------------------ prediction
     def scores(self, X: Any) -> np.ndarray:
         """Logits in float64 (the function the LUCID bound reasons about)."""
-        state = self._fitted()
-        X = validate_data(self, X, reset=False, dtype=(np.float64, np.float32),
-                          ensure_min_samples=0)
-        return state.network.logits(check_features(X, None, self.n_features_in_,
-                                                   dtype=np.float32))
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Labels: argmax of :meth:`scores`, ties to the lowest class index."""
-        self._fitted()
-        return super().predict(X)
+        return self._fitted().network.logits(self._queries(X))
 
     # ------------------------------------------------------------------ verify, bundle
     def verify(self) -> VerifyReport:
@@ -298,11 +264,7 @@ class LeaveOneOutMLP(ClassifierMixin, Learner, BaseEstimator):
     def load(cls, path: str | Path) -> LeaveOneOutMLP:
         """Read a bundle written by :meth:`save`; checks the content hash."""
         params, state = bundle.load(path)
-        self = cls(**params)
-        self.n_features_in_ = state.config.n_features
-        self.classes_ = state.classes
-        self.state_ = state
-        return self
+        return cls._restored(params, state, state.config.n_features, state.classes)
 
 
 __all__ = ["LeaveOneOutMLP"]

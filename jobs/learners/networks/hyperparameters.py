@@ -1,8 +1,7 @@
 """What the network learners' constructors accept, declared the way scikit-learn validates
 it (``_parameter_constraints``), plus the two kinds of value its own constraints do not
 cover: numbers that refuse ``True``/``False`` (Python counts them as ints, and a seed or an
-epoch count of ``True`` is a mistake) and layer widths. Also the record ids ``fit`` assumes
-when it is given none."""
+epoch count of ``True`` is a mistake) and layer widths."""
 
 from __future__ import annotations
 
@@ -49,8 +48,3 @@ class Widths(Options):
     def __str__(self) -> str:
         return "a sequence of positive ints"
 
-
-def row_ids(record_ids: Any, n: int) -> Any:
-    """The record ids ``fit`` was given, or the row numbers as strings (scikit-learn's
-    ``fit(X, y)`` names no ids)."""
-    return np.arange(n).astype(str) if record_ids is None else record_ids

@@ -156,22 +156,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
+from sklearn.base import _fit_context
 from sklearn.utils._param_validation import StrOptions
-from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
 
 from jobs.learners.base import (
-    Learner,
     UpdateReport,
     VerifyReport,
-    check_features,
     encode_labels,
     ids_to_delete,
     records_to_add,
-    unique_ids,
 )
-from jobs.learners.networks.hyperparameters import SEED, Widths, count, number, row_ids
+from jobs.learners.networks.estimator import SpecClassifier
+from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
 from jobs.learners.networks.torch_nets import (
     build_net,
     deterministic,
@@ -185,7 +181,7 @@ from jobs.learners.sisa.shard_training import shard_training_args, train_ensembl
 from jobs.learners.sisa.state import EnsembleSpec, EnsembleState, State
 
 
-class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
+class SISAEnsemble(SpecClassifier):
     """Sharded, isolated, sliced, aggregated ensemble of small networks (Bourtoule et al.).
 
     Parameters
@@ -325,10 +321,7 @@ class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
         """Train every shard from its seed on the records (all ``origin="fit"``);
         ``record_ids`` default to the row numbers."""
         config = resolve_config(self.get_params(deep=False))
-        X, y = validate_data(self, X, y, dtype=(np.float64, np.float32))
-        check_classification_targets(y)
-        rids = unique_ids(row_ids(record_ids, len(X)))
-        Xa = check_features(X, len(rids), None, dtype=np.float32)
+        rids, Xa, y = self._training_data(X, y, record_ids)
         if config["model"] == "cnn":
             build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
         classes = self._label_set(y)
@@ -377,43 +370,9 @@ class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
         self.state_, report = updates.add(state, rids, Xa, yi)
         return report
 
-    def _fitted(self) -> EnsembleState:
-        check_is_fitted(self, "state_")
-        return self.state_
-
     # ------------------------------------------------------------------ fitted state
 
-    @property
-    def config_(self) -> dict[str, Any]:
-        """The configuration the shards train under (resolved from the parameters)."""
-        return self._fitted().spec.config
-
-    @property
-    def seed_(self) -> int:
-        return self._fitted().spec.seed
-
-    @property
-    def device_(self) -> torch.device:
-        return self._fitted().spec.device
-
-    @property
-    def platform_(self) -> dict[str, Any]:
-        """Where the ensemble was trained (device type, torch build, CPU threads)."""
-        return self._fitted().platform
-
-    @property
-    def record_ids_(self) -> np.ndarray:
-        """Live record ids, sorted."""
-        return self._fitted().records.ids
-
-    @property
-    def X_(self) -> np.ndarray:
-        return self._fitted().records.X
-
-    @property
-    def y_(self) -> np.ndarray:
-        """Class indices of the live records."""
-        return self._fitted().records.y
+    state_: EnsembleState
 
     @property
     def slice_of_(self) -> np.ndarray:
@@ -454,10 +413,6 @@ class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
         """Boolean mask (S,): shards with at least one live record (the ones that vote)."""
         return self._fitted().active
 
-    @property
-    def n_classes_(self) -> int:
-        return len(self.classes_)
-
     # ------------------------------------------------------------------ prediction
 
     def shard_logits(self, X: Any) -> np.ndarray:
@@ -466,18 +421,11 @@ class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
         ``X`` is used as given (no clipping; the service clips to [0, 1]^d).
         """
         state = self._fitted()
-        X = validate_data(self, X, reset=False, dtype=(np.float64, np.float32),
-                          ensure_min_samples=0)
-        Xa = check_features(X, None, self.n_features_in_, dtype=np.float32)
+        Xa = self._queries(X)
         xt = torch.from_numpy(Xa).to(state.spec.device)
         with state.spec.threads(), deterministic(), torch.inference_mode():
             out = [net(xt).float().cpu().numpy() for net in state.nets]
         return np.stack(out) if out else np.zeros((0, len(Xa), self.n_classes_), np.float32)
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Labels: argmax of :meth:`scores`, ties to the lowest class index."""
-        self._fitted()
-        return super().predict(X)
 
     def shard_predictions(self, X: Any) -> np.ndarray:
         """Class index voted by each shard, shape (S, n); -1 for empty (non-voting) shards."""
@@ -572,8 +520,4 @@ class SISAEnsemble(ClassifierMixin, Learner, BaseEstimator):
     def load(cls, path: str | Path) -> SISAEnsemble:
         """Read a bundle written by :meth:`save`; checks the content hash."""
         params, state = bundle.load(path)
-        self = cls(**params)
-        self.n_features_in_ = state.spec.n_features
-        self.classes_ = state.spec.classes
-        self.state_ = state
-        return self
+        return cls._restored(params, state, state.spec.n_features, state.spec.classes)
