@@ -36,6 +36,7 @@ class GameTrainer:
     spec: TrainingSpec
 
     def new_net(self) -> nn.Module:
+        """An untrained network of the learner's architecture."""
         spec = self.spec
         return nets.build_net(spec.config["model"], spec.n_features, spec.n_classes,
                               spec.config["hidden"])

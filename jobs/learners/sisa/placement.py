@@ -27,6 +27,8 @@ class Placement:
 
     @classmethod
     def of(cls, spec: EnsembleSpec) -> Placement:
+        """The rules of an ensemble of this spec (bundles before independent sampling:
+        a partition)."""
         c = spec.config
         return cls(spec.seed, c["n_shards"], c["n_slices"], c.get("sampling", "partition"),
                    c.get("shard_prob", 1.0), c["add_slice"])

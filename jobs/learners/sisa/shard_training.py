@@ -36,6 +36,7 @@ class ShardTrainer:
     spec: EnsembleSpec
 
     def new_net(self) -> torch.nn.Module:
+        """An untrained shard network of the ensemble's architecture."""
         spec = self.spec
         return build_net(spec.config["model"], spec.n_features, spec.n_classes,
                          spec.config["hidden"])
