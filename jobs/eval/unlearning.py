@@ -192,51 +192,32 @@ def evaluate_unlearning(
     out.update(_mia(P, yi, halves, seed, attack_config))
 
     if original is not None:
+        Po = {k: _probs(original, v) for k, v in X.items()}
+        out["acc_test_original"] = accuracy(Po["test"], yi["test"])
+        out["acc_forget_original"] = accuracy(Po["forget"], yi["forget"])
+        pairs = {k: pair_features_np(Po[k], P[k]) for k in X if len(X[k])}
         if attacker == "auto":
             attacker = getattr(model, "attacker_", None)
-        out.update(_pair_attacks(original, attacker, X, P, yi, rng, seed, folds,
-                                 attack_config))
+        if isinstance(attacker, Attacker) and "forget" in pairs:
+            out["priaa_frozen"], out["priaa_frozen_avg"] = priaa(
+                attacker.predict_proba(pairs["forget"]))
+        if len(pairs.get("forget", ())) >= 2:
+            m = min(len(X["retain"]), len(X["test"]))
+            neg = np.concatenate([pairs["retain"][rng.permutation(len(X["retain"]))[:m]],
+                                  pairs["test"][rng.permutation(len(X["test"]))[:m]]])
+            p_pos, p_neg = cross_val_attack(pairs["forget"], neg, folds=folds,
+                                            seed=prf_u64(seed, "pair-attack"),
+                                            config=attack_config)
+            if np.isfinite(p_pos).all():
+                out["priaa_retrained"], out["priaa_retrained_avg"] = priaa(p_pos)
+                out["attack_auc_retrained"] = auc(p_pos, p_neg)
+                out["attack_p_forget_retrained"] = float(p_pos.mean())
+
     if retrained is not None:
-        out.update(_gap_to_retrain(retrained, X, P, yi, out))
-    return out
-
-
-def _pair_attacks(original: Scorer, attacker: Attacker | None, X: dict[str, np.ndarray],
-                  P: dict[str, np.ndarray], yi: dict[str, np.ndarray],
-                  rng: np.random.Generator, seed: int, folds: int,
-                  attack_config: AttackConfig) -> dict[str, float]:
-    """The original's accuracies and the pair attacks on (original, unlearned) posteriors:
-    the frozen ``attacker`` (when there is one) and one retrained against the model."""
-    Po = {k: _probs(original, v) for k, v in X.items()}
-    out = {"acc_test_original": accuracy(Po["test"], yi["test"]),
-           "acc_forget_original": accuracy(Po["forget"], yi["forget"])}
-    pairs = {k: pair_features_np(Po[k], P[k]) for k in X if len(X[k])}
-    if isinstance(attacker, Attacker) and "forget" in pairs:
-        out["priaa_frozen"], out["priaa_frozen_avg"] = priaa(
-            attacker.predict_proba(pairs["forget"]))
-    if len(pairs.get("forget", ())) >= 2:
-        m = min(len(X["retain"]), len(X["test"]))
-        neg = np.concatenate([pairs["retain"][rng.permutation(len(X["retain"]))[:m]],
-                              pairs["test"][rng.permutation(len(X["test"]))[:m]]])
-        p_pos, p_neg = cross_val_attack(pairs["forget"], neg, folds=folds,
-                                        seed=prf_u64(seed, "pair-attack"),
-                                        config=attack_config)
-        if np.isfinite(p_pos).all():
-            out["priaa_retrained"], out["priaa_retrained_avg"] = priaa(p_pos)
-            out["attack_auc_retrained"] = auc(p_pos, p_neg)
-            out["attack_p_forget_retrained"] = float(p_pos.mean())
-    return out
-
-
-def _gap_to_retrain(retrained: Scorer, X: dict[str, np.ndarray], P: dict[str, np.ndarray],
-                    yi: dict[str, np.ndarray], acc: dict[str, float]) -> dict[str, float]:
-    """The retrained model's accuracies and the model's gap to it (accuracy minus the
-    retrained one's, mean KL(retrained || model), agreement on the test set)."""
-    Pr = {k: _probs(retrained, v) for k, v in X.items()}
-    out: dict[str, float] = {}
-    for k in ("test", "retain", "forget"):
-        out[f"acc_{k}_retrained"] = accuracy(Pr[k], yi[k])
-        out[f"acc_gap_{k}"] = acc[f"acc_{k}"] - out[f"acc_{k}_retrained"]
-        out[f"kl_{k}"] = mean_kl(Pr[k], P[k])
-    out["agreement_test"] = agreement(Pr["test"], P["test"])
+        Pr = {k: _probs(retrained, v) for k, v in X.items()}
+        for k in ("test", "retain", "forget"):
+            out[f"acc_{k}_retrained"] = accuracy(Pr[k], yi[k])
+            out[f"acc_gap_{k}"] = out[f"acc_{k}"] - out[f"acc_{k}_retrained"]
+            out[f"kl_{k}"] = mean_kl(Pr[k], P[k])
+        out["agreement_test"] = agreement(Pr["test"], P["test"])
     return out
