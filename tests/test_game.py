@@ -50,7 +50,7 @@ def _noise(n: int = 160, d: int = 6, seed: int = 0):
 @pytest.fixture(scope="module")
 def fitted() -> GameUnlearningNet:
     ids, X, y = _noise()
-    return GameUnlearningNet(**NET).fit(ids, X, y)
+    return GameUnlearningNet(**NET).fit(X, y, record_ids=ids)
 
 
 def _train_ids(m: GameUnlearningNet) -> np.ndarray:
@@ -86,15 +86,16 @@ def test_same_seed_same_bits_other_seed_other_bits():
     ids, X, y = _noise(80)
     small = {**NET, "epochs": 20, "rounds": 10}
     a = GameUnlearningNet(**small)
-    assert a.fit(ids, X, y) is a
-    b = GameUnlearningNet(**small).fit(ids[::-1], X[::-1], y[::-1])  # order does not matter
+    assert a.fit(X, y, record_ids=ids) is a
+    # order does not matter
+    b = GameUnlearningNet(**small).fit(X[::-1], y[::-1], record_ids=ids[::-1])
     assert a.content_hash() == b.content_hash()
     forget = _train_ids(a)[[1, 5, 9]]
     ra, rb = a.delete(forget), b.delete(forget)
     assert a.content_hash() == b.content_hash()
     assert ra.metrics["priaa"] == rb.metrics["priaa"]
-    c = GameUnlearningNet(**{**small, "random_state": 1}).fit(ids, X, y)
-    assert c.content_hash() != GameUnlearningNet(**small).fit(ids, X, y).content_hash()
+    c = GameUnlearningNet(**{**small, "random_state": 1}).fit(X, y, record_ids=ids)
+    assert c.content_hash() != GameUnlearningNet(**small).fit(X, y, record_ids=ids).content_hash()
 
 
 def test_learner_interface(fitted):
@@ -142,9 +143,9 @@ def test_bad_parameters_and_unfitted():
                 {"surrogate_fraction": 0.0}, {"third_fraction": 1.0}, {"leader_lr": 0},
                 {"method": "retrain"}, {"attack_negatives": "all"}):
         with pytest.raises(ValueError):
-            GameUnlearningNet(**{**NET, **bad}).fit(ids, X, y)
+            GameUnlearningNet(**{**NET, **bad}).fit(X, y, record_ids=ids)
     with pytest.raises(ValueError, match="two classes"):
-        GameUnlearningNet(**NET).fit(ids, X, np.zeros(40))
+        GameUnlearningNet(**NET).fit(X, np.zeros(40), record_ids=ids)
 
 
 def test_verify_retrains_and_reports_the_gap(fitted):
@@ -194,7 +195,7 @@ def test_finetune_baseline_cnn_and_given_third_party_data():
     y = (X[:, :8].sum(axis=1) > 4).astype(int)
     ids = np.arange(60)
     params = {**NET, "model": "cnn", "epochs": 5, "method": "finetune", "finetune_epochs": 1}
-    m = GameUnlearningNet(**params).fit(ids, X, y, X_third=rng.random((12, 16)))
+    m = GameUnlearningNet(**params).fit(X, y, record_ids=ids, X_third=rng.random((12, 16)))
     assert m.train_mask_.all() and len(m.X_third_) == 12
     rep = m.delete([0, 1, 2])
     assert rep.retrained["method"] == "finetune" and rep.metrics["rounds"] == 0

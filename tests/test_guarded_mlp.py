@@ -44,7 +44,7 @@ def _learner(**kw) -> LeaveOneOutMLP:
     ids, X, y = _data()
     params = {"hidden": (8,), "epochs": 6, "batch_size": 8, "device": "cpu",
               "random_state": 3, **kw}
-    return LeaveOneOutMLP(**params).fit(ids, X, y)
+    return LeaveOneOutMLP(**params).fit(X, y, record_ids=ids)
 
 
 def test_a_single_deletion_swaps_in_the_network_a_retrain_gives() -> None:

@@ -85,8 +85,9 @@ def _earliest(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
 
 def test_fit_predict_shapes_and_learns():
     ids, X, y = _pool(300)
-    m = _model(n_shards=3, n_slices=2, epochs_per_slice=6).fit(ids[:240], X[:240], y[:240])
-    assert m.fit(ids[:240], X[:240], y[:240]) is m
+    m = _model(n_shards=3, n_slices=2, epochs_per_slice=6).fit(X[:240], y[:240],
+                                                               record_ids=ids[:240])
+    assert m.fit(X[:240], y[:240], record_ids=ids[:240]) is m
     assert m.guarantee == "exact"
     sc = m.scores(X[240:])
     assert sc.shape == (60, 3)
@@ -100,20 +101,20 @@ def test_fit_predict_shapes_and_learns():
 
 def test_same_seed_same_bits_and_row_order_irrelevant():
     ids, X, y = _pool(80)
-    a = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    a = _model(n_shards=2, n_slices=2).fit(X, y, record_ids=ids)
     perm = np.random.default_rng(1).permutation(80)
-    b = _model(n_shards=2, n_slices=2).fit(ids[perm], X[perm], y[perm])
+    b = _model(n_shards=2, n_slices=2).fit(X[perm], y[perm], record_ids=ids[perm])
     assert a.content_hash() == b.content_hash()
-    c = _model(n_shards=2, n_slices=2, random_state=1).fit(ids, X, y)
+    c = _model(n_shards=2, n_slices=2, random_state=1).fit(X, y, record_ids=ids)
     assert c.content_hash() != a.content_hash()
 
 
 def test_bits_independent_of_process_thread_setting():
     ids, X, y = _pool(80)
-    a = _model(n_shards=1).fit(ids, X, y)
+    a = _model(n_shards=1).fit(X, y, record_ids=ids)
     torch.set_num_threads(2)
     try:
-        b = _model(n_shards=1).fit(ids, X, y)
+        b = _model(n_shards=1).fit(X, y, record_ids=ids)
         assert torch.get_num_threads() == 2  # restored after training
     finally:
         torch.set_num_threads(1)
@@ -129,11 +130,11 @@ def test_sklearn_conventions():
     with pytest.raises(NotFittedError):
         m.predict(np.zeros((1, 5)))
     with pytest.raises(ValueError, match="model"):
-        _model(model="rf").fit(["a"], [[0.0]], [0])
+        _model(model="rf").fit([[0.0]], [0], record_ids=["a"])
     with pytest.raises(ValueError, match="aggregation"):
-        _model(aggregation="max").fit(["a"], [[0.0]], [0])
+        _model(aggregation="max").fit([[0.0]], [0], record_ids=["a"])
     with pytest.raises(ValueError, match="n_shards"):
-        _model(n_shards=0).fit(["a"], [[0.0]], [0])
+        _model(n_shards=0).fit([[0.0]], [0], record_ids=["a"])
 
 
 @pytest.mark.parametrize("hidden", [[8], [16, 8]])
@@ -206,7 +207,7 @@ def test_random_update_sequences_stay_exact(data):
         classes=(0, 1, 2),
         random_state=data.draw(st.integers(0, 3), label="seed"),
     )
-    m.fit(ids[:n0], X[:n0], y[:n0])
+    m.fit(X[:n0], y[:n0], record_ids=ids[:n0])
     live = set(range(n0))
     for _ in range(data.draw(st.integers(1, 5), label="n_ops")):
         op = data.draw(st.sampled_from(["add", "delete", "bad_delete", "bad_add"]), label="op")
@@ -257,14 +258,14 @@ def test_random_update_sequences_stay_exact(data):
     if add_slice == "keyed" and live and len(m.tombstones_) == 0:
         # with keyed slices (and no tombstones) the model IS a plain fit on the live set
         lid, lX, ly = _live(m)
-        fresh = clone(m).fit(lid, lX, ly)
+        fresh = clone(m).fit(lX, ly, record_ids=lid)
         assert fresh.content_hash() == m.content_hash()
 
 
 def test_independent_sampling_joins_each_shard_with_probability_p(tmp_path):
     ids, X, y = _pool(400)
     m = _model(n_shards=4, sampling="independent", shard_prob=0.3, epochs_per_slice=1)
-    m.fit(ids, X, y)
+    m.fit(X, y, record_ids=ids)
     member = m.memberships(ids)
     assert member.shape == (400, 4)
     assert abs(member.mean() - 0.3) < 0.05  # 1,600 keyed draws
@@ -287,20 +288,21 @@ def test_independent_sampling_joins_each_shard_with_probability_p(tmp_path):
     assert (back.memberships(live) == m.memberships(live)).all()
     # the same seed gives the same memberships; another seed other ones
     other = _model(n_shards=4, sampling="independent", shard_prob=0.3, epochs_per_slice=1,
-                   random_state=1).fit(ids, X, y)
+                   random_state=1).fit(X, y, record_ids=ids)
     assert (other.memberships(ids[:50]) != member[:50]).any()
     with pytest.raises(ValueError, match="shard_prob"):
-        _model(sampling="independent", shard_prob=0.0).fit(ids, X, y)
+        _model(sampling="independent", shard_prob=0.0).fit(X, y, record_ids=ids)
     with pytest.raises(ValueError, match="sampling"):
-        _model(sampling="bagging").fit(ids, X, y)
+        _model(sampling="bagging").fit(X, y, record_ids=ids)
 
 
 def test_delete_equals_fresh_fit_on_live_set():
     ids, X, y = _pool(90)
-    m = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(ids, X, y)
+    m = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(X, y, record_ids=ids)
     m.delete(ids[[3, 10, 44, 45, 80]])
     keep = np.setdiff1d(np.arange(90), [3, 10, 44, 45, 80])
-    fresh = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(ids[keep], X[keep], y[keep])
+    fresh = _model(n_shards=3, n_slices=3, classes=(0, 1, 2)).fit(X[keep], y[keep],
+                                                                  record_ids=ids[keep])
     assert fresh.content_hash() == m.content_hash()
     for s in range(3):
         for r in range(3):
@@ -312,7 +314,7 @@ def test_delete_equals_fresh_fit_on_live_set():
 
 def test_deletion_retrains_only_affected_shard():
     ids, X, y = _pool(100)
-    m = _model(n_shards=5).fit(ids, X, y)
+    m = _model(n_shards=5).fit(X, y, record_ids=ids)
     before = [m.shard_hash(s) for s in range(5)]
     (s,), _ = m.locate([ids[17]])
     rep = m.delete([ids[17]])
@@ -328,10 +330,10 @@ def test_deletion_retrains_only_affected_shard():
 def test_deleting_from_slice_r_keeps_earlier_checkpoints():
     ids, X, y = _pool(120)
     R = 4
-    m = _model(n_shards=2, n_slices=R).fit(ids, X, y)
+    m = _model(n_shards=2, n_slices=R).fit(X, y, record_ids=ids)
     shards, slices = m.locate(ids)
     for r in (3, 1, 0, 2):
-        cand = [i for i in range(120) if slices[i] == r and ids[i] in m._row]
+        cand = [i for i in range(120) if slices[i] == r and ids[i] in m.state_.records.row]
         i = cand[0]
         s = int(shards[i])
         old = [m.checkpoint_hash(s, k) for k in range(R)]
@@ -348,7 +350,7 @@ def test_deleting_from_slice_r_keeps_earlier_checkpoints():
 def test_add_goes_to_last_slice_and_retrains_only_it():
     ids, X, y = _pool(120)
     R = 3
-    m = _model(n_shards=2, n_slices=R).fit(ids[:100], X[:100], y[:100])
+    m = _model(n_shards=2, n_slices=R).fit(X[:100], y[:100], record_ids=ids[:100])
     old = {s: [m.checkpoint_hash(s, k) for k in range(R)] for s in range(2)}
     rep = m.add(ids[100:103], X[100:103], y[100:103])
     _, slices = m.locate(ids[100:103])
@@ -368,11 +370,11 @@ def test_add_goes_to_last_slice_and_retrains_only_it():
 def test_add_keyed_slice_option():
     ids, X, y = _pool(120)
     m = _model(n_shards=2, n_slices=3, add_slice="keyed", classes=(0, 1, 2))
-    m.fit(ids[:100], X[:100], y[:100])
+    m.fit(X[:100], y[:100], record_ids=ids[:100])
     rep = m.add(ids[100:110], X[100:110], y[100:110])
     _, slices = m.locate(ids[100:110])
     assert min(rep.retrained["from_slice"].values()) == min(slices)
-    full = clone(m).fit(ids[:110], X[:110], y[:110])
+    full = clone(m).fit(X[:110], y[:110], record_ids=ids[:110])
     assert full.content_hash() == m.content_hash()
 
 
@@ -383,7 +385,7 @@ def test_multiclass_and_removing_last_record_of_a_class():
     ids, X, y = _pool(100, n_classes=4, seed=3)
     y = y.copy()
     y[7] = 9  # class 9 has exactly one record
-    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    m = _model(n_shards=3, n_slices=2).fit(X, y, record_ids=ids)
     assert m.classes_.tolist() == [0, 1, 2, 3, 9]
     m.delete([ids[7]])
     assert m.classes_.tolist() == [0, 1, 2, 3, 9]  # output layer keeps the class
@@ -396,7 +398,7 @@ def test_multiclass_and_removing_last_record_of_a_class():
 def test_string_labels_and_int_ids():
     _, X, y = _pool(50)
     labels = np.array(["cat", "dog", "emu"])[y]
-    m = _model(n_shards=2).fit(np.arange(50), X, labels)
+    m = _model(n_shards=2).fit(X, labels, record_ids=np.arange(50))
     assert set(m.predict(X[:10])) <= {"cat", "dog", "emu"}
     m.delete([3, 4])
     m.add([1000], X[[3]], ["emu"])
@@ -412,7 +414,7 @@ def test_values_outside_seen_range_duplicates_and_constant_attributes():
     X[10:20] = X[10]  # duplicate feature rows (different ids, same and different labels)
     y = y.copy()
     y[15] = (y[10] + 1) % 3
-    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    m = _model(n_shards=3, n_slices=2).fit(X, y, record_ids=ids)
     out = np.array([[5.0, -3.0, 0.5, 1e3, -1e-3], [0, 0, 0, 0, 0]], dtype=float)
     m.add(["far1", "far2"], out, [0, 2])
     m.add(["dupX"], X[[10]], [y[10]])
@@ -423,7 +425,7 @@ def test_values_outside_seen_range_duplicates_and_constant_attributes():
 
 def test_deleting_everything_in_a_shard_and_everything_at_all():
     ids, X, y = _pool(60)
-    m = _model(n_shards=3, n_slices=2).fit(ids, X, y)
+    m = _model(n_shards=3, n_slices=2).fit(X, y, record_ids=ids)
     shards, _ = m.locate(ids)
     victims = ids[shards == 1]
     rep = m.delete(victims)
@@ -449,7 +451,7 @@ def test_deleting_everything_in_a_shard_and_everything_at_all():
 
 def test_mean_aggregation():
     ids, X, y = _pool(90)
-    m = _model(n_shards=3, aggregation="mean").fit(ids, X, y)
+    m = _model(n_shards=3, aggregation="mean").fit(X, y, record_ids=ids)
     sc = m.scores(X[:20])
     np.testing.assert_allclose(sc.sum(axis=1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(m.predict(X[:20]), m.classes_[sc.argmax(axis=1)])
@@ -459,7 +461,7 @@ def test_mean_aggregation():
 
 def test_vote_tie_breaks_to_lowest_class():
     ids, X, y = _pool(90)
-    m = _model(n_shards=2, epochs_per_slice=1).fit(ids, X, y)
+    m = _model(n_shards=2, epochs_per_slice=1).fit(X, y, record_ids=ids)
     Q = np.random.default_rng(5).random((2000, 5))
     sp = m.shard_predictions(Q)
     split = np.flatnonzero(sp[0] != sp[1])
@@ -469,7 +471,7 @@ def test_vote_tie_breaks_to_lowest_class():
 
 def test_unknown_duplicate_and_invalid_requests_leave_model_unchanged():
     ids, X, y = _pool(40)
-    m = _model(n_shards=2).fit(ids[:30], X[:30], y[:30])
+    m = _model(n_shards=2).fit(X[:30], y[:30], record_ids=ids[:30])
     h = m.content_hash()
     with pytest.raises(UnknownRecordError) as e:
         m.delete(["never-seen"])
@@ -503,7 +505,7 @@ def test_unknown_duplicate_and_invalid_requests_leave_model_unchanged():
     with pytest.raises(ValueError, match="NaN"):
         m.predict(np.full((1, 5), np.nan))
     with pytest.raises(DuplicateRecordError):
-        _model().fit(["a", "a"], X[:2], y[:2])
+        _model().fit(X[:2], y[:2], record_ids=["a", "a"])
     assert m.content_hash() == h
     assert ids[0] not in set(m.record_ids_)
     assert len(m.record_ids_) == 29
@@ -514,14 +516,14 @@ def test_unknown_duplicate_and_invalid_requests_leave_model_unchanged():
 
 def test_verify_detects_tampering():
     ids, X, y = _pool(60)
-    m = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    m = _model(n_shards=2, n_slices=2).fit(X, y, record_ids=ids)
     assert m.verify().exact
     with torch.no_grad():
-        next(m._nets[1].parameters()).view(-1)[0] += 1e-6
+        next(m.state_.nets[1].parameters()).view(-1)[0] += 1e-6
     rep = m.verify()
     assert not rep.exact and rep.detail["served_differs_from_checkpoint"] == [1]
     assert not m.verify_shard(1).exact and m.verify_shard(0).exact
-    m2 = _model(n_shards=2, n_slices=2).fit(ids, X, y)
+    m2 = _model(n_shards=2, n_slices=2).fit(X, y, record_ids=ids)
     m2.slice_of_[0] = (m2.slice_of_[0] + 1) % 2  # a record claimed to be in another slice
     rep = m2.verify()
     assert not rep.exact and rep.detail["assignment_errors"] == 1
@@ -533,7 +535,8 @@ def test_verify_detects_tampering():
 def test_save_load_round_trip_then_updates_stay_exact(tmp_path):
     ids, X, y = _pool(80)
     labels = np.array(["a", "b", "c"])[y]
-    m = _model(n_shards=3, n_slices=2, aggregation="mean").fit(ids[:60], X[:60], labels[:60])
+    m = _model(n_shards=3, n_slices=2, aggregation="mean").fit(X[:60], labels[:60],
+                                                               record_ids=ids[:60])
     m.add(ids[60:65], X[60:65], labels[60:65])
     m.delete(ids[:3])
     m.save(tmp_path / "m")
@@ -556,7 +559,7 @@ def test_save_load_round_trip_then_updates_stay_exact(tmp_path):
 
 def test_load_rejects_altered_bundle(tmp_path):
     ids, X, y = _pool(40)
-    m = _model(n_shards=2).fit(ids, X, y)
+    m = _model(n_shards=2).fit(X, y, record_ids=ids)
     m.save(tmp_path / "m")
     meta = json.loads((tmp_path / "m" / "meta.json").read_text())
     meta["content_hash"] = "0" * 64
@@ -587,14 +590,14 @@ def test_cnn_on_small_digits_subset():
         device="cpu",
         random_state=0,
     )
-    m.fit(ids[tr], Xd[tr], yd[tr])
+    m.fit(Xd[tr], yd[tr], record_ids=ids[tr])
     assert m.shard_logits(Xd[te]).shape == (2, 200, 10)
     assert (m.predict(Xd[te]) == yd[te]).mean() > 0.6
     m.delete(ids[[0, 1, 2]])
     m.add(ids[500:505], Xd[500:505], yd[500:505])
     assert m.verify().exact
     with pytest.raises(ValueError, match="square"):
-        SISAEnsemble(model="cnn", device="cpu").fit(["a"], [[0.0, 0.1, 0.2]], [0])
+        SISAEnsemble(model="cnn", device="cpu").fit([[0.0, 0.1, 0.2]], [0], record_ids=["a"])
 
 
 # --------------------------------------------------------------------------- schedules
@@ -603,34 +606,35 @@ def test_cnn_on_small_digits_subset():
 @pytest.mark.slow
 def test_schedule_resolution_and_validation(tmp_path):
     ids, X, y = _pool(40)
-    one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(ids, X, y)
+    one = SISAEnsemble(n_shards=2, hidden=(8,), epochs_per_slice=1, device="cpu").fit(
+        X, y, record_ids=ids)
     # each schedule's defaults: a table network for "loo", the former ones for Adam
     assert one.config_["schedule"] == "loo" and one.config_["lr"] == 0.2
     assert one.config_["min_steps"] == 8000 and one.config_["hidden"] == [8]
     assert one.config_["weight_decay"] == 1e-5
-    sliced = SISAEnsemble(n_shards=2, n_slices=2, device="cpu").fit(ids, X, y)
+    sliced = SISAEnsemble(n_shards=2, n_slices=2, device="cpu").fit(X, y, record_ids=ids)
     assert sliced.config_["schedule"] == "adam" and sliced.config_["lr"] == 0.01
     assert sliced.config_["min_steps"] == 0 and sliced.config_["hidden"] == [64]
     assert sliced.config_["epochs_per_slice"] == 20
-    table = SISAEnsemble(n_shards=2, device="cpu").fit(ids, X, y)
+    table = SISAEnsemble(n_shards=2, device="cpu").fit(X, y, record_ids=ids)
     assert (table.config_["hidden"], table.config_["epochs_per_slice"]) == ([64, 64], 40)
     assert table.get_params()["hidden"] is None  # resolved at fit, into config_
     table.save(tmp_path / "t")
     back = SISAEnsemble.load(tmp_path / "t")
     assert back.content_hash() == table.content_hash() and back.verify().exact
-    adam = _model(n_shards=2, schedule="adam").fit(ids, X, y)
+    adam = _model(n_shards=2, schedule="adam").fit(X, y, record_ids=ids)
     assert adam.config_["schedule"] == "adam" and adam.config_["lr"] == 0.05
-    assert adam.content_hash() != _model(n_shards=2).fit(ids, X, y).content_hash()
+    assert adam.content_hash() != _model(n_shards=2).fit(X, y, record_ids=ids).content_hash()
     assert adam.verify().exact
     with pytest.raises(ValueError, match="schedule"):
-        _model(schedule="sgd").fit(ids, X, y)
+        _model(schedule="sgd").fit(X, y, record_ids=ids)
     with pytest.raises(ValueError, match="model='mlp'"):
-        _model(schedule="loo", model="cnn").fit(ids, X, y)
+        _model(schedule="loo", model="cnn").fit(X, y, record_ids=ids)
     with pytest.raises(ValueError, match="weight_decay"):
-        _model(weight_decay=-1.0).fit(ids, X, y)
+        _model(weight_decay=-1.0).fit(X, y, record_ids=ids)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="min_steps"):
-            _model(min_steps=bad).fit(ids, X, y)
+            _model(min_steps=bad).fit(X, y, record_ids=ids)
 
 
 def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
@@ -639,7 +643,7 @@ def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
     shard_training_args(s) (which carry the shard's tombstones); the batch count follows
     the live shard size, also after a deletion that changes it."""
     ids, X, y = _pool(90)
-    m = _model(n_shards=3, classes=(0, 1, 2)).fit(ids, X, y)
+    m = _model(n_shards=3, classes=(0, 1, 2)).fit(X, y, record_ids=ids)
     for s in range(3):
         rid, Xs, ys = m.shard_records(s)
         p = train_single(Xs, ys, rid, **m.shard_training_args(s))
@@ -659,7 +663,7 @@ def test_loo_schedule_shard_is_the_loo_kernel_on_the_shard_records():
         assert states_equal(mlp_state(p.weights, p.biases), m.shard_state(k))
     assert m.verify().exact
     with pytest.raises(ValueError, match="schedule"):
-        _model(n_slices=2).fit(ids, X, y).shard_training_args(0)
+        _model(n_slices=2).fit(X, y, record_ids=ids).shard_training_args(0)
 
 
 def test_min_steps_floor_follows_the_live_count_and_stays_exact():
@@ -669,7 +673,7 @@ def test_min_steps_floor_follows_the_live_count_and_stays_exact():
     assert stage_epochs(30, 8, 2, 0) == 2 and stage_epochs(30, 8, 2, 40) == 10
     assert stage_epochs(24, 8, 2, 40) == 14 and stage_epochs(500, 8, 2, 40) == 2
     ids, X, y = _pool(90)
-    m = _model(n_shards=3, min_steps=40, classes=(0, 1, 2)).fit(ids, X, y)
+    m = _model(n_shards=3, min_steps=40, classes=(0, 1, 2)).fit(X, y, record_ids=ids)
     s = int(np.argmax(m.shard_sizes_))
     extra = (int(m.shard_sizes_[s]) - 1) % 8  # bring shard s to 8 k + 1 records
     if extra:
@@ -690,8 +694,9 @@ def test_min_steps_floor_follows_the_live_count_and_stays_exact():
         assert states_equal(mlp_state(p.weights, p.biases), m.shard_state(k))
     assert m.verify().exact
     # the Adam stages of a sliced ensemble take the same floor per stage
-    sliced = _model(n_shards=2, n_slices=3, min_steps=30).fit(ids, X, y)
-    assert sliced.content_hash() != _model(n_shards=2, n_slices=3).fit(ids, X, y).content_hash()
+    sliced = _model(n_shards=2, n_slices=3, min_steps=30).fit(X, y, record_ids=ids)
+    unfloored = _model(n_shards=2, n_slices=3).fit(X, y, record_ids=ids)
+    assert sliced.content_hash() != unfloored.content_hash()
     sliced.delete(ids[:5])
     sliced.add(["new1", "new2"], X[:2], y[:2])
     assert sliced.verify().exact
@@ -707,7 +712,7 @@ def test_five_shards_learn_a_census_like_table():
     ids = np.array(ds.record_ids, dtype=object)
     tr, te = slice(0, 2400), slice(2400, None)
     m = SISAEnsemble(n_shards=5, hidden=(32,), epochs_per_slice=20, device="cpu",
-                     random_state=0).fit(ids[tr], X[tr], y[tr])
+                     random_state=0).fit(X[tr], y[tr], record_ids=ids[tr])
     majority = max(y[te].mean(), 1 - y[te].mean())
     acc = (m.predict(X[te]) == y[te]).mean()
     assert acc >= majority + 0.05, (acc, majority)
@@ -715,7 +720,7 @@ def test_five_shards_learn_a_census_like_table():
 
 def test_loo_schedule_empty_shard_keeps_its_initialisation():
     ids, X, y = _pool(30)
-    m = _model(n_shards=3).fit(ids, X, y)
+    m = _model(n_shards=3).fit(X, y, record_ids=ids)
     shards, _ = m.locate(ids)
     m.delete(ids[shards == 2])
     init = hash_state(state_to_cpu(init_net(build_net("mlp", 5, 3, (8,)), prf_u64(0, "init", 2))))
@@ -730,10 +735,12 @@ def test_bundle_from_before_the_compiled_kernel_retrains_with_torch(tmp_path, mo
     keeps training with them, so its deletions stay exact (a retrain with the compiled
     loop would give other bits), and a new fit records the compiled one."""
     ids, X, y = _pool(60)
-    validated = SISAEnsemble._validated_config
-    monkeypatch.setattr(SISAEnsemble, "_validated_config",
-                        lambda self: {**validated(self), "kernel": "torch"})
-    m = _model(n_shards=2, schedule=schedule).fit(ids, X, y)
+    from jobs.learners.sisa import ensemble
+
+    resolved = ensemble.resolve_config
+    monkeypatch.setattr(ensemble, "resolve_config",
+                        lambda params: {**resolved(params), "kernel": "torch"})
+    m = _model(n_shards=2, schedule=schedule).fit(X, y, record_ids=ids)
     monkeypatch.undo()
     m.save(tmp_path / "m")
     meta_path = tmp_path / "m" / "meta.json"
@@ -744,7 +751,7 @@ def test_bundle_from_before_the_compiled_kernel_retrains_with_torch(tmp_path, mo
     assert old.config_["kernel"] == "torch"
     old.delete(ids[:3])
     assert old.verify().exact
-    new = _model(n_shards=2, schedule=schedule).fit(ids, X, y)
+    new = _model(n_shards=2, schedule=schedule).fit(X, y, record_ids=ids)
     assert new.config_["kernel"] == "compiled"
     assert new.content_hash() != m.content_hash()  # the kernel changes the bits
     new.delete(ids[:3])
@@ -754,7 +761,7 @@ def test_bundle_from_before_the_compiled_kernel_retrains_with_torch(tmp_path, mo
 def test_bundle_without_schedule_loads_as_adam(tmp_path):
     """Bundles written before schedules existed were trained with Adam."""
     ids, X, y = _pool(40)
-    m = _model(n_shards=2, schedule="adam", weight_decay=0.0).fit(ids, X, y)
+    m = _model(n_shards=2, schedule="adam", weight_decay=0.0).fit(X, y, record_ids=ids)
     m.save(tmp_path / "m")
     meta_path = tmp_path / "m" / "meta.json"
     meta = json.loads(meta_path.read_text())
@@ -781,7 +788,7 @@ def test_vote_rule_is_sound_when_records_sit_in_several_shards():
     # a record in m shards can swing 2m votes: certifying needs many shards, few per record
     m = _model(n_shards=10, sampling="independent", shard_prob=0.12, epochs_per_slice=60,
                lr=0.5)
-    m.fit(ids, X, y)
+    m.fit(X, y, record_ids=ids)
     assert m.max_shards_per_record_ >= 3
     Q = np.random.default_rng(3).random((400, 5))
     winner, certain = ShardVoteModel(m).certain(Q)
@@ -799,7 +806,7 @@ def test_loo_schedule_keeps_deleted_records_as_tombstone_keys(tmp_path):
     (an older bundle's tombstone ids become keys on load); adam ensembles keep none."""
     _, X, y = _pool(40)
     ids = np.array([f"rec-{i:04d}" for i in range(40)], dtype=object)  # none inside another
-    m = _model(n_shards=2).fit(ids, X, y)
+    m = _model(n_shards=2).fit(X, y, record_ids=ids)
     assert len(m.tombstones_) == 0
     member = m.memberships(ids[:3])
     m.delete(ids[:3])
@@ -823,7 +830,7 @@ def test_loo_schedule_keeps_deleted_records_as_tombstone_keys(tmp_path):
     m.add(ids[:1], X[:1], y[:1])
     assert _keys(m) == _tombstones_of(m, member[1:], ids[1:3])
     assert m.verify().exact
-    adam = _model(n_shards=2, schedule="adam").fit(ids, X, y)
+    adam = _model(n_shards=2, schedule="adam").fit(X, y, record_ids=ids)
     adam.delete(ids[:3])
     assert len(adam.tombstones_) == 0 and adam.verify().exact
 
@@ -839,7 +846,7 @@ def test_saved_bundle_holds_no_trace_of_deleted_records(tmp_path, sampling):
     X = rng.random((n, 5))
     y = (X[:, 0] * 3).astype(int).clip(0, 2)
     ids = np.array([f"rec-{i:04d}" for i in range(n)], dtype=object)
-    m = _model(n_shards=3, sampling=sampling, shard_prob=0.5).fit(ids, X, y)
+    m = _model(n_shards=3, sampling=sampling, shard_prob=0.5).fit(X, y, record_ids=ids)
     member_all = m.memberships(ids)
     held = member_all.sum(axis=1)
     gone_rows = [0, 17, 42]
@@ -879,7 +886,7 @@ def test_sliced_loo_schedule_keeps_tombstones_in_their_slices(tmp_path):
     is train_single on the records and tombstones of slices 0..r from checkpoint r-1;
     re-adding the record lifts its tombstone, and its shard retrains from that slice."""
     ids, X, y = _pool(120)
-    m = _model(n_shards=2, n_slices=3, schedule="loo", classes=(0, 1, 2)).fit(ids, X, y)
+    m = _model(n_shards=2, n_slices=3, schedule="loo", classes=(0, 1, 2)).fit(X, y, record_ids=ids)
     assert m.config_["schedule"] == "loo"
     s = 0
     rid = m.shard_records(s)[0]

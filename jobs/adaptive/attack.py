@@ -65,7 +65,7 @@ def run_trial(params: dict[str, Any], ids: np.ndarray, X: np.ndarray, y: np.ndar
     """Train a SISA ensemble with ``seed``, attack it, delete, and measure."""
     if mode not in ("plain", "private"):
         raise ValueError(f"mode must be 'plain' or 'private', got {mode!r}")
-    ens = SISAEnsemble(**{**params, "random_state": seed}).fit(ids, X, y)
+    ens = SISAEnsemble(**{**params, "random_state": seed}).fit(X, y, record_ids=ids)
     S = ens.n_shards
     targeted = np.arange(S) < S // 2
     y_idx = np.searchsorted(ens.classes_, y)

@@ -93,7 +93,7 @@ def _warm_up() -> None:
     X, y = rng.random((40, 16)), np.arange(40) % 2
     for model in ("mlp", "cnn"):
         m = GameUnlearningNet(model=model, hidden=(8,), epochs=1, rounds=2, attack_steps=2,
-                              device="cpu").fit(np.arange(40), X, y)
+                              device="cpu").fit(X, y, record_ids=np.arange(40))
         m.delete([0, 1])
 
 
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         if quick:
             params["attack_steps"] = 200
         params.update(overrides)
-        fitted = GameUnlearningNet(**params).fit(np.arange(len(Xtr)), Xtr, ytr, X_third=Xth)
+        fitted = GameUnlearningNet(**params).fit(Xtr, ytr, record_ids=np.arange(len(Xtr)),
+                                                 X_third=Xth)
         fs = fitted.fit_seconds_
         print(f"\n== {name}: train={len(Xtr)} third={len(Xth)} test={len(Xte)} "
               f"model={net['model']} fit: preparation / plain training = "

@@ -424,7 +424,7 @@ def bench_sisa(d: Data, args: argparse.Namespace, hidden: int, shards: int = 5) 
     ens = SISAEnsemble(n_shards=shards, n_slices=1, model="mlp", hidden=(hidden, hidden),
                        epochs_per_slice=30, batch_size=SHARD_BATCH, lr=0.1, weight_decay=1e-5,
                        classes=tuple(range(C)), device="cpu", random_state=0)
-    ens.fit(np.array(d.ids, dtype=object), d.Xtr, d.ytr)
+    ens.fit(d.Xtr, d.ytr, record_ids=np.array(d.ids, dtype=object))
     assert ens.config_["schedule"] == "loo"
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -140,7 +140,7 @@ def run_table_net(data, S: int, n_del: int, params: dict, seed: int = 0):
     ids = np.array([f"t-{i}" for i in range(len(Xtr))], dtype=object)
     m = SISAEnsemble(**{**params, "n_shards": S, "random_state": seed})
     t0 = time.perf_counter()
-    m.fit(ids, Xtr, ytr)
+    m.fit(Xtr, ytr, record_ids=ids)
     train_s = time.perf_counter() - t0
     acc = float((m.predict(Xte) == yte).mean())
     shard_of, _ = m.locate(ids)
@@ -180,7 +180,7 @@ def run_setting(name, data, S, R, n_del, seed=0):
         **cfg,
     )
     t0 = time.perf_counter()
-    m.fit(ids, Xtr, ytr)
+    m.fit(Xtr, ytr, record_ids=ids)
     train_s = time.perf_counter() - t0
     acc = float((m.predict(Xte) == yte).mean())
     rng = np.random.default_rng(1000 + S * 10 + R)
@@ -236,8 +236,7 @@ def main(argv=None) -> int:
     # warm up torch's lazy initialisation so the first timing is not penalised
     w = digits(True)
     SISAEnsemble(n_shards=1, model="cnn", epochs_per_slice=1).fit(
-        np.arange(64), w[0][:64], w[2][:64]
-    )
+        w[0][:64], w[2][:64], record_ids=np.arange(64))
     all_exact = True
     t_all = time.perf_counter()
     for name, loader in (("digits", digits), ("table", table)):

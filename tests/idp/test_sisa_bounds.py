@@ -67,7 +67,7 @@ def _fitted() -> tuple[SISAEnsemble, list[LOOSet], np.ndarray, dict]:
     """One ensemble, its per-shard LOO sets and bounds (computed once per session)."""
     if not _CACHE:
         X, y, ids = _data()
-        ens = SISAEnsemble(**KW).fit(ids, X, y)
+        ens = SISAEnsemble(**KW).fit(X, y, record_ids=ids)
         assert ens.config_["schedule"] == "loo"
         loos = [ensemble_loo_set(ens, s) for s in range(S)]
         reports: dict[int, BoundReport | None] = {}
@@ -202,7 +202,7 @@ def test_recompute_only_the_touched_shard_after_a_deletion() -> None:
 @pytest.mark.slow
 def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
     X, y, ids = _data(12)
-    ens = SISAEnsemble(**{**KW, "n_shards": 6}).fit(ids, X, y)
+    ens = SISAEnsemble(**{**KW, "n_shards": 6}).fit(X, y, record_ids=ids)
     sizes = ens.shard_sizes_
     assert (sizes <= 1).any(), sizes  # some shard holds one record or none
     bounds = shard_bounds(ens, time_budget_s=2.0)
@@ -211,14 +211,14 @@ def test_tiny_shards_sliced_ensembles_and_tampering() -> None:
         assert ensemble_loo_set(ens, int(s)) is None
     with pytest.raises(ValueError, match="out of range"):
         shard_bounds(ens, [6])
-    sliced = SISAEnsemble(**{**KW, "n_slices": 2}).fit(ids, X, y)
+    sliced = SISAEnsemble(**{**KW, "n_slices": 2}).fit(X, y, record_ids=ids)
     assert sliced.config_["schedule"] == "adam"  # Adam stages: no LOO schedule, no bounds
     with pytest.raises(ValueError, match="schedule"):
         shard_bounds(sliced)
     s = int(np.argmax(sizes))
     assert np.isfinite(bounds.for_ensemble(ens)[s]).all()
     with torch.no_grad():
-        next(ens._nets[s].parameters()).view(-1)[0] += 1e-6
+        next(ens.state_.nets[s].parameters()).view(-1)[0] += 1e-6
     with pytest.raises(ShardMismatchError):
         ensemble_loo_set(ens, s)
     # a bound never covers a network other than the one it was computed on
@@ -237,7 +237,7 @@ def test_sliced_shards_loo_sets_are_the_deletions_and_their_bounds_are_sound() -
     every single deletion leaves unchanged, and more than the bound-free rule."""
     X, y, ids = _data(90)
     ens = SISAEnsemble(**{**KW, "n_shards": 2, "n_slices": 3, "schedule": "loo",
-                          "epochs_per_slice": 12}).fit(ids[:80], X[:80], y[:80])
+                          "epochs_per_slice": 12}).fit(X[:80], y[:80], record_ids=ids[:80])
     gone = [ids[0], ids[7], ids[33]]
     gone_slices = ens.slice_of_[np.searchsorted(ens.record_ids_, gone)]
     ens.delete(gone)

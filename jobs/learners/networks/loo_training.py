@@ -138,8 +138,10 @@ def _layout(cfg: LOOConfig) -> ParamLayout:
 def _views(layout: ParamLayout, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the (M, out, in) weight and (M, out) bias views of (M, P) slots."""
     M = flat.shape[0]
-    return [(flat[:, w_off:w_off + o_p * i_p].view(M, o_p, i_p), flat[:, b_off:b_off + o_p])
-            for _o_t, _i_t, o_p, i_p, w_off, b_off in layout.layers]
+    return [(flat[:, lay.w_off:lay.w_off + lay.out_pad * lay.in_pad].view(M, lay.out_pad,
+                                                                          lay.in_pad),
+             flat[:, lay.b_off:lay.b_off + lay.out_pad])
+            for lay in layout.layers]
 
 
 # --------------------------------------------------------------------------- networks
@@ -340,10 +342,10 @@ def _train_slots(
         if ones is None:
             ones = ones_cache[bp] = torch.ones((M, 1, bp), dtype=torch.float32, device=device)
         for li in range(L - 1, -1, -1):
-            _o_t, _i_t, o_p, i_p, w_off, b_off = layout.layers[li]
+            lay = layout.layers[li]
             dW = torch.bmm(g.transpose(1, 2), acts[li])  # (M, out, in)
-            grad[:, w_off:w_off + o_p * i_p] = dW.reshape(M, -1)
-            grad[:, b_off:b_off + o_p] = torch.bmm(ones, g)[:, 0, :]
+            grad[:, lay.w_off:lay.w_off + lay.out_pad * lay.in_pad] = dW.reshape(M, -1)
+            grad[:, lay.b_off:lay.b_off + lay.out_pad] = torch.bmm(ones, g)[:, 0, :]
             if li > 0:
                 g = torch.bmm(g, views[li][0])  # (M, bp, in)
                 g.mul_(pres[li - 1] > 0)  # ReLU'(z): exact 0/1 factors
@@ -427,7 +429,7 @@ def _make_config(
 ) -> LOOConfig:
     C = int(n_classes) if n_classes is not None else int(y.max()) + 1 if len(y) else 1
     if C < 2:
-        raise ValueError("need at least 2 classes")
+        raise ValueError(f"need at least 2 classes, got {C} class{'' if C == 1 else 'es'}")
     if len(y) and (y.min() < 0 or y.max() >= C):
         raise ValueError("labels must be integers in [0, n_classes)")
     B = int(n_batches_) if n_batches_ is not None else n_batches(n_total, batch_size)

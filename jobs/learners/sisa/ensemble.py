@@ -1,8 +1,11 @@
 """SISA: a sharded, sliced ensemble of small torch networks that forgets exactly.
 
-The estimator is here (configuration, keyed assignment, fit and updates, prediction);
-how a shard trains is in :mod:`jobs.learners.sisa.shard_training`, its hashes and ``verify``
-in :mod:`jobs.learners.sisa.checks`, saving and loading in :mod:`jobs.learners.sisa.bundle`.
+The estimator is here (parameters, fit, prediction); what it holds once fitted is one
+:class:`jobs.learners.sisa.state.EnsembleState`, which the parts take: the keyed placement
+(:mod:`jobs.learners.sisa.placement`), how a shard trains
+(:mod:`jobs.learners.sisa.shard_training`), deletions and additions
+(:mod:`jobs.learners.sisa.updates`), hashes and ``verify``
+(:mod:`jobs.learners.sisa.checks`), saving and loading (:mod:`jobs.learners.sisa.bundle`).
 
 Guarantee: EXACT, and checkable bit for bit (docs/DESIGN.md, "Guarantees").
 
@@ -98,7 +101,7 @@ slice: the keyed slice, or the last slice for records that arrived by
 :meth:`SISAEnsemble.verify` does exactly that and compares every checkpoint
 and the served weights bit for bit. When no record was ever added (or
 ``add_slice="keyed"``) and none deleted under ``schedule="loo"``, this is the
-same as ``SISAEnsemble(**params).fit`` on the live records.
+same as ``SISAEnsemble(**params).fit`` on the live records (with their ids).
 
 Why updates equal the retrain
 -----------------------------
@@ -147,50 +150,38 @@ ledger names deleted ids anyway.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator
-from sklearn.exceptions import NotFittedError
+from sklearn.base import _fit_context
+from sklearn.utils._param_validation import StrOptions
 
 from jobs.learners.base import (
-    Learner,
-    UnknownRecordError,
     UpdateReport,
-    as_ids,
-    check_features,
+    VerifyReport,
     encode_labels,
     ids_to_delete,
     records_to_add,
-    unique_ids,
 )
-from jobs.learners.keyed import prf_u64, prf_u64_many, prf_uniform_many
-from jobs.learners.networks.loo_training import schedule_keys
+from jobs.learners.networks.estimator import SpecClassifier
+from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
 from jobs.learners.networks.torch_nets import (
     build_net,
     deterministic,
     resolve_device,
-    torch_threads,
+    state_to_cpu,
 )
-from jobs.learners.sisa.bundle import EnsembleBundle
-from jobs.learners.sisa.checks import EnsembleChecks
-from jobs.learners.sisa.shard_training import _NO_KEYS, _NO_SLICES, ShardTraining, State, Tombstones
-
-# Defaults per schedule (``None`` in the constructor). Plain SGD on inputs in [0, 1]^d needs
-# a rate about 20-50x Adam's: with 0.01 small shards stayed at the majority class on
-# census-like tables. The "loo" defaults are a network for tables: two hidden layers of 64,
-# 40 epochs and at least 8,000 steps per stage, so that a shard of a fifth of the records
-# learns what one shard does (bench_sisa.py's table rows; docs/learners.md, "SISA").
-SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "loo": {"hidden": (64, 64), "epochs_per_slice": 40, "min_steps": 8000, "lr": 0.2},
-    "adam": {"hidden": (64,), "epochs_per_slice": 20, "min_steps": 0, "lr": 1e-2},
-}
+from jobs.learners.sisa import bundle, checks, updates
+from jobs.learners.sisa.config import resolve_config
+from jobs.learners.sisa.placement import Placement
+from jobs.learners.sisa.shard_training import shard_training_args, train_ensemble
+from jobs.learners.sisa.state import EnsembleSpec, EnsembleState, State
 
 
-class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseEstimator):
+class SISAEnsemble(SpecClassifier):
     """Sharded, isolated, sliced, aggregated ensemble of small networks (Bourtoule et al.).
 
     Parameters
@@ -261,8 +252,30 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
 
     guarantee = "exact"
 
+    _parameter_constraints: ClassVar[dict[str, list[Any]]] = {
+        "n_shards": [count(1)],
+        "n_slices": [count(1)],
+        "model": [StrOptions({"mlp", "cnn"})],
+        "hidden": [Widths(), None],
+        "epochs_per_slice": [count(1), None],
+        "min_steps": [count(0), None],
+        "batch_size": [count(1)],
+        "lr": [number(0, None, "neither"), None],
+        "weight_decay": [number(0, None, "left")],
+        "schedule": [StrOptions({"auto", "loo", "adam"})],
+        "aggregation": [StrOptions({"vote", "mean"})],
+        "add_slice": [StrOptions({"last", "keyed"})],
+        "sampling": [StrOptions({"partition", "independent"})],
+        "shard_prob": [number(0, 1, "right")],
+        "classes": ["array-like", None],
+        "cpu_threads": [count(1), None],
+        "device": [str, torch.device],
+        "random_state": [SEED, None],
+    }
+
     def __init__(
         self,
+        *,
         n_shards: int = 5,
         n_slices: int = 1,
         model: str = "mlp",
@@ -301,273 +314,37 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         self.device = device
         self.random_state = random_state
 
-    # ------------------------------------------------------------------ config
-
-    def _validated_config(self) -> dict[str, Any]:
-        def pos_int(name: str, v: Any) -> int:
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-            return int(v)
-
-        if self.model not in ("mlp", "cnn"):
-            raise ValueError(f"model must be 'mlp' or 'cnn', got {self.model!r}")
-        if self.aggregation not in ("vote", "mean"):
-            raise ValueError(f"aggregation must be 'vote' or 'mean', got {self.aggregation!r}")
-        if self.add_slice not in ("last", "keyed"):
-            raise ValueError(f"add_slice must be 'last' or 'keyed', got {self.add_slice!r}")
-        if self.sampling not in ("partition", "independent"):
-            raise ValueError("sampling must be 'partition' or 'independent', got "
-                             f"{self.sampling!r}")
-        prob = float(self.shard_prob)
-        if not 0 < prob <= 1:
-            raise ValueError(f"shard_prob must lie in (0, 1], got {self.shard_prob!r}")
-        n_slices = pos_int("n_slices", self.n_slices)
-        if self.schedule not in ("auto", "loo", "adam"):
-            raise ValueError(f"schedule must be 'auto', 'loo' or 'adam', got {self.schedule!r}")
-        schedule = self.schedule
-        if schedule == "auto":
-            schedule = "loo" if self.model == "mlp" and n_slices == 1 else "adam"
-        if schedule == "loo" and self.model != "mlp":
-            raise ValueError("schedule='loo' needs model='mlp'")
-        dflt = SCHEDULE_DEFAULTS[schedule]
-        hidden = tuple(pos_int("hidden[*]", h)
-                       for h in (dflt["hidden"] if self.hidden is None else self.hidden))
-        lr = float(self.lr if self.lr is not None else dflt["lr"])
-        if not np.isfinite(lr) or lr <= 0:
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        wd = float(self.weight_decay)
-        if not np.isfinite(wd) or wd < 0:
-            raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
-        threads = None if self.cpu_threads is None else pos_int("cpu_threads", self.cpu_threads)
-        min_steps = dflt["min_steps"] if self.min_steps is None else self.min_steps
-        if isinstance(min_steps, bool) or not isinstance(min_steps, int | np.integer) \
-                or min_steps < 0:
-            raise ValueError(f"min_steps must be an integer >= 0, got {min_steps!r}")
-        return {
-            "n_shards": pos_int("n_shards", self.n_shards),
-            "n_slices": n_slices,
-            "model": self.model,
-            "hidden": list(hidden),
-            "epochs_per_slice": pos_int("epochs_per_slice", dflt["epochs_per_slice"]
-                                        if self.epochs_per_slice is None
-                                        else self.epochs_per_slice),
-            "min_steps": int(min_steps),
-            "batch_size": pos_int("batch_size", self.batch_size),
-            "lr": lr,
-            "weight_decay": wd,
-            "schedule": schedule,
-            "aggregation": self.aggregation,
-            "add_slice": self.add_slice,
-            "sampling": self.sampling,
-            "shard_prob": prob,
-            "cpu_threads": threads,
-            # how an MLP trains on the CPU (jobs.learners.networks.torch_nets.KERNELS): part of
-            # what the
-            # bits depend on, so recorded (bundles from before the compiled one: "torch")
-            "kernel": "compiled",
-        }
-
-    @property
-    def _S(self) -> int:
-        return self.config_["n_shards"]
-
-    @property
-    def _R(self) -> int:
-        return self.config_["n_slices"]
-
-    def _check_fitted(self) -> None:
-        if not hasattr(self, "checkpoints_"):
-            raise NotFittedError("this SISAEnsemble is not fitted yet; call fit() first")
-
-    def _threads(self):
-        n = self.config_["cpu_threads"] if self.device_.type == "cpu" else None
-        return torch_threads(n)
-
-    # ------------------------------------------------------------------ keyed assignment
-
-    def _keyed_members(self, ids: np.ndarray) -> np.ndarray:
-        """(n, S) booleans: which shards each record belongs to (keyed by its id)."""
-        S = self._S
-        if self.config_.get("sampling", "partition") == "partition":
-            shard = (prf_u64_many(self.seed_, "shard", ids) % np.uint64(S)).astype(np.int64)
-            return np.eye(S, dtype=bool)[shard] if len(ids) else np.zeros((0, S), dtype=bool)
-        p = self.config_["shard_prob"]
-        cols = [prf_uniform_many(self.seed_, ("member", s), ids) < p for s in range(S)]
-        return np.stack(cols, axis=1) if len(ids) else np.zeros((0, S), dtype=bool)
-
-    def _keyed_slices(self, ids: np.ndarray) -> np.ndarray:
-        return (prf_u64_many(self.seed_, "slice", ids) % np.uint64(self._R)).astype(np.int64)
-
-    def _batch_keys(self, ids: np.ndarray) -> np.ndarray:
-        return prf_u64_many(self.seed_, "batch", ids)
-
-    def _slices_for(self, ids: np.ndarray, added: np.ndarray) -> np.ndarray:
-        keyed = self._keyed_slices(ids)
-        if self.config_["add_slice"] == "last":
-            return np.where(added, self._R - 1, keyed).astype(np.int64)
-        return keyed
-
-    def _init_seed(self, s: int) -> int:
-        return prf_u64(self.seed_, "init", s)
-
-    def _data(self) -> dict[str, np.ndarray]:
-        return {
-            "ids": self.record_ids_,
-            "X": self.X_,
-            "y": self.y_,
-            "member": self.member_,
-            "slice": self.slice_of_,
-            "added": self.added_,
-            "keys": self._keys,
-        }
-
-    def _make_data(
-        self, ids: np.ndarray, X: np.ndarray, y: np.ndarray, added: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        """Arrays of a record set, sorted by id, with keyed shard/slice/batch keys."""
-        order = np.argsort(ids, kind="stable")
-        ids, X, y, added = ids[order], X[order], y[order], added[order]
-        return {
-            "ids": ids,
-            "X": np.ascontiguousarray(X, dtype=np.float32),
-            "y": np.ascontiguousarray(y, dtype=np.int64),
-            "member": self._keyed_members(ids),
-            "slice": self._slices_for(ids, added),
-            "added": added.astype(bool),
-            "keys": self._batch_keys(ids),
-        }
-
-    def _tombstone_keys(self, ids: np.ndarray,
-                        slices: np.ndarray | None = None) -> tuple[Tombstones, Tombstones]:
-        """Per shard holding any of ``ids``, their sorted schedule keys under its seed, and
-        the slices (``slices``, aligned with ``ids``; default 0) in that order."""
-        member = self._keyed_members(ids)
-        sl = np.zeros(len(ids), dtype=np.int64) if slices is None else slices
-        keys: Tombstones = {}
-        at: Tombstones = {}
-        for s in np.flatnonzero(member.any(axis=0)).tolist():
-            k = schedule_keys(self._init_seed(s), ids[member[:, s]].tolist())
-            order = np.argsort(k)
-            keys[s], at[s] = k[order], sl[member[:, s]][order]
-        return keys, at
-
-    def _commit(
-        self,
-        data: dict[str, np.ndarray],
-        tombstones: Tombstones,
-        tomb_slices: Tombstones,
-        checkpoints: list[list[State]],
-        changed: list[int] | None = None,
-    ) -> None:
-        self.tombstones_ = tombstones
-        self.tombstone_slices_ = tomb_slices
-        self.record_ids_ = data["ids"]
-        self.X_ = data["X"]
-        self.y_ = data["y"]
-        self.member_ = data["member"]
-        self.slice_of_ = data["slice"]
-        self.added_ = data["added"]
-        self._keys = data["keys"]
-        self._row = {rid: k for k, rid in enumerate(self.record_ids_.tolist())}
-        self.checkpoints_ = checkpoints
-        if changed is None or not hasattr(self, "_nets"):
-            self._nets = [self._serving_net(c[-1]) for c in checkpoints]
-        else:
-            for s in changed:
-                self._nets[s] = self._serving_net(checkpoints[s][-1])
-
     # ------------------------------------------------------------------ fit / update
 
-    def fit(self, ids: Any, X: Any, y: Any) -> SISAEnsemble:
-        """Train every shard from its seed on the records ``(ids, X, y)`` (all ``origin="fit"``)."""
-        cfg = self._validated_config()
+    @_fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X: Any, y: Any, *, record_ids: Any = None) -> SISAEnsemble:
+        """Train every shard from its seed on the records (all ``origin="fit"``);
+        ``record_ids`` default to the row numbers."""
+        config = resolve_config(self.get_params(deep=False))
+        rids, Xa, y = self._training_data(X, y, record_ids)
+        if config["model"] == "cnn":
+            build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
+        classes = self._label_set(y)
         rs = self.random_state
-        if rs is None:
-            seed = secrets.randbits(63)
-        elif isinstance(rs, bool) or not isinstance(rs, int | np.integer):
-            raise ValueError(f"random_state must be an int or None, got {type(rs).__name__}")
-        else:
-            seed = int(rs)
-        rids = unique_ids(ids)
-        if len(rids) == 0:
-            raise ValueError("fit needs at least one record")
-        Xa = check_features(X, len(rids), None, dtype=np.float32)
-        if cfg["model"] == "cnn":
-            build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # raises if not a square image
-        yarr = np.asarray(y)
-        if yarr.ndim != 1 or yarr.shape[0] != len(rids):
-            raise ValueError(f"y must be 1-D with {len(rids)} labels, got shape {yarr.shape}")
-        if self.classes is None:
-            if yarr.dtype.kind == "f" and not np.isfinite(yarr).all():
-                raise ValueError("y contains NaN or infinite labels")
-            classes = np.unique(yarr)
-        else:
-            classes = np.asarray(list(self.classes))
-            if len(np.unique(classes)) != len(classes):
-                raise ValueError("classes contains duplicates")
-            classes = np.sort(classes) if classes.dtype != object else classes
-        if len(classes) < 1:
-            raise ValueError("no classes")
-
-        # fitted state (set before helpers that read it)
-        self.config_ = cfg
-        self.seed_ = seed
+        spec = EnsembleSpec(config, secrets.randbits(63) if rs is None else int(rs), classes,
+                            int(Xa.shape[1]), resolve_device(self.device))
+        records = Placement.of(spec).records(rids, Xa, encode_labels(y, classes, len(rids)),
+                                             np.zeros(len(rids), dtype=bool))
         self.classes_ = classes
-        self.n_features_in_ = int(Xa.shape[1])
-        self.device_ = resolve_device(self.device)
-        self.platform_ = self._platform()
-        yi = encode_labels(yarr, self.classes_, len(rids))
-        data = self._make_data(rids, Xa, yi, np.zeros(len(rids), dtype=bool))
-        ckpts = [self._train_shard(s, data, {}, {}, 0, None) for s in range(self._S)]
-        self._commit(data, {}, {}, ckpts)
+        self.state_ = train_ensemble(spec, records)
         return self
 
-    def _platform(self) -> dict[str, Any]:
-        return {
-            "device_type": self.device_.type,
-            "torch": torch.__version__,
-            "cpu_threads": self.config_["cpu_threads"],
-        }
-
-    def _retrain(
-        self, data: dict[str, np.ndarray], tombstones: Tombstones, tomb_slices: Tombstones,
-        from_slice: dict[int, int]
-    ) -> tuple[list[list[State]], float]:
-        t0 = time.perf_counter()
-        ckpts = list(self.checkpoints_)
-        for s, r in sorted(from_slice.items()):
-            start = self.checkpoints_[s][r - 1] if r > 0 else None
-            ckpts[s] = (list(self.checkpoints_[s][:r])
-                        + self._train_shard(s, data, tombstones, tomb_slices, r, start))
-        return ckpts, time.perf_counter() - t0
-
-    def _report(
-        self,
-        op: str,
-        ids: np.ndarray,
-        t0: float,
-        from_slice: dict[int, int],
-        data: dict[str, np.ndarray],
-        train_s: float,
-    ) -> UpdateReport:
-        shards = sorted(from_slice)
-        retrained_records = int(data["member"][:, shards].any(axis=1).sum()) if shards else 0
-        return UpdateReport(
-            op=op,  # type: ignore[arg-type]
-            record_ids=[str(i) for i in ids],
-            guarantee="exact",
-            seconds=time.perf_counter() - t0,
-            retrained={
-                "shards": shards,
-                "from_slice": {int(s): int(r) for s, r in sorted(from_slice.items())},
-                "n_slices": self._R,
-            },
-            metrics={
-                "train_seconds": train_s,
-                "records_in_retrained_shards": float(retrained_records),
-                "n_records": float(len(data["ids"])),
-            },
-        )
+    def _label_set(self, y: np.ndarray) -> np.ndarray:
+        """``classes_``: the ``classes`` parameter (sorted unless of mixed types), or the
+        labels present."""
+        if self.classes is None:
+            return np.unique(y)
+        classes = np.asarray(list(self.classes))
+        if len(np.unique(classes)) != len(classes):
+            raise ValueError("classes contains duplicates")
+        if len(classes) < 1:
+            raise ValueError("no classes")
+        return np.sort(classes) if classes.dtype != object else classes
 
     def delete(self, ids: Any) -> UpdateReport:
         """Forget records by id; retrains each affected shard from its earliest affected slice.
@@ -576,26 +353,9 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         live (never seen, or already deleted), :class:`DuplicateRecordError`
         when an id is named twice.
         """
-        self._check_fitted()
-        t0 = time.perf_counter()
-        rids = ids_to_delete(ids, self._row)
-        rows = np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
-        from_slice = _earliest_slices(self.member_[rows], self.slice_of_[rows])
-        keep = np.ones(len(self.record_ids_), dtype=bool)
-        keep[rows] = False
-        old = self._data()
-        data = {k: v[keep] for k, v in old.items()}
-        tombstones, tomb_slices = dict(self.tombstones_), dict(self.tombstone_slices_)
-        if self.config_["schedule"] == "loo":
-            new, at = self._tombstone_keys(rids, self.slice_of_[rows])
-            for s, keys in new.items():
-                k = np.concatenate([tombstones.get(s, _NO_KEYS), keys])
-                sl = np.concatenate([tomb_slices.get(s, _NO_SLICES), at[s]])
-                order = np.argsort(k)
-                tombstones[s], tomb_slices[s] = k[order], sl[order]
-        ckpts, train_s = self._retrain(data, tombstones, tomb_slices, from_slice)
-        self._commit(data, tombstones, tomb_slices, ckpts, changed=sorted(from_slice))
-        return self._report("delete", rids, t0, from_slice, data, train_s)
+        state = self._fitted()
+        self.state_, report = updates.delete(state, ids_to_delete(ids, state.records.row))
+        return report
 
     def add(self, ids: Any, X: Any, y: Any) -> UpdateReport:
         """Learn new records; each goes to its keyed shard's last slice (``add_slice="last"``).
@@ -604,84 +364,68 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         twice) and ``ValueError`` for a wrong shape, NaN/inf or an unknown label;
         the model is unchanged on any error.
         """
-        self._check_fitted()
-        t0 = time.perf_counter()
-        rids, Xa, yi = records_to_add(ids, X, y, self._row, self.n_features_in_,
+        state = self._fitted()
+        rids, Xa, yi = records_to_add(ids, X, y, state.records.row, self.n_features_in_,
                                       self.classes_)
-        if len(rids) == 0:
-            return self._report("add", rids, t0, {}, self._data(), 0.0)
-        old = self._data()
-        data = self._make_data(
-            np.concatenate([old["ids"], rids]),
-            np.concatenate([old["X"], Xa]),
-            np.concatenate([old["y"], yi]),
-            np.concatenate([old["added"], np.ones(len(rids), dtype=bool)]),
-        )
-        new_rows = np.isin(data["ids"], rids)
-        from_slice = _earliest_slices(data["member"][new_rows], data["slice"][new_rows])
-        # a re-added id's tombstones are lifted, and its shard retrains from the earliest
-        # slice it leaves or joins
-        back, _ = self._tombstone_keys(rids)
-        tombstones, tomb_slices = {}, {}
-        for s, keys in self.tombstones_.items():
-            gone = np.isin(keys, back.get(s, _NO_KEYS))
-            if not gone.all():
-                tombstones[s] = keys[~gone]
-                tomb_slices[s] = self.tombstone_slices_[s][~gone]
-            if gone.any():
-                r0 = int(self.tombstone_slices_[s][gone].min())
-                from_slice[s] = min(from_slice.get(s, r0), r0)
-        ckpts, train_s = self._retrain(data, tombstones, tomb_slices, from_slice)
-        self._commit(data, tombstones, tomb_slices, ckpts, changed=sorted(from_slice))
-        return self._report("add", rids, t0, from_slice, data, train_s)
+        self.state_, report = updates.add(state, rids, Xa, yi)
+        return report
 
-    # ------------------------------------------------------------------ prediction
+    # ------------------------------------------------------------------ fitted state
+
+    state_: EnsembleState
+
+    @property
+    def slice_of_(self) -> np.ndarray:
+        return self._fitted().records.slice
+
+    @property
+    def tombstones_(self) -> dict[int, np.ndarray]:
+        """Per shard, the sorted schedule keys of its deleted records (``"loo"`` only)."""
+        return self._fitted().tombstones.keys
+
+    @property
+    def tombstone_slices_(self) -> dict[int, np.ndarray]:
+        return self._fitted().tombstones.slices
+
+    @property
+    def checkpoints_(self) -> list[list[State]]:
+        return self._fitted().checkpoints
 
     @property
     def shard_sizes_(self) -> np.ndarray:
         """Live records per shard, shape (S,)."""
-        self._check_fitted()
-        return self.member_.sum(axis=0)
+        return self._fitted().shard_sizes
 
     @property
     def shard_networks_(self) -> tuple[torch.nn.Module, ...]:
         """The served shard networks. A shard an update retrains gets a new network object,
         so identity tells a caller which shards may have changed since it last looked."""
-        self._check_fitted()
-        return tuple(self._nets)
+        return tuple(self._fitted().nets)
 
     @property
     def max_shards_per_record_(self) -> int:
         """The most shards one live record belongs to: how many shard models one deletion
         can change (1 for a partition; the SISA vote rule needs it)."""
-        self._check_fitted()
-        return int(self.member_.sum(axis=1).max(initial=0))
+        return int(self._fitted().records.member.sum(axis=1).max(initial=0))
 
     @property
     def active_shards_(self) -> np.ndarray:
         """Boolean mask (S,): shards with at least one live record (the ones that vote)."""
-        return self.shard_sizes_ > 0
+        return self._fitted().active
 
-    @property
-    def n_classes_(self) -> int:
-        return len(self.classes_)
+    # ------------------------------------------------------------------ prediction
 
     def shard_logits(self, X: Any) -> np.ndarray:
         """Logits of every shard model (empty shards included), shape (S, n, C), float32.
 
         ``X`` is used as given (no clipping; the service clips to [0, 1]^d).
         """
-        self._check_fitted()
-        Xa = check_features(X, None, self.n_features_in_, dtype=np.float32)
-        xt = torch.from_numpy(Xa).to(self.device_)
-        with self._threads(), deterministic(), torch.inference_mode():
-            out = [net(xt).float().cpu().numpy() for net in self._nets]
+        state = self._fitted()
+        Xa = self._queries(X)
+        xt = torch.from_numpy(Xa).to(state.spec.device)
+        with state.spec.threads(), deterministic(), torch.inference_mode():
+            out = [net(xt).float().cpu().numpy() for net in state.nets]
         return np.stack(out) if out else np.zeros((0, len(Xa), self.n_classes_), np.float32)
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Labels: argmax of :meth:`scores`, ties to the lowest class index."""
-        self._check_fitted()
-        return super().predict(X)
 
     def shard_predictions(self, X: Any) -> np.ndarray:
         """Class index voted by each shard, shape (S, n); -1 for empty (non-voting) shards."""
@@ -707,35 +451,73 @@ class SISAEnsemble(EnsembleBundle, EnsembleChecks, ShardTraining, Learner, BaseE
         p /= p.sum(axis=2, keepdims=True)
         return p.mean(axis=0)
 
-    def _live_rows(self, ids: Any) -> np.ndarray:
-        self._check_fitted()
-        rids = as_ids(ids)
-        unknown = [i for i in rids.tolist() if i not in self._row]
-        if unknown:
-            raise UnknownRecordError(unknown, "unknown or already deleted record id")
-        return np.array([self._row[i] for i in rids.tolist()], dtype=np.int64)
-
     def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """(shard, slice) of live records of a partition; :class:`UnknownRecordError` for
         ids not live. With independent sampling use :meth:`memberships`."""
         if self.config_.get("sampling", "partition") != "partition":
             raise ValueError("with sampling='independent' a record may sit in several "
                              "shards: use memberships()")
-        rows = self._live_rows(ids)
-        return self.member_[rows].argmax(axis=1), self.slice_of_[rows].copy()
+        records = self._fitted().records
+        rows = records.rows_of(ids)
+        return records.member[rows].argmax(axis=1), records.slice[rows].copy()
 
     def memberships(self, ids: Any) -> np.ndarray:
         """(n, S) booleans: the shards each live record belongs to."""
-        return self.member_[self._live_rows(ids)].copy()
+        records = self._fitted().records
+        return records.member[records.rows_of(ids)].copy()
 
+    # ------------------------------------------------------------------ shards for the guard
 
+    def shard_training_args(self, s: int, n_records: int | None = None,
+                            stage: int | None = None) -> dict[str, Any]:
+        """Keyword arguments that reproduce stage ``stage`` of shard ``s`` with
+        :func:`jobs.learners.networks.loo_training.train_single` (and ``train_loo`` /
+        ``train_slots``): :func:`jobs.learners.sisa.shard_training.shard_training_args`."""
+        return shard_training_args(self._fitted(), s, n_records, stage)
 
+    def shard_slices(self, s: int) -> np.ndarray:
+        """The slice of each of shard ``s``'s live records, in :meth:`shard_records` order."""
+        records = self._fitted().records
+        return records.slice[records.of_shard(s)].copy()
 
+    def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
+        records = self._fitted().records
+        rows = records.of_shard(s)
+        return records.ids[rows].tolist(), records.X[rows].copy(), records.y[rows].copy()
 
-def _earliest_slices(member: np.ndarray, slices: np.ndarray) -> dict[int, int]:
-    """Per shard holding any of these records, the earliest of their slices there."""
-    out: dict[int, int] = {}
-    for row, r in zip(member, slices.tolist(), strict=True):
-        for s in np.flatnonzero(row).tolist():
-            out[s] = min(r, out.get(s, r))
-    return out
+    def shard_state(self, s: int) -> State:
+        """A CPU copy of shard ``s``'s served weights (state dict)."""
+        return state_to_cpu(self._fitted().nets[int(s)])
+
+    # ------------------------------------------------------------------ checks, bundle
+
+    def content_hash(self) -> str:
+        """SHA-256 over the served shard weights (bit for bit), active mask, classes, config."""
+        return checks.content_hash(self._fitted())
+
+    def shard_hash(self, s: int) -> str:
+        """Hash of shard ``s``'s served weights."""
+        return checks.shard_hash(self._fitted(), s)
+
+    def checkpoint_hash(self, s: int, r: int) -> str:
+        """Hash of shard ``s``'s checkpoint after stage ``r``."""
+        return checks.checkpoint_hash(self._fitted(), s, r)
+
+    def verify(self) -> VerifyReport:
+        """Retrain every shard from scratch on the live records and compare bit for bit."""
+        return checks.verify(self._fitted())
+
+    def verify_shard(self, s: int) -> VerifyReport:
+        """Retrain only shard ``s`` from scratch and compare its checkpoints and weights."""
+        return checks.verify_shard(self._fitted(), s)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path/meta.json`` (JSON) and ``path/state.pt`` (tensors only)."""
+        bundle.save(path, self.get_params(deep=False), self._fitted())
+
+    @classmethod
+    def load(cls, path: str | Path) -> SISAEnsemble:
+        """Read a bundle written by :meth:`save`; checks the content hash."""
+        params, state = bundle.load(path)
+        return cls._restored(params, state, state.spec.n_features, state.spec.classes)

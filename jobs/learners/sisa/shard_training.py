@@ -1,9 +1,10 @@
-"""How a SISA shard trains (the module docstring of :mod:`jobs.learners.sisa.ensemble` states the
-schedules): the Adam stages, the masked LOO schedule stage by stage, and what a caller
+"""How a SISA shard trains (the module docstring of :mod:`jobs.learners.sisa.ensemble` states
+the schedules): the Adam stages, the masked LOO schedule stage by stage, and what a caller
 needs to reproduce a shard outside the ensemble (the guard's LOO sets)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,183 +20,160 @@ from jobs.learners.networks.torch_nets import (
     state_to_cpu,
     train_stage,
 )
+from jobs.learners.sisa.placement import Placement
+from jobs.learners.sisa.state import EnsembleSpec, EnsembleState, Records, State, Tombstones
 
-State = dict[str, torch.Tensor]
-Tombstones = dict[int, np.ndarray]  # shard -> sorted uint64 schedule keys (non-empty only)
-_NO_KEYS = np.zeros(0, dtype=np.uint64)
-_NO_SLICES = np.zeros(0, dtype=np.int64)
 # Stage r of a sliced "loo" shard numbers its epochs from r * STAGE_EPOCH_STRIDE, so that
 # every stage's batches are keyed apart (stage 0 of a one-slice shard: from 0, as before).
 STAGE_EPOCH_STRIDE = 1 << 20
 
 
-class ShardTraining:
-    """Training of one shard: the part of :class:`jobs.learners.sisa.ensemble.SISAEnsemble` that
-    fit, updates and verify share."""
+@dataclass(frozen=True)
+class ShardTrainer:
+    """Trains the shards of one ensemble (its spec): the one function fit, delete, add
+    and verify share, so they run the same kernels on the same shapes."""
 
-    def _new_net(self) -> torch.nn.Module:
-        return build_net(
-            self.config_["model"],
-            self.n_features_in_,
-            len(self.classes_),
-            self.config_["hidden"],
-        )
+    spec: EnsembleSpec
 
-    def _train_shard(
-        self,
-        s: int,
-        data: dict[str, np.ndarray],
-        tombstones: Tombstones,
-        tomb_slices: Tombstones,
-        from_slice: int,
-        start: State | None,
-    ) -> list[State]:
-        """Checkpoints of stages ``from_slice .. R-1`` of shard ``s`` on ``data``.
+    def new_net(self) -> torch.nn.Module:
+        """An untrained shard network of the ensemble's architecture."""
+        spec = self.spec
+        return build_net(spec.config["model"], spec.n_features, spec.n_classes,
+                         spec.config["hidden"])
+
+    def serving_net(self, state: State) -> torch.nn.Module:
+        """A frozen network holding ``state``, on the ensemble's device."""
+        net = self.new_net()
+        net.load_state_dict(state)
+        net.to(self.spec.device)
+        net.eval()
+        for p in net.parameters():
+            p.requires_grad_(False)
+        return net
+
+    def train(self, s: int, records: Records, tombstones: Tombstones, from_slice: int,
+              start: State | None) -> list[State]:
+        """Checkpoints of stages ``from_slice .. R-1`` of shard ``s`` on ``records``.
 
         ``start`` is the checkpoint after stage ``from_slice - 1`` (ignored when
-        ``from_slice == 0``: the shard starts from its seed-only initialisation).
-        ``data`` holds the live records' arrays sorted by id; ``tombstones`` the
-        deleted records' keys per shard and ``tomb_slices`` their slices, aligned
-        (``schedule="loo"`` only). This one function serves fit, delete, add and verify:
-        the same kernels and shapes.
+        ``from_slice == 0``: the shard starts from its seed-only initialisation);
+        ``tombstones`` are used by the ``"loo"`` schedule only.
         """
-        cfg = self.config_
-        if cfg["schedule"] == "loo":
-            return self._train_shard_loo(s, data, tombstones, tomb_slices, from_slice, start)
-        net = self._new_net()
+        if self.spec.config["schedule"] == "loo":
+            return self._train_loo(s, records, tombstones, from_slice, start)
+        return self._train_adam(s, records, from_slice, start)
+
+    def _train_adam(self, s: int, records: Records, from_slice: int,
+                    start: State | None) -> list[State]:
+        spec, cfg, device = self.spec, self.spec.config, self.spec.device
+        net = self.new_net()
         if from_slice == 0:
-            init_net(net, self._init_seed(s))
+            init_net(net, Placement.of(spec).init_seed(s))
         else:
             assert start is not None
             net.load_state_dict(start)
-        net.to(self.device_)
-        rows = np.flatnonzero(data["member"][:, s])
-        Xs = torch.from_numpy(data["X"][rows]).to(self.device_)
-        ys = torch.from_numpy(data["y"][rows]).to(self.device_)
-        keys = data["keys"][rows]
-        slices = data["slice"][rows]
+        net.to(device)
+        rows = records.of_shard(s)
+        Xs = torch.from_numpy(records.X[rows]).to(device)
+        ys = torch.from_numpy(records.y[rows]).to(device)
+        keys = records.keys[rows]
+        slices = records.slice[rows]
         out: list[State] = []
-        with self._threads():
-            for r in range(from_slice, self._R):
+        with spec.threads():
+            for r in range(from_slice, spec.n_slices):
                 sel = np.flatnonzero(slices <= r)
                 if len(sel):
-                    idx = torch.from_numpy(sel).to(self.device_)
-                    train_stage(
-                        net,
-                        Xs.index_select(0, idx),
-                        ys.index_select(0, idx),
-                        keys[sel],
-                        seed=self.seed_,
-                        stage_key=(s, r),
-                        epochs=self._epochs(len(sel)),
-                        batch_size=cfg["batch_size"],
-                        lr=cfg["lr"],
-                        kernel=cfg["kernel"],
-                    )
+                    idx = torch.from_numpy(sel).to(device)
+                    train_stage(net, Xs.index_select(0, idx), ys.index_select(0, idx),
+                                keys[sel], seed=spec.seed, stage_key=(s, r),
+                                epochs=self.epochs(len(sel)), batch_size=cfg["batch_size"],
+                                lr=cfg["lr"], kernel=cfg["kernel"])
                 out.append(state_to_cpu(net))
         return out
 
-    def _epochs(self, n_records: int) -> int:
-        """Epochs of a stage of ``n_records`` live records (the ``min_steps`` floor)."""
-        cfg = self.config_
-        return stage_epochs(n_records, cfg["batch_size"], cfg["epochs_per_slice"],
-                            cfg.get("min_steps", 0))
-
-    def _loo_args(self, s: int, n_records: int, tombstones: Tombstones,
-                  tomb_slices: Tombstones, stage: int) -> dict[str, Any]:
-        cfg = self.config_
-        keys = tombstones.get(s, _NO_KEYS)
-        in_stage = tomb_slices.get(s, np.zeros(len(keys), dtype=np.int64)) <= stage
-        return {
-            "n_classes": len(self.classes_),
-            "hidden": tuple(cfg["hidden"]),
-            "epochs": self._epochs(n_records),
-            "batch_size": cfg["batch_size"],
-            "lr": cfg["lr"],
-            "weight_decay": cfg["weight_decay"],
-            "seed": self._init_seed(s),
-            "n_batches": n_batches(n_records, cfg["batch_size"]),
-            "tombstones": keys[in_stage].tolist(),
-            "device": self.device_,
-            "kernel": cfg["kernel"],
-        }
-
-    def _train_shard_loo(self, s: int, data: dict[str, np.ndarray], tombstones: Tombstones,
-                         tomb_slices: Tombstones, from_slice: int,
-                         start: State | None) -> list[State]:
+    def _train_loo(self, s: int, records: Records, tombstones: Tombstones, from_slice: int,
+                   start: State | None) -> list[State]:
         """Stages ``from_slice .. R-1`` of shard ``s``, each a
-        :func:`jobs.learners.networks.loo_training.train_single` run (schedule ``"loo"``) on the
-        live records of
-        slices ``0..r`` and the tombstones of those slices, continuing from the stage before."""
-        rows = np.flatnonzero(data["member"][:, s])
-        slices = data["slice"][rows]
+        :func:`jobs.learners.networks.loo_training.train_single` run on the live records of
+        slices ``0..r`` and the tombstones of those slices, continuing from the stage
+        before."""
+        rows = records.of_shard(s)
+        slices = records.slice[rows]
         params = None
         if from_slice > 0:
             assert start is not None
             params = MLPParams.from_state(start)
         out: list[State] = []
-        for r in range(from_slice, self._R):
+        for r in range(from_slice, self.spec.n_slices):
             sel = rows[slices <= r]
             params = train_single(
-                data["X"][sel], data["y"][sel], data["ids"][sel].tolist(),
+                records.X[sel], records.y[sel], records.ids[sel].tolist(),
                 init=params, first_epoch=r * STAGE_EPOCH_STRIDE,
-                **self._loo_args(s, len(sel), tombstones, tomb_slices, r))
+                **self.loo_args(s, len(sel), tombstones, r))
             out.append(mlp_state(params.weights, params.biases))
         return out
 
-    def shard_training_args(self, s: int, n_records: int | None = None,
-                            stage: int | None = None) -> dict[str, Any]:
-        """Keyword arguments of :func:`jobs.learners.networks.loo_training.train_loo` /
-        ``train_single`` /
-        ``train_slots`` that reproduce stage ``stage`` (default: the last) of shard ``s``
-        (schedule ``"loo"`` only), for ``n_records`` live records in the stage (default:
-        the shard's current count in slices ``0..stage``; ``n_records`` only sets
-        ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor).
+    def epochs(self, n_records: int) -> int:
+        """Epochs of a stage of ``n_records`` live records (the ``min_steps`` floor)."""
+        cfg = self.spec.config
+        return stage_epochs(n_records, cfg["batch_size"], cfg["epochs_per_slice"],
+                            cfg.get("min_steps", 0))
 
-        One slice: ``train_loo(*self.shard_records(s), **self.shard_training_args(s))``
-        gives the served shard network as its ``N`` bit for bit (same device type, torch
-        build, CPU capability and thread count); with ``n_records = n_s - 1`` its
-        ``N_{-x}`` are the shard models after ``delete([x])``. Sliced: stage ``r`` runs on
-        the records of slices ``0..r`` (:meth:`shard_slices`), from the checkpoint of
-        stage ``r - 1``, with ``first_epoch`` set here.
-        """
-        self._check_fitted()
-        if self.config_.get("schedule") != "loo":
-            raise ValueError("only schedule='loo' shards are LOO-schedule networks "
-                             f"(this ensemble trains with {self.config_.get('schedule')!r})")
-        if not 0 <= int(s) < self._S:
-            raise ValueError(f"shard index {s} out of range 0..{self._S - 1}")
-        r = self._R - 1 if stage is None else int(stage)
-        if not 0 <= r < self._R:
-            raise ValueError(f"stage {stage} out of range 0..{self._R - 1}")
-        n = (int((self.shard_slices(int(s)) <= r).sum()) if n_records is None
-             else int(n_records))
-        args = self._loo_args(int(s), n, self.tombstones_, self.tombstone_slices_, r)
-        if self._R > 1:
-            args["first_epoch"] = r * STAGE_EPOCH_STRIDE
-        return args
+    def loo_args(self, s: int, n_records: int, tombstones: Tombstones,
+                 stage: int) -> dict[str, Any]:
+        """``train_single`` arguments of stage ``stage`` of shard ``s``."""
+        spec, cfg = self.spec, self.spec.config
+        return {
+            "n_classes": spec.n_classes,
+            "hidden": tuple(cfg["hidden"]),
+            "epochs": self.epochs(n_records),
+            "batch_size": cfg["batch_size"],
+            "lr": cfg["lr"],
+            "weight_decay": cfg["weight_decay"],
+            "seed": Placement.of(spec).init_seed(s),
+            "n_batches": n_batches(n_records, cfg["batch_size"]),
+            "tombstones": tombstones.in_stage(s, stage),
+            "device": spec.device,
+            "kernel": cfg["kernel"],
+        }
 
-    def shard_slices(self, s: int) -> np.ndarray:
-        """The slice of each of shard ``s``'s live records, in :meth:`shard_records` order."""
-        self._check_fitted()
-        return self.slice_of_[self.member_[:, int(s)]].copy()
 
-    def shard_records(self, s: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """Shard ``s``'s live records: ids (sorted), features (float32), class indices."""
-        self._check_fitted()
-        rows = np.flatnonzero(self.member_[:, int(s)])
-        return self.record_ids_[rows].tolist(), self.X_[rows].copy(), self.y_[rows].copy()
+def train_ensemble(spec: EnsembleSpec, records: Records) -> EnsembleState:
+    """Every shard trained from its seed on ``records`` (what ``fit`` does; no tombstones)."""
+    trainer = ShardTrainer(spec)
+    ckpts = [trainer.train(s, records, Tombstones(), 0, None) for s in range(spec.n_shards)]
+    return EnsembleState(spec, spec.platform(), records, Tombstones(), ckpts,
+                         [trainer.serving_net(c[-1]) for c in ckpts])
 
-    def shard_state(self, s: int) -> State:
-        """A CPU copy of shard ``s``'s served weights (state dict)."""
-        self._check_fitted()
-        return state_to_cpu(self._nets[int(s)])
 
-    def _serving_net(self, state: State) -> torch.nn.Module:
-        net = self._new_net()
-        net.load_state_dict(state)
-        net.to(self.device_)
-        net.eval()
-        for p in net.parameters():
-            p.requires_grad_(False)
-        return net
+def shard_training_args(state: EnsembleState, s: int, n_records: int | None = None,
+                        stage: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of :func:`jobs.learners.networks.loo_training.train_loo` /
+    ``train_single`` / ``train_slots`` that reproduce stage ``stage`` (default: the last)
+    of shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records in the stage
+    (default: the shard's current count in slices ``0..stage``; ``n_records`` only sets
+    ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor).
+
+    One slice: ``train_loo(*shard_records, **shard_training_args(state, s))`` gives the
+    served shard network as its ``N`` bit for bit (same device type, torch build, CPU
+    capability and thread count); with ``n_records = n_s - 1`` its ``N_{-x}`` are the
+    shard models after ``delete([x])``. Sliced: stage ``r`` runs on the records of slices
+    ``0..r``, from the checkpoint of stage ``r - 1``, with ``first_epoch`` set here.
+    """
+    spec = state.spec
+    if spec.config.get("schedule") != "loo":
+        raise ValueError("only schedule='loo' shards are LOO-schedule networks "
+                         f"(this ensemble trains with {spec.config.get('schedule')!r})")
+    if not 0 <= int(s) < spec.n_shards:
+        raise ValueError(f"shard index {s} out of range 0..{spec.n_shards - 1}")
+    R = spec.n_slices
+    r = R - 1 if stage is None else int(stage)
+    if not 0 <= r < R:
+        raise ValueError(f"stage {stage} out of range 0..{R - 1}")
+    records = state.records
+    n = (int((records.slice[records.of_shard(s)] <= r).sum()) if n_records is None
+         else int(n_records))
+    args = ShardTrainer(spec).loo_args(int(s), n, state.tombstones, r)
+    if R > 1:
+        args["first_epoch"] = r * STAGE_EPOCH_STRIDE
+    return args
