@@ -144,8 +144,7 @@ class ServedModel(abc.ABC):
 
     @property
     def n_features(self) -> int:
-        learner = self.learner
-        return int(getattr(learner, "n_features_in_", None) or learner.n_features_)
+        return int(self.learner.n_features_in_)
 
     @property
     def device(self) -> str:

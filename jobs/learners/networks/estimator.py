@@ -12,7 +12,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from jobs.learners.base import Learner, check_features, unique_ids
+from jobs.learners.base import Learner, check_features, training_ids
 
 _DTYPES = (np.float64, np.float32)
 
@@ -32,7 +32,7 @@ class NetworkClassifier(ClassifierMixin, Learner, BaseEstimator):
         ``n_features_in_``. The ids default to the row numbers."""
         X, y = validate_data(self, X, y, dtype=_DTYPES)
         check_classification_targets(y)
-        rids = unique_ids(np.arange(len(X)).astype(str) if record_ids is None else record_ids)
+        rids = training_ids(record_ids, len(X))
         return rids, check_features(X, len(rids), None, dtype=np.float32), y
 
     def _queries(self, X: Any) -> np.ndarray:
