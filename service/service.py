@@ -25,7 +25,7 @@ from bentoml.exceptions import InvalidArgument
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.responses import JSONResponse
 
-from jobs.adaptive.budget import BudgetExhausted, SeedBudgets, budget_policy
+from jobs.adaptive.budget import BudgetExhausted, SeedBudgets
 from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import Registry
 from ledger.config import LedgerSettings
@@ -125,7 +125,7 @@ class Obliviate:
         self.registry = Registry(self.ledger.engine, job_settings.model_name, self.ledger.keys)
         self.usage = GuardUsage(self.ledger.engine)
         self.budgets = (SeedBudgets(self.ledger.engine, job_settings.model_name)
-                        if budget_policy(job_settings) else None)
+                        if job_settings.budget_policy() else None)
         self.holder = ModelHolder(self.registry, epsilon=settings.epsilon,
                                   memo_size=settings.memo_size,
                                   epsilon_budget=settings.epsilon_budget,

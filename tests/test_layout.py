@@ -40,6 +40,21 @@ def test_dependencies_point_from_the_service_to_the_jobs_to_the_ledger() -> None
     assert wrong == []
 
 
+def test_inside_jobs_the_orchestration_sits_on_top() -> None:
+    """The learners, the guards, private mode and the evaluation never import the
+    orchestration (the worker, the registry, the served model) that uses them; and no
+    learner imports a guard."""
+    below = {"jobs/learners": ("jobs.orchestration", "jobs.guard", "jobs.adaptive",
+                               "jobs.eval"),
+             "jobs/guard": ("jobs.orchestration",), "jobs/adaptive": ("jobs.orchestration",),
+             "jobs/eval": ("jobs.orchestration",)}
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+             for package, forbidden in below.items() for path, tree in _sources(package)
+             for name, line in _imports(tree, module_level=False)
+             if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    assert wrong == []
+
+
 def test_no_module_of_the_service_imports_the_demo_when_imported() -> None:
     wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}"
              for path, tree in _sources("service") if not path.is_relative_to(DEMO)

@@ -28,7 +28,6 @@ from sqlalchemy import BigInteger, Connection, DateTime, Engine, insert, select,
 from sqlmodel import Field, SQLModel
 
 from jobs.adaptive.composition import answers_allowed, epsilon_spent
-from jobs.orchestration.job_settings import JobSettings
 from ledger import migrations
 from ledger.chain import utc_now
 
@@ -85,17 +84,6 @@ class LineageBudget:
         if self.epsilon_budget <= 0:
             return 1.0
         return min(1.0, self.epsilon_spent / self.epsilon_budget)
-
-
-def budget_policy(settings: JobSettings) -> BudgetPolicy | None:
-    """The deployment's policy in private prediction mode; None in guard mode."""
-    if settings.choice("answers", ("guard", "private")) == "guard":
-        return None
-    if settings.learner != "sisa":
-        raise ValueError("OBLIVIATE_ANSWERS=private needs OBLIVIATE_LEARNER=sisa: the answers "
-                         f"are noisy votes over shards (got learner {settings.learner!r})")
-    return BudgetPolicy(epsilon_per_answer=settings.private_epsilon,
-                        epsilon_budget=settings.seed_epsilon_budget, delta=settings.seed_delta)
 
 
 class BudgetExhausted(RuntimeError):

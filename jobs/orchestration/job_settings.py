@@ -8,8 +8,12 @@ The service reads these too: the model it serves, whether it guards, private mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ledger.env_settings import EnvSettings
+
+if TYPE_CHECKING:  # SciPy loads only with private mode, not with the command line
+    from jobs.adaptive.budget import BudgetPolicy
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,16 @@ class JobSettings(EnvSettings):
     # a serving process that could not check the registry for half of it stops answering
     destroy_grace_s: float = 30.0
     worker_metrics_port: int = 9101
+
+    def budget_policy(self) -> BudgetPolicy | None:
+        """The deployment's policy in private prediction mode; None in guard mode."""
+        if self.choice("answers", ("guard", "private")) == "guard":
+            return None
+        from jobs.adaptive.budget import BudgetPolicy
+
+        if self.learner != "sisa":
+            raise ValueError("OBLIVIATE_ANSWERS=private needs OBLIVIATE_LEARNER=sisa: the "
+                             "answers are noisy votes over shards (got learner "
+                             f"{self.learner!r})")
+        return BudgetPolicy(epsilon_per_answer=self.private_epsilon,
+                            epsilon_budget=self.seed_epsilon_budget, delta=self.seed_delta)

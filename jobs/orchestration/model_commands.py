@@ -71,7 +71,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _worker(args: argparse.Namespace, **config: Any) -> Worker:
-    from jobs.adaptive.budget import budget_policy
     from jobs.orchestration.registry import Registry
     from jobs.orchestration.worker import Worker, WorkerConfig
 
@@ -79,7 +78,7 @@ def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     # opening the ledger applies the database migrations (ledger.migrations) before the
     # worker touches a table; said on stderr when they changed something
     ledger = open_ledger(args)
-    config["budget"] = budget_policy(s)  # private mode: every version gets a seed lineage
+    config["budget"] = s.budget_policy()  # private mode: every version gets a seed lineage
     registry = Registry(ledger.engine, s.model_name, ledger.keys)
     return Worker(ledger, registry, WorkerConfig(**config))
 
