@@ -202,7 +202,7 @@ def test_a_loo_set_too_large_for_the_cpu_is_not_trained(monkeypatch) -> None:
     (it would hold the exactness check back for hours): the network stays in noise-all
     mode, sound, the manifest says why, and the worker does not keep refining it."""
     import jobs.orchestration.served_model as served
-    from jobs.orchestration.worker import _guard_coarse
+    from jobs.orchestration.guard_pass import guard_coarse as _guard_coarse
 
     ids, X, y = _data()
     model = ServedModel.train("mlp", np.array(ids, dtype=object), X, y,

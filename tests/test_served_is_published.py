@@ -157,18 +157,18 @@ def test_a_version_published_before_guards_were_hashed_is_upgraded(
     """An upgrade meets versions whose manifest records no guard hash: their learner is held
     to the manifest, their guard is not loaded (noise-all, said in the log), and the worker
     refits the guard and publishes it, hashed; nothing is stuck."""
-    import jobs.orchestration.worker
+    import jobs.orchestration.publisher
 
     ledger = seeded60
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
-    real_manifest = jobs.orchestration.worker.manifest
+    real_manifest = jobs.orchestration.publisher.manifest
 
     def unhashed(*args: Any, **kwargs: Any) -> dict[str, Any]:
         man = real_manifest(*args, **kwargs)
         man["guard"].pop("content_hash")
         return man
 
-    monkeypatch.setattr(jobs.orchestration.worker, "manifest", unhashed)
+    monkeypatch.setattr(jobs.orchestration.publisher, "manifest", unhashed)
     old = _worker(ledger, reg).bootstrap("dare", PARAMS["dare"])
     monkeypatch.undo()
     assert "content_hash" not in reg.current().manifest["guard"]

@@ -136,7 +136,7 @@ def test_shards_whose_loo_set_is_too_large_stay_fragile(seeded90: Ledger, monkey
     complete, so the worker does not start guard jobs for it again and again."""
     import jobs.orchestration.served_model as served
     from jobs.guard.lucid.shard_bounds import shard_loo_work
-    from jobs.orchestration.worker import _guard_coarse
+    from jobs.orchestration.guard_pass import guard_coarse as _guard_coarse
 
     X, y = seeded90.records.data([f"r{i:03d}" for i in range(90)])
     ids = np.array([f"r{i:03d}" for i in range(90)], dtype=object)

@@ -12,7 +12,8 @@ from sqlalchemy import select
 
 from jobs.orchestration.registry import PublishConflict, Registry
 from jobs.orchestration.served_model import ForestModel, ServedModel
-from jobs.orchestration.worker import Worker, WorkerConfig, _plan
+from jobs.orchestration.update_pass import plan as _plan
+from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.chain import utc_now
 from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
@@ -234,7 +235,7 @@ def test_a_stream_without_pause_is_verified_within_the_max_wait(seeded60: Ledger
                                "record_ids": [f"r{i:03d}"]}).status == "accepted"
         while ledger.history(f"d{i}")["request"]["status"] == "received":
             assert w.step()
-        w._last_update = time.monotonic()  # no pause, ever
+        w.guard.last_update = time.monotonic()  # no pause, ever
 
     delete(1)
     checked = reg.current().version
@@ -298,7 +299,7 @@ def test_a_deletion_overlapping_an_earlier_one_removes_the_rest(seeded60: Ledger
         assert ledger.receive({"request_id": rid, "op": "delete", "record_ids": ids}
                               ).status == "accepted"
     if first:
-        w._apply(first)  # x1 applied: r002 purged before x2 and x3 are claimed
+        w.updates.apply(first)  # x1 applied: r002 purged before x2 and x3 are claimed
     _drain(w)
     for rid in ("x1", "x2", "x3"):
         assert ledger.history(rid)["request"]["status"] == "verified", rid
@@ -343,12 +344,12 @@ def test_a_second_worker_never_builds_on_a_stale_version(seeded60: Ledger) -> No
     ledger.receive({"request_id": "p2", "op": "delete", "record_ids": ["r020"]})
     batch_a = ledger.lifecycle.claim(1, "a")
     batch_b = ledger.lifecycle.claim(1, "b")
-    stale = a._current()  # a reads v1 as current ...
-    b._apply(batch_b)  # ... b publishes v2 from v1 meanwhile ...
-    a._current = lambda: stale  # type: ignore[method-assign]
+    stale = a.loaded.get()  # a reads v1 as current ...
+    b.updates.apply(batch_b)  # ... b publishes v2 from v1 meanwhile ...
+    a.loaded.get = lambda: stale  # type: ignore[method-assign]
     with pytest.raises(PublishConflict):
-        a._apply(batch_a)  # ... so a's v2-from-v1 must not become current
-    del a._current
+        a.updates.apply(batch_a)  # ... so a's v2-from-v1 must not become current
+    del a.loaded.get
     assert ledger.history("p1")["request"]["status"] == "claimed"
     _drain(a)  # a retakes its claim and builds on the new current version
     _drain(b)
