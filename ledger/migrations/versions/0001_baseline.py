@@ -21,6 +21,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    _ledger_tables()
+    _registry_tables()
+    _private_mode_and_usage_tables()
+
+
+def _ledger_tables() -> None:
     tz = ops.tz
     ops.create_table(
         "requests",
@@ -83,7 +89,11 @@ def upgrade() -> None:
         sa.Column("name", sa.String(128), nullable=False),
         sa.Column("n_features", sa.Integer, nullable=False),
         sa.Column("classes", sa.JSON, nullable=False))
-    # the model registry (jobs/orchestration/registry.py)
+
+
+def _registry_tables() -> None:
+    """The model registry (jobs/orchestration/registry.py)."""
+    tz = ops.tz
     ops.create_table(
         "model_versions",
         sa.Column("name", sa.String(64), primary_key=True),
@@ -99,7 +109,12 @@ def upgrade() -> None:
         sa.Column("version", sa.String(64), nullable=False),
         sa.Column("seq", sa.BigInteger, nullable=False),
         sa.Column("updated_at", tz(), nullable=False))
-    # private prediction mode's budgets (jobs/adaptive/budget.py)
+
+
+def _private_mode_and_usage_tables() -> None:
+    """Private prediction mode's budgets (jobs/adaptive/budget.py) and the guard's usage
+    per serving process (service/usage.py)."""
+    tz = ops.tz
     ops.create_table(
         "seed_lineages",
         sa.Column("name", sa.String(64), primary_key=True),
@@ -111,7 +126,6 @@ def upgrade() -> None:
         sa.Column("answers_reserved", sa.BigInteger, nullable=False),
         sa.Column("created_at", tz(), nullable=False),
         sa.Column("exhausted_at", tz()))
-    # the guard's usage per serving process (service/usage.py)
     ops.create_table(
         "guard_usage",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
