@@ -110,6 +110,29 @@ def test_finds_a_forests_feature_major_records_and_none_it_deleted(tmp_path, dty
     assert {f.record_id for f in everyone.scan([tmp_path / "after"])} == set(ids[live])
 
 
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_a_forest_of_few_heavily_tied_features_names_none_it_deleted(tmp_path,
+                                                                     seed: int) -> None:
+    """Iris as the sidecar loads it (4 min-max scaled features of a few dozen values each)
+    and the sidecar's forest: ties line up at some distance by chance, so a record of fewer
+    than six features is never taken for found in a feature-major matrix (the demo once
+    reported deleted iris records the forest did not hold; these seeds did too)."""
+    from jobs.orchestration.served_model import DEFAULT_PARAMS
+    from ledger import datasets
+
+    ds = datasets.load("iris", records_per_subject=3)
+    X, ids = ds.X, np.asarray(ds.record_ids, dtype=object)
+    forest = DaREForest(**DEFAULT_PARAMS["dare"], random_state=seed)
+    forest.fit(X, ds.y, record_ids=ids)
+    gone = np.random.default_rng(seed).choice(len(X), 35, replace=False)
+    forest.delete(ids[gone])
+    forest.save(tmp_path / "after")
+    live = np.setdiff1d(np.arange(len(X)), gone)
+    deleted = TraceScanner(dict(zip(ids[gone], X[gone], strict=True)), kept=X[live],
+                           ids=False)
+    assert deleted.scan([tmp_path / "after"]) == []
+
+
 def test_a_strided_match_needs_enough_rare_features_no_kept_record_explains(tmp_path
                                                                           ) -> None:
     """False positives stay out: a column-major matrix of kept records that hold each of a

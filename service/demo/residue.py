@@ -11,10 +11,10 @@ for what a record leaves behind when it is written out:
   (feature-major) matrix keeps one feature's values for all records together, so a
   record's features lie one column length apart (DaRE's ``X``); a strided row is
   found the same way. A record counts as found when at least half its features
-  (and at least 4) line up at one distance, counting only values that occur at most
+  (and at least 6) line up at one distance, counting only values that occur at most
   64 times in the file (0.0, or a category many records share, names no one), and
   no kept record holds the same values at those features (a duplicate of a kept
-  record is the kept record's). Records of fewer than 4 features, or whose features
+  record is the kept record's). Records of fewer than 6 features, or whose features
   are mostly such common values, are not found this way; and kept records that tie
   with a deleted one feature by feature at exactly equal distances (a diagonal of
   ties) would be taken for it;
@@ -65,8 +65,10 @@ _NUMBER = re.compile(rb"-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")
 _MIN_TEXT = 7
 # a value whose bytes occur more often than this in one file names no record there
 _RARE = 64
-# fewest features that must line up at one distance for a record to count as found
-_MIN_ALIGNED = 4
+# fewest features that must line up at one distance for a record to count as found: with
+# fewer, ties line up by chance (iris: 4 features of a few dozen values each, found at
+# some distance in a forest that holds neither record)
+_MIN_ALIGNED = 6
 _WORDS = ((4, "<f4", "<u4"), (8, "<f8", "<u8"))
 _HASH_BITS = 22
 
