@@ -23,6 +23,8 @@ os.environ.setdefault("OBLIVIATE_KEY_STORE_DIR", tempfile.mkdtemp(prefix="oblivi
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 HMAC_KEY = bytes(range(32))
+# the head-signing key of the tests that sign heads (tests/test_tamper.py, test_receipt.py)
+SIGNING_KEY = bytes(range(100, 132))
 
 
 def _postgres_reason() -> str | None:
@@ -110,3 +112,17 @@ def forget_bentoml_metrics() -> None:
     for collector, names in list(REGISTRY._collector_to_names.items()):
         if any(n.startswith("bentoml_") for n in names):
             REGISTRY.unregister(collector)
+
+
+@pytest.fixture
+def signed(db_url: str) -> Iterator[Ledger]:
+    """A seeded ledger that signs heads every 10 events (the timer out of the way)."""
+    led = Ledger(db_url, HMAC_KEY, checkpoint_every=10, signing_key=SIGNING_KEY,
+                 head_interval_s=3600)
+    seed(led)
+    yield led
+    led.close()
+
+
+def delete_request(rid: str, *records: str) -> dict:
+    return {"request_id": rid, "op": "delete", "record_ids": list(records)}

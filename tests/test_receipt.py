@@ -34,25 +34,13 @@ from ledger.heads import HeadSigner
 from ledger.store import Ledger
 from ledger.tables import HEADS
 from service.http_api import AppContext, build_app
-from tests.conftest import HMAC_KEY, seed
-from tests.test_tamper import SIGNING_KEY, rewrite_events, tamper
+from tests.conftest import SIGNING_KEY
+from tests.conftest import delete_request as delete
+from tests.test_tamper import rewrite_events, tamper
 
 PUBLIC_KEY = HeadSigner(SIGNING_KEY).public_key
 SMALL_DARE = {"n_estimators": 4, "max_depth": 3, "k": 5}
 RECEIPT_PY = Path(checker.__file__)
-
-
-@pytest.fixture
-def signed(db_url: str) -> Ledger:
-    led = Ledger(db_url, HMAC_KEY, checkpoint_every=10, signing_key=SIGNING_KEY,
-                 head_interval_s=3600)
-    seed(led)
-    yield led
-    led.close()
-
-
-def delete(rid: str, *records: str) -> dict:
-    return {"request_id": rid, "op": "delete", "record_ids": list(records)}
 
 
 def two_deletions_then_the_check(ledger: Ledger) -> tuple[Worker, list[str]]:

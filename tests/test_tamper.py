@@ -28,27 +28,15 @@ from ledger.models import DatasetSchema
 from ledger.store import Ledger
 from ledger.tables import CHECKPOINTS, EVENTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
 from service.cli import main
-from tests.conftest import HMAC_KEY, seed
+from tests.conftest import HMAC_KEY, SIGNING_KEY, seed
+from tests.conftest import delete_request as delete
 
-SIGNING_KEY = bytes(range(100, 132))
 PUBLIC_KEY = HeadSigner(SIGNING_KEY).public_key
 ATTACKER_KEY = bytes(range(200, 232))
 SMALL_DARE = {"n_estimators": 4, "max_depth": 3, "k": 5}
 
 
 # ---------------------------------------------------------------------------- helpers
-@pytest.fixture
-def signed(db_url: str) -> Ledger:
-    """A seeded ledger that signs heads every 10 events (the timer out of the way)."""
-    led = Ledger(db_url, HMAC_KEY, checkpoint_every=10, signing_key=SIGNING_KEY,
-                 head_interval_s=3600)
-    seed(led)
-    yield led
-    led.close()
-
-
-def delete(rid: str, *records: str) -> dict:
-    return {"request_id": rid, "op": "delete", "record_ids": list(records)}
 
 
 def apply_all(ledger: Ledger, version: str = "v2") -> list[str]:

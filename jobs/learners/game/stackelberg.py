@@ -331,7 +331,7 @@ class GameUnlearningNet(SpecClassifier):
         rids, Xa, y = self._training_data(X, y, record_ids)
         if cfg["model"] == "cnn":
             nets.build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # refuses a non-square image
-        classes = self._label_set(y)
+        classes = self._label_set(y, min_classes=2)
         rs = self.random_state
         spec = TrainingSpec(cfg, secrets.randbits(63) if rs is None else int(rs), classes,
                             int(Xa.shape[1]), nets.resolve_device(self.device))
@@ -350,19 +350,6 @@ class GameUnlearningNet(SpecClassifier):
         self.classes_ = classes
         self.state_, self.fit_seconds_ = _fitted_state(spec, records, X_third_ext, t0)
         return self
-
-    def _label_set(self, y: np.ndarray) -> np.ndarray:
-        """``classes_``: the ``classes`` parameter, or the labels present (two at least)."""
-        if self.classes is None:
-            classes = np.unique(y)
-        else:
-            classes = np.asarray(list(self.classes))
-            if len(np.unique(classes)) != len(classes):
-                raise ValueError("classes contains duplicates")
-        if len(classes) < 2:
-            raise ValueError(f"need at least two classes, got {len(classes)} class(es): "
-                             f"{classes.tolist()}")
-        return classes
 
     # ------------------------------------------------------------------ fitted state
 

@@ -118,10 +118,7 @@ class LeaveOneOutMLP(NetworkClassifier):
         """Train ``N`` on the records (the LOO set comes later: :meth:`fit_loo`);
         ``record_ids`` default to the row numbers."""
         rids, Xa, y = self._training_data(X, y, record_ids)
-        classes = np.unique(y) if self.classes is None else np.asarray(list(self.classes))
-        if len(classes) < 2 or len(np.unique(classes)) != len(classes):
-            raise ValueError(f"need at least 2 distinct classes, got {len(classes)} "
-                             f"class(es): {classes.tolist()}")
+        classes = self._label_set(y, min_classes=2)
         device = resolve_device(self.device)
         rs = self.random_state
         config = LOOConfig(

@@ -35,6 +35,23 @@ class NetworkClassifier(ClassifierMixin, Learner, BaseEstimator):
         rids = training_ids(record_ids, len(X))
         return rids, check_features(X, len(rids), None, dtype=np.float32), y
 
+    def _label_set(self, y: np.ndarray, *, min_classes: int) -> np.ndarray:
+        """``classes_``: the ``classes`` parameter (sorted unless of mixed types), or the
+        labels present; at least ``min_classes`` of them."""
+        given = getattr(self, "classes", None)
+        if given is None:
+            classes = np.unique(y)
+        else:
+            classes = np.asarray(list(given))
+            if len(np.unique(classes)) != len(classes):
+                raise ValueError("classes contains duplicates")
+            if classes.dtype != object:
+                classes = np.sort(classes)
+        if len(classes) < min_classes:
+            raise ValueError(f"need at least {min_classes} distinct class(es), got "
+                             f"{len(classes)} class(es): {classes.tolist()}")
+        return classes
+
     def _queries(self, X: Any) -> np.ndarray:
         """Rows to predict, as finite float32 features of the fitted width."""
         X = validate_data(self, X, reset=False, dtype=_DTYPES, ensure_min_samples=0)

@@ -324,7 +324,7 @@ class SISAEnsemble(SpecClassifier):
         rids, Xa, y = self._training_data(X, y, record_ids)
         if config["model"] == "cnn":
             build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
-        classes = self._label_set(y)
+        classes = self._label_set(y, min_classes=1)
         rs = self.random_state
         spec = EnsembleSpec(config, secrets.randbits(63) if rs is None else int(rs), classes,
                             int(Xa.shape[1]), resolve_device(self.device))
@@ -333,18 +333,6 @@ class SISAEnsemble(SpecClassifier):
         self.classes_ = classes
         self.state_ = train_ensemble(spec, records)
         return self
-
-    def _label_set(self, y: np.ndarray) -> np.ndarray:
-        """``classes_``: the ``classes`` parameter (sorted unless of mixed types), or the
-        labels present."""
-        if self.classes is None:
-            return np.unique(y)
-        classes = np.asarray(list(self.classes))
-        if len(np.unique(classes)) != len(classes):
-            raise ValueError("classes contains duplicates")
-        if len(classes) < 1:
-            raise ValueError("no classes")
-        return np.sort(classes) if classes.dtype != object else classes
 
     def delete(self, ids: Any) -> UpdateReport:
         """Forget records by id; retrains each affected shard from its earliest affected slice.
