@@ -1,9 +1,9 @@
 """Small torch networks and a training loop that is a function of the SET of records.
 
-Used by SISA's Adam stages, the game learner and anyone reproducing a shard model: the
-seed alone initialises, rows are sorted by id, a record's batch per epoch is a keyed hash
-of (seed, stage, epoch, id) mod ``B``, and kernels and shapes are the same for the served
-and the checked model.
+Used by SISA, the mlp and game learners and the attackers (and by anyone reproducing one of
+their networks): the seed alone initialises, rows are sorted by id, a record's batch per
+epoch is a keyed hash of (seed, stage, epoch, id) mod ``B``, and kernels and shapes are the
+same for the served and the checked model.
 See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
