@@ -1,22 +1,10 @@
 """Version files sealed under a per-version key (crypto-shredding).
 
-The registry can remove a destroyed version's files from its own model store,
-but not from copies it does not control: backups, object-store replicas, a Bento
-built earlier. So every file a learner or guard writes for a version is
-encrypted (AES-256-GCM) under a key that belongs to that version alone and is
-kept in the key store (:mod:`ledger.keystore`), never in the database; destroying
-the version destroys the key, and every copy of its files, wherever it went,
-becomes unreadable.
-
-The key is taken from the context (:func:`sealed_with`) rather than passed
-through every learner's ``save``/``load``: the learners write plain files
-outside the registry (tests, benchmarks, a user's own scripts) and sealed files
-inside it, through the same two functions, :func:`write_file` and
-:func:`read_file`. A sealed file starts with :data:`MAGIC`; its name is bound
-into the authenticated data, so sealed files cannot be swapped for one another.
-With a key in context a file without the seal is refused: whoever can write the
-model store but holds no key could otherwise plant a plain learner or bound.
-"""
+Every file a learner or guard writes for a version is encrypted (AES-256-GCM, its name
+bound in) under a key of that version alone, kept in the key store, never the database:
+destroying the version destroys the key, and every copy of its files, wherever it went,
+becomes unreadable. The key comes from the context (:func:`sealed_with`).
+See docs/security.md (Crypto-shredding)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ An event's hash covers its position, content and predecessor, so editing,
 inserting, deleting or reordering any row breaks the chain from there on. The
 Merkle leaf of an event is built from that hash, so an auditor holding one
 event, its inclusion proof and a published root can check it alone.
-"""
+See docs/ledger.md (Tables)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """The ledger's deployment settings, read from the environment with embedded defaults.
 
-The defaults run everything on one machine: a SQLite ledger and a key file
-under `.obliviate/`, a broker on localhost. Production sets
-OBLIVIATE_DATABASE_URL to PostgreSQL and supplies the HMAC key as a secret.
-The jobs' settings are in :mod:`jobs.orchestration.job_settings`, the service's
-in :mod:`service.service_settings`; every layer reads them the same way
-(:class:`ledger.env_settings.EnvSettings`).
-"""
+The defaults run everything on one machine: a SQLite ledger and a key file under
+`.obliviate/`, a broker on localhost. Production sets OBLIVIATE_DATABASE_URL to PostgreSQL
+and supplies the HMAC key as a secret. The jobs' and the service's settings are read the
+same way (:class:`ledger.env_settings.EnvSettings`).
+See docs/operations.md (Deploying)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """Kafka intake: requests topic -> ledger, with dead letters for what cannot be accepted.
 
-Delivery is at-least-once and the effect exactly-once: a batch is recorded in
-one database transaction together with each partition's next offset, the
-dead-letter copies are flushed before that transaction commits, and only then
-is offset+1 committed to Kafka. A message seen again after a crash is
-recognised by its offset (or its request_id) and has no second effect.
-
-No message stops the consumer: whatever cannot be parsed, validated or stored is
-rejected with a reason (`RequestIntake.receive_batch`). A dead-letter copy that would not
-fit the broker's message limit is cut to a prefix, with headers that say so
-(`obliviate-truncated`: the original size) and the SHA-256 of the whole message
-(`obliviate-sha256`, the `message_sha256` of its `rejected` event). A batch is
-retried only when the dead-letter topic cannot be written (a broker outage); dead
-letters already delivered by an earlier try are not sent again.
-
-Group joins: tansu holds a JoinGroup for about half the session timeout
-(kafka-python's default of 45 s made joins take ~23 s). The default here is
-6 s, the smallest a stock Kafka broker accepts, so a join takes ~3 s; a dead
-consumer's partitions are also handed on sooner.
-"""
+Delivery is at-least-once and the effect exactly-once: a batch is recorded in one
+transaction with each partition's next offset, dead letters flushed before it commits, and
+only then is offset+1 committed to Kafka. No message stops the consumer. The 6 s session
+timeout keeps group joins on tansu short.
+See docs/ledger.md (Intake)."""
 
 from __future__ import annotations
 

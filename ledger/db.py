@@ -1,14 +1,10 @@
 """Database engines for the ledger: SQLite (WAL) embedded, PostgreSQL by URL.
 
-Appending to a hash chain needs one writer at a time: SQLite gets that from
-BEGIN IMMEDIATE, PostgreSQL from a transaction-scoped advisory lock, so that
-several consumers, workers and service processes can share one ledger.
-
-Purged bytes: SQLite connections run with secure_delete (freed space is zeroed)
-and a TRUNCATE checkpoint empties the WAL after a purge (`sqlite_checkpoint`);
-its files are created 0600. On PostgreSQL, `pg_vacuum_full` rewrites a table
-into new files so that dead tuples do not survive in the old ones.
-"""
+Appending to a hash chain needs one writer at a time (SQLite: BEGIN IMMEDIATE; PostgreSQL:
+a transaction-scoped advisory lock), so several processes share one ledger. Purged bytes:
+SQLite runs with secure_delete and TRUNCATE checkpoints, files 0600; PostgreSQL rewrites a
+table with VACUUM FULL (:func:`pg_vacuum_full`).
+See docs/security.md (The ledger database)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each layer (the ledger's :class:`ledger.config.LedgerSettings`, the jobs' and th
 service's) declares its settings as fields of a frozen dataclass with embedded
 defaults; the variable OBLIVIATE_<FIELD> overrides a field wherever it is read, so a
 variable means the same in every process.
-"""
+See docs/operations.md (Deploying)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
 """What the ledger can prove about one deletion: when the data left, and what held it.
 
-Everything here is read from the ledger's own tables, mostly from its events,
-so an auditor can check each claim against an inclusion proof:
-
-- each purged record: its keyed fingerprint and when its features and label left
-  the record store (``training_records.purged_at``, set in the transaction of the
-  ``applied`` event);
-- the first version published without them: the version the deletion's
-  ``applied`` event names (the registry's pointer moved in that same transaction);
-- the versions that held them: every version published from the one that first
-  held a record (the first version trained, or the one that applied the record's
-  addition) until the first one without it; for each, whether a ``destroyed`` event
-  says it is gone (version, manifest digest, content hash) or it still awaits
-  destruction;
-- the proof of exactness: the ``verified`` event of the deletion, which carries the
-  retrain-from-scratch hash of the learner next to the served one. That check ran on
-  the version current when it started, often a later one than the first version
-  without the records; so the report also shows the chain from that first version to
-  a checked one: each link a publication of the next version by an exact update of
-  the one before (or a new guard of the same learner), up to a version whose retrain
-  from scratch gave its hash. Or it says plainly that no checked version covers it yet.
-
-Versions are opaque names to the ledger: they are ordered by their first event, and a
-version's parent is the one published before it (publishing is a compare-and-set on the
-parent, in the transaction that appends the publication events).
-
-:func:`receipt` puts what this report claims, with the events it rests on and their
-inclusion proofs, into one file its subject checks alone (:mod:`ledger.receipt`).
-"""
+Read from the ledger's own tables, mostly its events, so an auditor can check each claim
+against an inclusion proof: each purged record, the first version without it, the versions
+that held it and whether they were destroyed, and the chain of exact updates to a version a
+retrain from scratch checked. :func:`receipt` packs it for its subject (:mod:`ledger.receipt`).
+See docs/ledger.md (What a deletion removed)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A message is parsed (`parse_message`), then :class:`BatchIntake` resolves each
 request against what the store holds -- duplicates, unknown or already-deleted records,
 subjects expanded to their records, Kafka offsets already taken -- and writes the
 requests, records and events of the batch in the caller's transaction.
-"""
+See docs/ledger.md (Intake)."""
 
 from __future__ import annotations
 

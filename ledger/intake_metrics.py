@@ -2,7 +2,7 @@
 
 Names follow Prometheus conventions: `_total` counters, base units, and no
 per-user or per-request labels.
-"""
+See docs/operations.md (Metrics and alerts)."""
 
 from __future__ import annotations
 

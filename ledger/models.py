@@ -1,13 +1,10 @@
 """The ledger's tables.
 
-`events` is the tamper-evident part: rows are only ever inserted, each carries
-the hash of its predecessor, and `checkpoints` hold Merkle roots over prefixes
-of it, `signed_heads` the same roots signed with a key kept outside the database.
-`requests` and `training_records` are working state whose every change
-is announced by an event. `record_payloads` holds the raw data of loaded records
-not yet purged, `sealed_payloads` that of added ones (encrypted under keys kept
-outside the database), and nothing else: a purge deletes the row.
-"""
+`events` is the tamper-evident part (insert-only, each row carrying its predecessor's hash;
+`checkpoints` and `signed_heads` hold Merkle roots over its prefixes). `requests` and
+`training_records` are working state whose every change an event announces;
+`record_payloads` and `sealed_payloads` hold records' data until a purge deletes the row.
+See docs/ledger.md (Tables)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Messages are keyed by subject so that, with several partitions, one person's
 requests stay in order on one partition.
-"""
+See docs/operations.md (Kafka)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Purge maintenance: making the bytes of purged records leave the database's files.
 
-Deleting a row leaves its bytes in pages, the WAL and old table files until the
-database rewrites them. SQLite: a TRUNCATE checkpoint (secure_delete has zeroed
-the purged rows in their pages; the checkpoint writes those pages into the
-database file and empties the WAL that still holds older copies). PostgreSQL:
-VACUUM FULL of `record_payloads` and `sealed_payloads`, which rewrites them, their
-TOAST tables and indexes into new files and truncates the old ones. Every purging
-transaction counts itself (:func:`note_purge`), so a crash between a purge and its
-maintenance leaves the purge pending and the next run does the work.
-"""
+A deleted row's bytes stay in pages, the WAL and old table files until the database
+rewrites them: SQLite gets a TRUNCATE checkpoint, PostgreSQL a VACUUM FULL of
+`record_payloads` and `sealed_payloads`. Every purging transaction counts itself
+(:func:`note_purge`), so a crash before maintenance leaves the purge pending, not lost.
+See docs/security.md (The ledger database)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """A deletion receipt, checked by the data subject alone.
 
-`obliviate ledger receipt REQUEST_ID` (or `GET /v1/requests/{id}/receipt`) writes one
-JSON file: a signed tree head of the ledger; the request's `received`, `applied` and
-`verified` events, the `destroyed` events of the versions that held the records, and
-the events the exactness of the first version served without them rests on, each with
-its inclusion proof against that head; and the key rotations that lead from an older
-public key to the head's. Anyone checks it with this file alone:
-
-    python -m ledger.receipt receipt.json --key PUBKEY [--head LATER.json]
-
-PUBKEY is the deployment's published key (`obliviate ledger key`), hex, PEM or a file;
-an older one is fine when the receipt carries the rotations since. LATER.json is what
-`obliviate ledger consistency SIZE NEW` (or `GET /v1/ledger/consistency?old=SIZE&new=NEW`)
-printed later, SIZE being the receipt's tree size: it proves the log the receipt was
-cut from is a prefix of the later one, i.e. that nothing in it was rewritten since.
-
-Standard library and `cryptography` only, and nothing else of this project: the check
-must not rest on the code it checks. So the few verifying primitives (the event hash,
-RFC 6962 inclusion and consistency proofs, head and rotation signatures) are written
-here; the ledger's own modules import the head and rotation ones from this file, and
-the tests hold the proof checks to `ledger.merkle`'s.
-"""
+``python -m ledger.receipt receipt.json --key PUBKEY [--head LATER.json]`` checks a signed
+head, the request's events and those its exactness rests on, each with its inclusion
+proof, and the key rotations since PUBKEY. Standard library and `cryptography` only,
+nothing else of this project: the check must not rest on the code it checks.
+See docs/ledger.md (A receipt the data subject checks alone)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each record is a row with its state (pending, live, purged) and keyed fingerprin
 its features and label are a plain payload row (loaded records) or a sealed one
 (additions, :mod:`ledger.sealed_payloads`). A purge deletes the data and keeps the
 fingerprint, so what was deleted stays provable without being kept.
-"""
+See docs/ledger.md (Tables)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each transition is an event appended in the transaction that changes the request's
 row, so the log and the working tables never disagree after a crash. A deletion
 becomes `applied` together with the purge of its records' data.
-"""
+See docs/ledger.md (Tables)."""
 
 from __future__ import annotations
 

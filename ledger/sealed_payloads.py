@@ -1,21 +1,10 @@
 """An added record's data, kept in the database only as ciphertext under its own key.
 
-An addition arrives at any time and may be deleted soon after; the database's
-write-ahead log, archives and backups keep the rows it wrote for much longer
-than the ledger does. So the features and label of an added record are
-encrypted (AES-256-GCM, the record id bound as associated data) under a key
-that belongs to that record alone and lives in the key store
-(:mod:`ledger.keystore`), never in the database; ``sealed_payloads`` holds the
-ciphertext. Purging the record deletes its row and destroys its key: whatever
-copy of the row survives anywhere is unreadable.
-
-The key is written (and synced) before the transaction that stores the row
-commits, so a committed row always has its key. A record id is never reused, so
-the key is the record's for good: a retried transaction seals under the same
-key, and purging the record destroys the key of every copy, the rolled-back
-ones in the WAL included. A crash between a purge's commit and the key's
-destruction leaves the key behind until :meth:`PayloadSealer.sweep`.
-"""
+Database copies (WAL, archives, backups) outlive the ledger's deletion, so an addition's
+features and label are sealed (AES-256-GCM, the record id as associated data) under a key
+of that record alone, in the key store; purging deletes the row and destroys the key. The
+key is synced before the row commits; :meth:`PayloadSealer.sweep` clears what a crash left.
+See docs/security.md (Crypto-shredding)."""
 
 from __future__ import annotations
 

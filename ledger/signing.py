@@ -1,12 +1,10 @@
 """Which key signs this ledger's heads: one per deployment, changed only by a rotation.
 
-The ledger's log is named by its signing key (`ledger.heads`). A second key would start
-a second log in the same database, whose heads no auditor holding the first key can
-check, so a process signs only when its key is the one the log says signs now: the
-key of its first heads, or the key the latest `key_rotated` event introduced. What
-`KeyChain` makes of the rotation events is read here from the database, and cached:
-rotations are rare and their events never change (`verify` reads them afresh).
-"""
+A second key would start a second log that no auditor holding the first key can check, so
+a process signs only when its key is the one the log says signs now (its first heads' key,
+or the one the latest `key_rotated` event introduced). The rotations are read from the
+database and cached: they are rare and never change (`verify` reads them afresh).
+See docs/ledger.md (Signed tree heads)."""
 
 from __future__ import annotations
 

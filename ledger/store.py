@@ -1,26 +1,10 @@
 """The ledger: the source of truth for every deletion and addition request.
 
-Every state change is an event appended to the hash chain in the same
-transaction as the change itself, so the log and the working tables can never
-disagree after a crash. :class:`Ledger` opens the database (migrating it) and
-holds one component per job, each in a module of its own:
-
-- ``records`` (:class:`~ledger.record_store.RecordStore`): the training set, its
-  schema, fingerprints and digests;
-- ``intake`` (:class:`~ledger.request_intake.RequestIntake`): recording requests;
-- ``lifecycle`` (:class:`~ledger.request_lifecycle.RequestLifecycle`): claim,
-  applied (with the purge), verified, failed;
-- ``maintenance`` (:class:`~ledger.purge_maintenance.PurgeMaintenance`): erasing
-  purged bytes from the database's files;
-- ``heads`` (:class:`~ledger.tree_heads.TreeHeads`): checkpoints, signed heads,
-  the signing key and its rotation;
-- ``events`` (:class:`~ledger.event_log.EventLog`): exports, histories, proofs;
-- ``verifier`` (:class:`~ledger.ledger_verifier.LedgerVerifier`): `verify`.
-
-Four verbs stay on the ledger itself, the ones its outside callers (the HTTP API,
-the commands, the tests) use about every request and every process: `receive` a
-request, read its `history`, `verify` the whole, `close`.
-"""
+Every state change is an event appended to the hash chain in the transaction of the change
+itself. :class:`Ledger` opens the database (migrating it) and holds one component per job
+(records, intake, lifecycle, maintenance, heads, events, verifier); four verbs stay on it:
+`receive`, `history`, `verify`, `close`.
+See docs/ledger.md (The ledger)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ledger's tables as SQLAlchemy Core objects, for the modules that write them in bulk."""
+"""The ledger's tables as SQLAlchemy Core objects, for the modules that write them in bulk.
+See docs/ledger.md (Tables)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """The version a serving process answers with, swapped atomically when the registry moves.
 
-Each BentoML worker process holds one :class:`ModelHolder`. A watcher thread
-polls the registry's current version; when it moves, the new version is
-loaded off the request path, bound to a fresh guard
-(:meth:`jobs.orchestration.guarded_answers.GuardedAnswers.bind`) and installed
-with one reference assignment, so a request in flight finishes on the version
-it started with and none fails. What an answer is, the guard decides; this
-module only chooses the version and records what answering cost.
-"""
+A watcher thread polls the registry; a new version is loaded off the request path, bound
+to a fresh guard and installed with one reference assignment, so a request in flight
+finishes on the version it started with and none fails. What an answer is, the guard
+decides; this module chooses the version and records what answering cost.
+See docs/sidecar.md (Service)."""
 
 from __future__ import annotations
 

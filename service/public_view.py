@@ -2,7 +2,7 @@
 
 The admin sees the whole manifest; everyone else gets :func:`version_dict` with
 ``full`` False, which drops what private prediction mode rests on keeping secret.
-"""
+See docs/security.md (Guarantees and the tests that hold them)."""
 
 from __future__ import annotations
 

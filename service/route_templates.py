@@ -3,7 +3,7 @@
 Paths hold request and subject ids; a metric label or a log line must show neither,
 and a label must take a bounded number of values. :func:`template_paths` makes
 BentoML's middleware see `/v1/requests/{request_id}` where the app sees the real path.
-"""
+See docs/operations.md (Metrics and alerts)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ BentoML runs several worker processes and aggregates their metrics through
 PROMETHEUS_MULTIPROC_DIR, so every gauge states how processes combine:
 the guard mode is the minimum (one process in noise-all mode shows), the
 served version too (a process that has not swapped yet shows).
-"""
+See docs/operations.md (Metrics and alerts)."""
 
 from __future__ import annotations
 

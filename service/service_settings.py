@@ -2,7 +2,7 @@
 
 Read like every layer's (OBLIVIATE_<FIELD>, :class:`ledger.env_settings.EnvSettings`);
 the model served and its guard mode are the jobs' (:mod:`jobs.orchestration.job_settings`).
-"""
+See docs/operations.md (Deploying)."""
 
 from __future__ import annotations
 

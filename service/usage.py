@@ -3,7 +3,7 @@
 Prometheus shows the live rates; auditors need the history, so every serving
 process adds its counts to a row per (process, version, window) every few
 seconds. Summing rows gives the budget spent over any period.
-"""
+See docs/sidecar.md (Service)."""
 
 from __future__ import annotations
 

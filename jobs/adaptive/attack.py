@@ -1,27 +1,10 @@
 """The adaptive deletion attack on SISA (Gupta et al., Sec. 6), as an evaluation.
 
-Networks are overconfident on the records they trained on. So, looking at
-the published shard models, guess that each training record lives in the
-shard whose model is most confident in its true label; delete the records
-guessed to lie in the first k/2 shards ("targeted"), let SISA retrain, and
-record the statistic 1[mean test accuracy of the targeted shards < that of
-the others]. Under retraining from scratch the partition is independent of
-what was published, the shards are exchangeable, and the statistic has
-expectation 0.5; a mean clearly above 0.5 shows that the deletions were
-chosen using the seeds, which SISA's exactness does not cover.
-
-Two ways of publishing (``mode``):
-
-* ``"plain"``: the shard models themselves (white box, the paper's setting);
-* ``"private"``: only answers of the private prediction mode
-  (:func:`jobs.adaptive.private_vote.private_vote`, eps0 per answer) to one
-  query per training record. Those answers are ensemble labels: they name no
-  shard, so the attacker cannot rank shards by confidence. It deletes the
-  records whose published answer is their true label (those the model seems
-  to remember) that its own coin puts in the first half of the shards, the
-  best it can do without shard information; the statistic then measures
-  whether what was published still leaked the seeds.
-"""
+Guess each record's shard from what was published (the shard models, or in ``"private"``
+mode only noisy ensemble labels), delete those guessed in the first half of the shards,
+retrain, and record whether the targeted shards' test accuracy fell below the others'.
+Under a retrain from scratch that has expectation 0.5; clearly above shows the seeds leaked.
+See docs/guard.md (Private prediction mode)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """The privacy budget of one seed lineage, kept in the ledger database.
 
-In private prediction mode every fresh answer is eps0-DP in the shard seeds
-(:mod:`jobs.adaptive.private_vote`). A *seed lineage* is the run of versions
-that share the seeds drawn by one full training: updates keep them, a retrain
-with fresh seeds starts a new lineage. Its row holds the budget (eps, delta),
-eps0 and the number of answers the optimal composition allows
-(:func:`jobs.adaptive.composition.answers_allowed`), and how many answers have
-been *reserved*.
-
-Serving processes reserve answers in blocks before publishing them: an answer
-is published only under a reservation, so the answers published in a lineage
-never exceed what its budget allows, whatever the number of processes
-(reserved but unused answers count as spent: the accounting can only be
-pessimistic). When a lineage is exhausted, serving refuses fresh answers and
-the worker retrains with fresh seeds, which opens the next lineage
-(:meth:`jobs.orchestration.worker.Worker` records why in a ``seeds_rotated`` event). The
-exhaustion is a fact of this table, so a worker that crashes before the
-retrain is published finds it again when it restarts.
-"""
+A lineage is the run of versions sharing the seeds of one full training. Serving processes
+reserve answers in blocks before publishing them, so a lineage's answers never exceed its
+budget whatever the number of processes (unused reservations count as spent); exhaustion
+is a row here, so a worker that crashes before the retrain with fresh seeds finds it again.
+See docs/guard.md (Private prediction mode)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,9 @@
 """Privacy loss of k answers, each eps0-DP in the shard seeds: the optimal composition.
 
-Every answer of the private prediction mode is an exponential mechanism over
-vote counts, eps0-DP with delta 0 (pure) in the seeds. For k such answers,
-chosen adaptively, Kairouz, Oh and Viswanath (ICML 2015, Thm 3.3) give the
-OPTIMAL composition: for every i in 0..floor(k/2) the k-fold composition is
-(eps_i, delta_i)-DP with
-
-    eps_i   = (k - 2 i) eps0,
-    delta_i = sum_{l < i} C(k, l) (e^{(k-l) eps0} - e^{(k-2i+l) eps0}) / (1 + e^{eps0})^k,
-
-and no smaller delta holds at eps_i for every mechanism of the class. With
-p = e^{eps0} / (1 + e^{eps0}) the two sums are binomial tails:
-
-    delta_i = P[Bin(k, 1-p) <= i-1] - e^{(k-2i) eps0} P[Bin(k, p) <= i-1],
-
-which scipy evaluates in log space. delta_i grows with i, so for a target
-delta the loss is eps_{i*} with i* the largest i whose delta_i <= delta (found by
-bisection). It is never more than the basic bound k eps0 nor the advanced
-composition bound sqrt(2 k ln(1/delta)) eps0 + k eps0 (e^{eps0} - 1)
-(Dwork, Rothblum, Vadhan), both of which are reported next to it.
-
-Rounding: delta_i is compared with delta after adding a relative 1e-9 and an
-absolute 1e-15, so a rounding error can only make the reported loss larger.
-"""
+Kairouz, Oh and Viswanath (ICML 2015, Thm 3.3) in closed form as binomial tails, evaluated
+in log space; rounding can only make the reported loss larger. The basic and advanced
+composition bounds are reported beside it.
+See docs/guard.md (Private prediction mode)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """Private prediction for SISA ensembles: a noisy vote, differentially private in the seeds.
 
-Gupta et al. (docs/PAPERS.md §3) make SISA safe against deletions chosen
-after looking at its answers by publishing only answers that are
-differentially private in the training randomness (the shard seeds). Here an
-answer is the exponential mechanism over the vote counts v_c of the shards:
-
-    P(answer = c) = exp(eps0 v_c / 2) / sum_b exp(eps0 v_b / 2).
-
-Changing one shard's randomness changes that shard's model only, so one vote
-moves: every v_c changes by at most 1 (sensitivity 1) and each answer is
-eps0-DP in the seeds. Composing many answers is
-:mod:`jobs.adaptive.composition`'s job.
-
-The same answer is also iDP in the records: deleting one record changes the
-shards holding it (one for a partition, at most ``max_shards`` with independent
-sampling), so it is (eps0 * max_shards)-iDP with respect to the training set.
-"""
+The exponential mechanism over the shards' vote counts, P(c) ~ exp(eps0 v_c / 2): one
+shard's randomness moves one vote, so each answer is eps0-DP in the seeds (Gupta et al.),
+and (eps0 * max_shards)-iDP in the records.
+See docs/guard.md (Private prediction mode)."""
 
 from __future__ import annotations
 

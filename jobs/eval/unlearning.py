@@ -1,4 +1,5 @@
-"""How well did a model forget? One entry point for every learner: :func:`evaluate_unlearning`."""
+"""How well did a model forget? One entry point for every learner: :func:`evaluate_unlearning`.
+See docs/learners.md (Privacy evaluation)."""
 
 from __future__ import annotations
 

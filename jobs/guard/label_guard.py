@@ -1,38 +1,10 @@
 """Label-only answers that are eps-iDP with respect to the current training set.
 
-LUCID's rule (docs/PAPERS.md §1): a query whose margin exceeds the verified
-bound beta for its predicted class is answered with the label, because no
-leave-one-out model could answer differently there; every other query is
-answered by the exponential mechanism. Without a sound bound (after a change,
-while a new one is computed) every query is noised.
-
-Noise that cannot be averaged away
-----------------------------------
-Asking q, q + 1 ulp, q + 2 ulp, ... and averaging the noisy answers would
-recover the label at q if each got fresh noise. So the noised answer belongs to
-the query's CELL, not to the query: [0, 1]^d is cut into a fixed grid of
-``2**GRID_BITS`` steps per coordinate (:func:`grid_cells`; fixed, so it does not
-depend on the data), and every uncertain query in a cell gets the exponential
-mechanism's answer for the label the model gives at the cell's centre. The draw
-is a keyed pseudo-random function of (deployment secret, model version, cell)
-(:class:`CellNoise`), so it is the same in every serving process, after any
-restart or memo eviction, and no memo is needed for it; near-duplicates of a
-query (within its cell) get one answer between them. The mechanism is applied to
-the centre's label, never to each query's own: a draw shared by queries of
-different labels would tie their answers together in a way that depends on the
-data. A query that is certain is answered with its own label, as LUCID does.
-
-What this protects and what it does not: an adversary learns one noisy label
-per (version, cell) it hits with an uncertain query, each costing epsilon; it can
-still ask in many different cells (each a fresh, accounted draw: the memo counts
-the cells this process answered, so ``noised - memo_hits`` answers are fresh and
-each spends epsilon; a cell another process or an evicted entry answered before
-is counted again, which over-counts, never under-counts).
-
-Which queries are "certain" depends on the model: `lucid_certain` for one
-network with per-class bounds, `sisa_certain` for a SISA ensemble with
-per-shard bounds. The guard itself only sees labels and a certainty mask.
-"""
+LUCID's rule: a query whose margin exceeds its class's verified bound gets its label;
+every other query gets the exponential mechanism, drawn once per cell of a fixed grid from
+a keyed function of (deployment secret, version, cell) so noise cannot be averaged away.
+Which queries are certain is the caller's (:func:`lucid_certain`, :func:`sisa_certain`).
+See docs/guard.md (Noised answers)."""
 
 from __future__ import annotations
 
@@ -210,7 +182,7 @@ class GuardCounts:
 
 class LabelGuard:
     """Turns (labels, certainty) into answers: the label, or the noisy label of the
-    query's cell (see the module docstring).
+    query's cell (docs/guard.md, "Noised answers").
 
     `bind(version, sound)` ties the answers to one model version; answers of an older
     model are never replayed for a new one. `sound=False` is noise-all mode: every

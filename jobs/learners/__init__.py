@@ -1,1 +1,3 @@
-"""Learners that forget records by id: SISA and DaRE (exact), game-theoretic NN (approximate)."""
+"""Learners that forget records by id: DaRE, SISA and the mlp learner (exact), the game
+learner (approximate), behind one interface.
+See docs/learners.md (Which learner)."""

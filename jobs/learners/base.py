@@ -4,7 +4,7 @@ Learners take arrays and record ids and know nothing of the ledger. They follow
 scikit-learn's conventions: keyword-only hyperparameters in the constructor,
 ``fit(X, y, *, record_ids=None)``, fitted state in attributes ending in ``_``,
 ``random_state`` for every source of randomness.
-"""
+See docs/learners.md (The interface)."""
 
 from __future__ import annotations
 

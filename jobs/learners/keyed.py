@@ -4,7 +4,7 @@ A shared random stream makes "update" and "retrain from scratch" draw different
 numbers; a pseudo-random function keyed by the seed and by a name for the choice
 (tree, node path, attribute, record id, epoch, ...) draws the same number in
 both, which is what lets exactness be checked bit for bit.
-"""
+See docs/DESIGN.md (Guarantees)."""
 
 from __future__ import annotations
 

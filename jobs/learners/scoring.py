@@ -1,4 +1,5 @@
-"""Plain metrics over class-score arrays: probabilities, accuracy, PriAA, KL, AUC."""
+"""Plain metrics over class-score arrays: probabilities, accuracy, PriAA, KL, AUC.
+See docs/learners.md (Privacy evaluation)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Refitting a version's guard, and checking its exactness, in the background.
 
-Both can take seconds to minutes (the forest guard runs one exact deletion per
-record; the exactness check retrains from scratch), so the worker runs them
-in a separate, low-priority process while it keeps applying requests. That
-process is kept warm between jobs (:class:`GuardProcess`): starting one and
-importing torch and the kernels took longer than refitting a small forest's
-guard. A job whose version stopped being current is terminated at once, with
-its process (a fresh one is started): its result could never be published.
-"""
+Both take seconds to minutes, so the worker runs them in a separate, low-priority process,
+kept warm between jobs (:class:`GuardProcess`), while it keeps applying requests; a job
+whose version stopped being current is terminated at once, with its process.
+See docs/sidecar.md (The guard job)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Guarded answers: a published version bound to its own label guard, and what answering costs.
 
-Deciding an answer is the guard's business, not HTTP's: which answers are certain,
-the noise draw of the others, private prediction mode's reservations against the
-seed budget, and the count of what each call spent. A serving process makes one
-:class:`GuardedAnswers`, binds every version it installs (:meth:`GuardedAnswers.bind`)
-and answers with it (:meth:`GuardedAnswers.answer`); the service only watches the
-registry for the version to install and records the returned :class:`AnswerCost`.
-Every version gets a fresh :class:`LabelGuard`: noised answers of one training set are
-never replayed for another.
-"""
+Which answers are certain, the noise of the others, private mode's reservations and the
+count of what each call spent are the guard's business, not HTTP's: a serving process binds
+every version it installs (:meth:`GuardedAnswers.bind`, a fresh :class:`LabelGuard` each,
+so noised answers of one training set are never replayed for another) and answers with it.
+See docs/DESIGN.md (What each answer promises)."""
 
 from __future__ import annotations
 

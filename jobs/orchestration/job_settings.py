@@ -3,7 +3,7 @@
 Read like every layer's (OBLIVIATE_<FIELD>, :class:`ledger.env_settings.EnvSettings`);
 where the ledger lives is the ledger's own (:class:`ledger.config.LedgerSettings`).
 The service reads these too: the model it serves, whether it guards, private mode.
-"""
+See docs/operations.md (Worker settings)."""
 
 from __future__ import annotations
 

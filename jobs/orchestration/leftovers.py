@@ -1,22 +1,9 @@
 """Working directories that outlive a killed process, told apart by a lock, not a pid.
 
-A pid says nothing once the process is gone: it is reused (pid 1 in every
-container), so a directory named after it may look owned forever. Instead, the
-process that works in a directory holds an exclusive ``flock`` on a file beside it,
-``<dir>.lock``, for as long as it uses it; the kernel releases the lock when the
-process dies, however it dies. Cleanup removes a directory whose lock it can take.
-
-The lock file is created locked (under a temporary name, then linked into place)
-before the directory exists, so a directory with an unlocked lock file has no
-live owner, whatever its age. A directory without a lock file may be between
-its creation and its owner's lock (BentoML creates its temporary directory
-itself; :func:`adopt_dir` locks it right after), so it is removed only once
-older than :data:`LOCKLESS_AGE_S`.
-
-``flock`` locks belong to an open file: a second open in the same process does
-not get the lock either, and a process that a job's lock is passed to (the guard
-job's) keeps the directory held after its parent dies.
-"""
+A pid is reused (pid 1 in every container); an exclusive ``flock`` on ``<dir>.lock`` is
+released by the kernel however its holder dies. Cleanup removes a directory whose lock it
+can take, and one without a lock file once older than :data:`LOCKLESS_AGE_S`.
+See docs/security.md (Guarantees and the tests that hold them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The jobs' commands: `obliviate worker` and `obliviate model ...`."""
+"""The jobs' commands: `obliviate worker` and `obliviate model ...`.
+See docs/operations.md (The command line)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,10 @@
 """Destroying the versions that hold deleted records.
 
-A version that removes records on request supersedes every earlier version "by
-deletion" (:meth:`Registry.publish`): each of them holds the deleted records, or
-predates their addition (and then no longer matches the ledger's training set).
-From that moment none of them can be loaded or served: :meth:`Registry.load`
-refuses them whatever the pointer says. Once the grace period has passed (time
-for every serving process to swap away; they check every
-``OBLIVIATE_REGISTRY_POLL_S``) each one is destroyed:
-
-1. in one ledger transaction: ``destroyed_at`` is set (a compare-and-set, so of
-   several workers exactly one destroys a version) and a ``destroyed`` event
-   names the version, the SHA-256 of its manifest, its content hash and the
-   version that superseded it; its sealing key is destroyed in the key store
-   (:mod:`ledger.keystore`, never in the database) before that transaction
-   commits;
-2. its directory is removed from the model store.
-
-Copies of the files outside the model store (backups, replicas, a Bento built
-earlier) are sealed under the destroyed key and stay unreadable
-(:mod:`jobs.sealing`). A crash between 1 and 2 leaves files that no key opens:
-:func:`sweep` removes them at the next pass, together with versions that were
-saved but never published (a worker died between saving and publishing) once the
-current version has moved past them.
-"""
+A version published by deletion supersedes every earlier one; after the grace period each
+is destroyed: in one ledger transaction ``destroyed_at`` (a compare-and-set) and a
+``destroyed`` event, its key destroyed in the key store first; then its directory.
+:func:`sweep` removes what a crash in between, or an unpublished save, left behind.
+See docs/security.md (Versions)."""
 
 from __future__ import annotations
 

@@ -1,31 +1,11 @@
 """A learner together with the guard that decides which of its answers are certain.
 
-The sidecar serves two kinds:
-
-- ``dare``: a DaRE forest (exact unlearning) guarded by :class:`ForestGuard`,
-  whose state is fitted to one forest state. The worker brings it up to date with
-  every update (:meth:`ServedModel.update_guard`, incremental) before it publishes
-  the version, so a published forest is always guarded; a forest changed without
-  it answers every query through the mechanism (noise-all).
-- ``sisa``: a SISA ensemble (exact unlearning) guarded by the vote rule of
-  docs/DESIGN.md: one record lives in one shard, so a single deletion can move at most
-  that shard's vote; a shard whose margin exceeds its LUCID bound keeps its vote,
-  any other may move to any class, and the answer is certain when no such move
-  changes the winner. A shard without a bound for its current network counts as
-  fragile (bound +inf), which needs nothing fitted, so the rule holds for every
-  state of the ensemble the moment it exists; the guard job computes the per-shard
-  bounds in the background (:meth:`ShardVoteModel.refresh_guard`; ensembles trained
-  with the masked LOO schedule, sliced or not), and an update refuses the bound of
-  every shard it retrained until then.
-- ``game``: one network that forgets by the game of Liu et al. (APPROXIMATE
-  unlearning). It is served in noise-all mode, always: LUCID's bound holds for
-  a network and its leave-one-out networks trained with one masked schedule,
-  and the game's updates leave that schedule, so no sound bound is known for
-  the network it serves. Every answer goes through the exponential mechanism.
-
-Both rules are sound for the current training set only; the service binds
-its memo of noised answers to one version.
-"""
+``dare``: the forest guard, updated with every update before publishing; ``sisa``: the SISA
+vote rule, sound with no bound at all (a shard without one is fragile), per-shard bounds
+added by the guard job; ``mlp``: LUCID's bound for its network and LOO set; ``game``:
+noise-all always (no sound bound is known for what the game leaves). Each rule is sound for
+the current training set only.
+See docs/DESIGN.md (Serving while forgetting)."""
 
 from __future__ import annotations
 

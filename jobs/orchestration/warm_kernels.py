@@ -4,7 +4,7 @@ A kernel compiles on its first call (about a minute for DaRE's deletion kernel o
 cores) and numba caches the machine code beside its source, in ``__pycache__``; later
 processes load it in milliseconds. ``make install`` runs this module; an image built
 from the sources should run it too (``python -m jobs.orchestration.warm_kernels``).
-"""
+See docs/development.md (Install)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """The background worker: pending ledger requests in, published model versions out.
 
-A pass claims what is pending, applies it to the current version's learner, brings the
-guard up to date and publishes the result (:mod:`~jobs.orchestration.update_pass`); when
-the queue is quiet it checks exactness and refits guards in the background
-(:mod:`~jobs.orchestration.guard_pass`), rotates spent seeds in private mode
+A pass claims what is pending, applies it, brings the guard up to date and publishes
+(:mod:`~jobs.orchestration.update_pass`); when the queue is quiet it checks exactness and
+refits guards (:mod:`~jobs.orchestration.guard_pass`), rotates spent seeds
 (:mod:`~jobs.orchestration.seed_rotation`) and destroys superseded versions
-(:mod:`~jobs.orchestration.retention`). A pass never ends the worker
-(:mod:`~jobs.orchestration.pass_trouble`). See docs/sidecar.md#worker.
-"""
+(:mod:`~jobs.orchestration.retention`). A pass never ends the worker.
+See docs/sidecar.md (Worker)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The worker is one process per replica, so these are plain in-process metrics;
 Prometheus scrapes every worker and sums. Base units, `_total` counters, and
 no label with more values than there are learner kinds.
-"""
+See docs/operations.md (Metrics and alerts)."""
 
 from __future__ import annotations
 

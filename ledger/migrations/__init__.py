@@ -1,26 +1,11 @@
 """The database schema, as Alembic migrations: every table of the sidecar, one history.
 
-The ledger's tables (:mod:`ledger.models`), the model registry's
-(:mod:`jobs.orchestration.registry`), the seed lineages' budget (:mod:`jobs.adaptive.budget`)
-and the guard's usage (:mod:`service.usage`) share one database, so they share
-one chain of revisions here (``versions/``). Nothing else creates or alters a
-table: the constructors of :class:`ledger.store.Ledger`, ``Registry``,
-``SeedBudgets`` and ``GuardUsage`` call :func:`ensure`, which upgrades the
-database to :data:`HEAD` (and is one ``SELECT`` once it is there), and
-``obliviate ledger init``, ``ledger migrate``, ``serve``, ``consume`` and
-``worker`` report what it did when they start.
-
-Every revision converges rather than assumes: it creates a table only if it is
-missing and adds a column only if it is not there. Databases from before the
-migrations (no ``alembic_version`` table) were made by ``create_all`` calls that
-created only the tables their process imported, so they come in every partial
-shape; upgrading one from the base revision brings it to head whatever it held.
-
-Several processes may start at once: the upgrade runs in one transaction that
-holds the database's write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an
-advisory lock, and transactional DDL), and looks at the revision again inside
-it, so one process upgrades and the others find the work done.
-"""
+The ledger's, the registry's, the seed budgets' and the guard usage's tables share one
+database and one chain of revisions (``versions/``). Nothing else creates or alters a table:
+constructors and commands call :func:`ensure`, which upgrades to :data:`HEAD` in one
+transaction holding the write lock. Every revision converges (creates only what is
+missing), so pre-migration databases of any partial shape reach head.
+See docs/ledger.md (Database schema and migrations)."""
 
 from __future__ import annotations
 

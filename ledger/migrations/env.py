@@ -1,5 +1,6 @@
 """Alembic's environment: runs on the connection :func:`ledger.migrations.upgrade` hands
-over, inside its transaction (which holds the database's write lock)."""
+over, inside its transaction (which holds the database's write lock).
+See docs/ledger.md (Database schema and migrations)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A database from before the migrations may hold any subset of the tables (each
 process used to create only those it imported), so every step asks the database
 first.
-"""
+See docs/ledger.md (Database schema and migrations)."""
 
 from __future__ import annotations
 

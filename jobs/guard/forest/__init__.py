@@ -1,1 +1,2 @@
-"""The iDP guard of DaRE forests, from exact leave-one-out forests (docs/guard.md)."""
+"""The iDP guard of DaRE forests, from exact leave-one-out forests.
+See docs/guard.md (DaRE forests)."""

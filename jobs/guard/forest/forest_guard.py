@@ -1,96 +1,11 @@
-"""A sound iDP label guard for DaRE forests (docs/DESIGN.md, "Beyond LUCID, for DaRE forests").
+"""A sound iDP label guard for DaRE forests, from exact leave-one-out forests.
 
-A :class:`~jobs.learners.dare.forest.DaREForest` answers ``argmax_c p_c(q)`` (lowest class index
-on ties) with ``p(q) = mean_t p_t(q)`` and ``p_t(q) = counts / max(n, 1)`` of the leaf of
-tree t that q reaches. Its deletions are exact, so the leave-one-out (LOO) forest
-``F_{-x}`` is what a deletion of x leaves behind.
-
-The certificate
----------------
-Write ``Delta_{t,x}(q) = p_{t,-x}(q) - p_t(q)`` (a vector over the classes). One deletion
-removes ONE record x, so ``p_{-x}(q) = p(q) + mean_t Delta_{t,x}(q)``, and the gain of class
-b on class a under the worst deletion is ``H(q)[a, b] = max_x mean_t (Delta_{t,x,b} -
-Delta_{t,x,a})(q)``. The query is **certain** when, for its predicted class w and every
-c != w, ``p_w(q) - p_c(q) > H(q)[w, c] + tol`` (STRICT: with ``>=`` a LOO forest could tie
-w with a class c < w and answer c). ``tol`` (1e-9 plus 8 T 2^-53) covers the rounding of
-means of T numbers in [-1, 1].
-
-How each Delta is known without building the LOO forests
---------------------------------------------------------
-:mod:`jobs.guard.forest.fragility` decides, for every (node, record), whether deleting the
-record alone leaves the node's decision as it is ("stable") or may change it ("fragile").
-Then, per tree t and record x:
-
-* if x is stable at every node of its path, the LOO tree has the same splits and differs
-  only in x's leaf l, whose counts lose x: ``Delta_{t,x} = (n_c - [c = y_x]) / (n - 1) -
-  n_c / n`` at queries in l, and 0 elsewhere (exact, in closed form, from the leaf's
-  counts and x's label);
-* if x is fragile at some node u of its path (the highest such u), the LOO tree has the
-  same splits above u (only counts change there, and counts of internal nodes reach no
-  prediction) and, below u, the subtree DaRE grows from u's records without x (every
-  DaRE node is a pure function of its records, so that IS the subtree the deletion
-  leaves). The guard grows it (:func:`jobs.learners.dare.view.grow`, the forest's own
-  split search, without touching the forest) and keeps it: an "exact pair". At a query
-  on u's path, the tree's change is the grown subtree's leaf there against q's leaf;
-* a record whose deletion moves a random node's value domain (only when the forest's
-  ``random_domain`` is data-dependent) is fragile at every random node on that
-  attribute, and the subtree is grown there with the moved domain.
-
-The aggregation is per record (one deletion is one record): at q the kernel adds up,
-over the trees, each record's change (closed form for the stable records of q's leaf,
-the grown subtrees for the exact pairs on q's path) and takes the largest gain: the
-exact LOO answer, up to rounding.
-
-The state budget
-----------------
-Only the fragile pairs cost storage (their subtrees; the leaves' record lists are the
-forest's own). A pair near a leaf grows a few nodes, one near a root a whole tree, and at
-small n most splits are near-ties, so the subtrees are capped: ``state_budget`` times the
-forest's saved size (default 1.5). The pairs whose subtrees are smallest are grown first;
-the rest are "worst-case pairs": at a query on their node's path the tree is charged the
-worst any tree can do (class b gains ``1 - p_b``, class a loses ``p_a``), which bounds
-whatever subtree the deletion grows, so H stays an upper bound (sound) and only fewer
-queries are certain. Pairs at nodes of more than ``grow_rows`` records (default 1,024)
-are worst-case pairs too: growing one costs its node's records, and a near-tie node high
-in a tree makes many of its records fragile, so growing them all would cost the square
-of the node's size. With ``state_budget=inf, grow_rows=inf`` every pair is exact.
-
-Cost and updates
-----------------
-Fitting needs every greedy node's candidate lists (a node of 128 records or more keeps
-them up to date in the forest itself; the split search runs for the others), one pass
-over every (node, record) of every tree, and grows one subtree per exact pair, mostly
-small ones near the leaves: near-linear in the number of records (``tests/bench/
-bench_guard_scale.py``). After an update only nodes whose records changed can change
-their decisions or their subtrees: :meth:`update` (the deleted and added records)
-finds them (the records' paths, and every node whose split or counts moved, with its
-subtree), :meth:`refit` with ``nodes=`` recomputes the pairs there and keeps every other
-pair with its subtree, since its node holds the same records, so the same decisions and
-the same subtree; a record that now turns fragile higher up drops its lower pair. A
-record whose pair sat at a changed node and that is fragile at no changed node at or
-above it any more needs its nodes further down, which were never computed (a pair is
-the highest fragile node only): those below it on its path that did not change are
-computed for it. The result equals a fit from scratch (``tests/idp/test_forest_guard.py``;
-with a finite state budget the same pairs, though the budget may make other ones
-exact). The worker calls it before it publishes each version, so a published forest is
-always guarded; it bounds the time spent growing subtrees (``update(grow_seconds=)``,
-those of the records with the most pairs first), and the pairs left ungrown are
-worst-case pairs, sound like those the state budget leaves (:attr:`ForestGuard.complete` is
-then False until a fit). A pair's subtree is grown level by level with the other pairs'
-subtrees, and a node that several of them share (same tree, path and records: the child
-away from the deleted record, where their deletions move a split the same way) is
-decided once.
-
-Binding and persistence
------------------------
-The state is tied to ``forest.content_hash()`` at fit time. Every :meth:`certain` /
-:meth:`answer` checks the forest: the hash is recomputed only when the forest's
-``generation_`` moved; on a mismatch (the forest was updated and the guard was not)
-nothing is certain and the :class:`~jobs.guard.label_guard.LabelGuard` is bound in noise-all
-mode until :meth:`update` or :meth:`refit`. :meth:`save` writes the pairs (by tree, node
-path and record position) and their subtrees with the hash; :meth:`load` refuses any
-other forest. Queries are not clipped: the certificate holds on all of R^d.
-"""
+A query is certain when no single record's deletion can make another class win: per tree
+and record the change is a closed form at the record's leaf where fragility finds every
+split stable, and otherwise the subtree DaRE would grow without it (an exact pair) or the
+worst a tree can do (a worst-case pair, under the state budget). Tied to the forest's
+content hash; updated incrementally; noise-all on a mismatch.
+See docs/DESIGN.md (Beyond LUCID, for DaRE forests)."""
 
 from __future__ import annotations
 
@@ -171,7 +86,8 @@ class ForestFitReport:
 
 
 class ForestGuard:
-    """Label-only, eps-iDP answers from a DaRE forest (see the module docstring).
+    """Label-only, eps-iDP answers from a DaRE forest (docs/DESIGN.md, "Beyond LUCID, for DaRE
+    forests").
 
     Build with :meth:`fit` (or :meth:`load` a saved one); :meth:`certain` gives (class
     indices, certainty mask), :meth:`answer` publishes labels through :class:`LabelGuard`.
@@ -217,7 +133,7 @@ class ForestGuard:
 
         `nodes` (the forest's node ids): every node whose records changed since the last
         fit (the paths of the updated records and the retrained subtrees); the pairs at
-        all other nodes are kept (see the module docstring). None recomputes everything."""
+        all other nodes are kept (docs/guard.md, "DaRE forests"). None recomputes everything."""
         return self._refit(nodes, ForestStructure.of(self.forest), time.perf_counter())
 
     def _refit(self, nodes: np.ndarray | None, st: ForestStructure, t0: float,

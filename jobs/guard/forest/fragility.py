@@ -1,62 +1,11 @@
 """Which records could change a DaRE node's split if they alone were deleted.
 
-For the forest guard (:mod:`jobs.guard.forest.forest_guard`). Deleting one record x from a
-DaRE tree changes the counts along x's path; if no node on the path changes its
-decision, the tree after the deletion has the same splits, and its only change at
-any query is at x's own leaf, whose class probabilities become
-``(n_c - [c = y_x]) / (n - 1)``: a closed form. Here each (node, record) is decided
-"stable" (the node's decision is the same without the record) or "fragile" (it may
-change, or we could not tell); a record's tree then changes only at its leaf unless
-it is fragile at some node of its path, and then only below the highest such node.
-
-The decision replays the forest's own rules (:mod:`jobs.learners.dare.forest`) for one
-record removed:
-
-* every internal node: it becomes a leaf if ``n - 1 < 2 min_samples_leaf`` or its
-  records become pure;
-* random node: its draw stays the first draw inside the shrunk range iff both
-  children keep a record (a node with a fallback threshold, draw -1, is fragile);
-* greedy node, per sampled attribute: the candidate pairs are the first k valid
-  adjacent value pairs in keyed priority order. Removing x changes the pairs only
-  around x's value group w: if w keeps records, (prev, w) and (w, next) can only
-  turn invalid (w turning pure with the neighbour's label); if w vanishes, (w, next)
-  disappears and (prev, w) becomes (prev, next) under the same priority, which may
-  turn it valid (a new candidate at that priority) or invalid. The first k pairs of
-  the updated list are rescored with x's counts removed (the forest's own score
-  function) and the best one, with the forest's tie-breaks, must be the node's split
-  with the same upper value (else the threshold moves).
-
-Whatever cannot be decided exactly is fragile, which is sound (the guard then
-assumes the worst below that node): an attribute turning constant, a list that runs
-out of known pairs before k, or a new pair whose 32-bit priority ties a listed one. A
-record whose deletion moves the random nodes' value domain on an attribute is fragile
-at every random node on that attribute (:func:`domain_fragile`). Tests
-compare every claim of "stable" with the tree an actual deletion leaves
-(``tests/idp/test_forest_guard.py``).
-
-Far from a tie, most records need no look. Unless x's deletion changes the first k listed
-pairs of some attribute (x's value group is an end of one of them, or it vanishes and the
-pair that replaces it may rank among the first k) or makes the node pure, the candidates
-after the deletion are the listed ones with one record of x's class taken from one side.
-:func:`_margin_holds` scores every listed pair with ANY one record removed from either
-side; when the split's lowest such score beats every other pair's highest, the per-record
-rule would call all those records stable, and they are skipped. Only the others are
-decided one by one (same answer, ``tests/idp/test_forest_guard.py``); at 16k records this
-skips most of the records of the big nodes an update touches. Near a tie the same records
-(they change no listed pair) are decided from each listed pair's score with one record of
-class c taken from its left or right side, computed once per node; a record that does
-change listed pairs takes those scores for the pairs it leaves as they are, and only the
-pairs it changes are scored anew (a quarter of the fragility time at 16k records went to
-re-scoring unchanged pairs). A node's value groups
-are counted in a table over the attribute's value ranks where the node holds at least one
-record per 8 distinct values, and by sorting elsewhere.
-
-Leaves stay leaves under one deletion (fewer records cannot unmake purity, size,
-depth or a constant attribute), except one whose scored candidates all left fewer
-than ``min_samples_leaf`` records on a side: a pair from beyond the first k may
-split it after a deletion, so its records are fragile there (with the default
-``min_samples_leaf=1`` no such leaf exists).
-"""
+For the forest guard: each (node, record) is decided "stable" (the node's decision stands
+without the record) or "fragile" (it may change, or it cannot be told), by replaying the
+forest's own rules with one record removed; a record's tree then changes only at its leaf
+unless it is fragile on its path. Far from a tie most records are skipped by a margin test
+(:func:`_margin_holds`); tests compare every "stable" claim with an actual deletion.
+See docs/guard.md (DaRE forests)."""
 
 from __future__ import annotations
 
@@ -291,7 +240,7 @@ def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
 @njit(cache=True, parallel=True)
 def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
              ):  # pragma: no cover - compiled
-    """fragile[j] for every record rows[j] of every node (see the module docstring)."""
+    """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests")."""
     C = nd.cnt.shape[1]
     P = cand.attr.shape[1]
     frag = np.zeros(rows.shape[0], np.bool_)

@@ -1,8 +1,7 @@
 """What the forest guard stores: the forest in compact, depth-first node ids
 (:class:`ForestStructure`) and its fragile (node, record) pairs (:class:`FragilePairs`),
 grown from the records' paths and kept, pruned or merged as the forest changes.
-:mod:`jobs.guard.forest.forest_guard` states what a pair means and why the guard is sound.
-"""
+What a pair means and why the guard is sound: docs/DESIGN.md (Beyond LUCID, for DaRE forests)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The forest guard's compiled kernels: routing queries to leaves and, per query, the
-largest gain a single deletion can give a class (:mod:`jobs.guard.forest.forest_guard`)."""
+largest gain a single deletion can give a class (:mod:`jobs.guard.forest.forest_guard`).
+See docs/DESIGN.md (Beyond LUCID, for DaRE forests)."""
 
 from __future__ import annotations
 

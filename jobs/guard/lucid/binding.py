@@ -1,15 +1,10 @@
 """A bound tied to the exact networks it was verified for.
 
-LUCID's per-class bound beta_c (:func:`jobs.guard.lucid.branch_and_bound.compute_bounds`) says
-something about
-one network N and its LOO set only. :class:`BoundBinding` carries the content hashes of
-both beside the betas, and whoever serves with it
-(:class:`jobs.orchestration.served_model.GuardedMLPModel`)
-uses it only while both hashes are those of what it serves: any other network, or the same
-network with another LOO set, answers in noise-all mode. The betas themselves are
-authenticated where they are stored: the version's guard files are sealed under the
-version's key (:mod:`jobs.sealing`, AES-GCM), so an edited bound does not open.
-"""
+:class:`BoundBinding` carries the content hashes of the network N and its LOO set beside
+the per-class betas; whoever serves with it uses it only while both hashes are those of
+what it serves (anything else answers in noise-all mode). The betas are authenticated by
+the version's sealed files (:mod:`jobs.sealing`).
+See docs/guard.md (One network)."""
 
 from __future__ import annotations
 

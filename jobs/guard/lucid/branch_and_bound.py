@@ -1,26 +1,9 @@
 """Branch and bound over sets of LOO networks (LUCID Sec. 5.3, Alg. 1) and ``compute_bounds``.
 
-Per class c: start with S = all LOO networks; ``bound(S)`` is the MILP of
-:mod:`jobs.guard.lucid.milp` with N# = the hyper-network of S (its dual bound plus a
-safety margin); a priority queue pops the set with the LARGEST bound; a popped
-set of more than one (distinct) network is split by k-means on the flattened
-parameters (k in {2, 4, 8} by a simple elbow rule, see :func:`split`) and every
-child's bound is ``min(child's MILP, parent's bound)`` (a child's networks are
-a subset of the parent's). The search stops when the popped set is a
-singleton (or all its networks are identical) -- its bound is then at least
-every other open set's, and every network's leaking inputs are covered -- or
-when the time budget is spent. The answer is the bound of the last popped
-set: at every moment it is the maximum over all open sets, so it is sound
-whenever the search stops (anytime). Sets whose MILP could not run before the
-budget ran out keep their parent's bound.
-
-Why the answer is sound: beta*_c = max over x_D of beta*_{c,{x_D}}, and a set's
-bound is >= beta*_{c,{x_D}} for every x_D in it; the open sets always cover
-all LOO networks.
-
-A singleton's MILP is exact when ``tau = 0`` and the solver closes its gap;
-with relax-if-similar (``tau > 0``) it is an upper bound.
-"""
+Per class, the set with the largest bound is popped and split by k-means; a child's bound is
+the minimum of its own MILP and its parent's. Anytime: the answer, the last popped set's
+bound, is the maximum over the open sets, which always cover every LOO network.
+See docs/guard.md (How the bound is computed)."""
 
 from __future__ import annotations
 

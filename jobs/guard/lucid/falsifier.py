@@ -1,18 +1,7 @@
-"""A falsifier for the bound: find leaking inputs with large confidence.
-
-A leaking input of class c is an x in [0,1]^d where some LOO network's margin
-for c is <= 0. Its confidence ``C_N^c(x)`` is a LOWER bound on the true
-beta*_c, so any sound bound must be at least the best one found. Used by the
-tests (soundness checks) and the benchmark (tightness = beta / best found).
-
-Two searches, both checked exactly in float64 on the real networks:
-
-* sampling: uniform points in the box, all networks evaluated;
-* gradient search: from the most promising samples, projected gradient
-  ascent (Adam, clipped to the box) on ``C_N^c(x) - lam * relu(C_{N_j}^c(x) + delta)``
-  for the LOO network ``j`` closest to disagreeing at the start, with
-  ``lam`` growing; every iterate that truly leaks is a candidate.
-"""
+"""A falsifier for the bound: leaking inputs with large confidence, by sampling and gradient
+search, each checked exactly in float64. Each one's confidence is a lower bound on the
+true beta*_c, which any sound bound must reach (tests; the benchmark's tightness).
+See docs/guard.md (How the bound is computed)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """Interval bound propagation (IBP) for an MLP, a hyper-network, and matching neurons.
 
-All arithmetic is float64 on the (exactly representable) float32 weights, and
-every computed bound is widened outwards by ``EPS * (1 + magnitude)`` so that
-float64 rounding can never make a bound too tight: the bounds hold for the
-real-arithmetic network, which is what the MILP reasons about.
-
-* :func:`ibp` -- pre-activation bounds of a network over a box.
-* :class:`HyperNet` -- LUCID's hyper-network (Def. 5.1): every weight and bias
-  is the interval [min, max] over a set S of networks; it also keeps, for the
-  output layer, the interval of each logit DIFFERENCE row ``W[c] - W[c']``
-  over S (tighter than the difference of two intervals).
-* :func:`ibp_hyper` -- bounds that hold for every network in S. Valid because
-  the layer inputs are non-negative (inputs in [0, 1]^d, then ReLU outputs):
-  ``w z`` with ``w in [w_lo, w_hi]`` and ``z in [l, u]``, ``l >= 0`` lies in
-  ``[min(w_lo l, w_lo u), max(w_hi l, w_hi u)]``.
-* :func:`matched_bounds` -- both of the above plus LUCID's difference
-  intervals (Sec. 5.4): per neuron, bounds on ``z#_{m,k} - z_{m,k}`` for the
-  pre-activations and the ReLU outputs, and the hyper-network's bounds
-  intersected with ``N``'s bounds plus the difference.
-"""
+Float64 on the float32 weights, every bound widened outwards so rounding never makes it
+too tight: the bounds hold for the real-arithmetic networks the MILP reasons about.
+See docs/guard.md (How the bound is computed)."""
 
 from __future__ import annotations
 

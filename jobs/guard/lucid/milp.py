@@ -1,57 +1,10 @@
 """LUCID's MILP (Eq. 3): the largest confidence of a leaking input, for N and a set S.
 
-For class ``c`` and a set S of LOO networks with hyper-network N#_S::
-
-    maximise beta  s.t.  x in [0, 1]^d feeds N and N#_S
-        z_{L,c} - z_{L,c'} >= beta                for all c' != c    (N confident)
-        some network of S has margin_c(x) <= 0                       (it may flip)
-
-Encoding (variables: x, beta, N's unstable ReLU outputs and their binaries,
-the hyper-network's ReLU outputs and binaries, one binary per class c' when
-there are more than two classes):
-
-* N: pre-activations are linear expressions (substituted, no variables);
-  a stably active neuron (``l >= 0``) passes its expression on, a stably
-  inactive one (``u <= 0``) is 0; an unstable one gets ``z in [0, u]`` and a
-  binary ``a``: ``z >= zhat``, ``z <= zhat - l (1 - a)``, ``z <= u a``.
-* N#: the interval affine layer ``b_lo + W_lo z# <= zhat# <= b_hi + W_hi z#``
-  (valid because every layer input of N# is >= 0: x in [0,1]^d, then ReLU
-  outputs) with ``zhat#`` projected out: for an unstable neuron with binary,
-  ``z# >= b_lo + W_lo z#_prev``, ``z# <= b_hi + W_hi z#_prev - l# (1 - a#)``,
-  ``z# <= u# a#``; stably active: ``lo_expr <= z# <= hi_expr``; stably
-  inactive: 0. Relax-if-similar (Sec. 5.4): if the neuron's post-ReLU
-  difference interval is at most ``tau`` wide, the binary is replaced by the
-  triangle ``z# >= lo_expr``, ``z# <= u#/(u#-l#) (hi_expr - l#)``, ``z# >= 0``.
-* matching dependencies: ``z + dl <= z# <= z + du`` for every hidden neuron.
-* output, N#: for each c', the lower end of the logit-difference row over S,
-  ``min_S(W_c - W_c') . z# + min_S(b_c - b_c') <= M_c' (1 - alpha_c')``
-  (tighter than the difference of two interval logits, and still implied by
-  any network of S flipping via c'); ``sum alpha >= 1``. With two classes (or
-  one candidate c') there is no binary: the row is ``<= 0``.
-* output matching (beyond the paper, same argument as the matching
-  dependencies): ``margin_N,c'(x) + dm_c' <= M'_c' (1 - alpha_c')`` where
-  ``dm_c'`` is an interval-arithmetic lower bound of ``margin_n,c' -
-  margin_N,c'`` over n in S.
-* ``beta in [min_c' lower(margin_c'), min_c' upper(margin_c')]`` (IBP).
-
-Soundness: every constraint is satisfied by the concrete witness -- a leaking
-input x, N's true activations, the flipping network's true activations as
-z#, alpha = its flipping class -- because every bound used (IBP, difference
-intervals, big-M constants) holds for every network of S at every x in the
-box (:mod:`jobs.guard.lucid.interval_bounds`, widened outwards). Hence the MILP optimum, and the
-solver's DUAL bound above it, is >= beta*_{c,S}. The solver runs with
-floating-point tolerances and serving may evaluate the logits in float32, so a
-margin is added to the dual bound (:func:`serving_margin`): ``safety_margin``
-(default 1e-4) plus ``RELATIVE_MARGIN`` times the largest magnitude in play (the
-variables' finite bounds: pre-activations, logits, big-M constants; the bound
-itself), since both errors grow with the numbers they act on.
-
-Infeasible (no network of S can disagree anywhere): the set's bound is ``-inf``
-(branch and bound stops there), and the class's bound is raised to the margin
-(:func:`jobs.guard.lucid.branch_and_bound.bab_class`): a tolerance that could hide a
-disagreement would hide it there too.
-For a singleton S without relaxation (``tau = 0``) the MILP is exact.
-"""
+Encodes N exactly (big-M ReLUs), the hyper-network of S by interval layers, matching
+dependencies and the logit-difference rows over S. Every bound used holds for every network
+of S, so the solver's dual bound, plus :func:`serving_margin` for its tolerances and
+float32 logits, is a sound bound for the set.
+See docs/guard.md (How the bound is computed)."""
 
 from __future__ import annotations
 

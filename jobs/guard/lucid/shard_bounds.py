@@ -1,44 +1,10 @@
 """Per-shard LOO sets and bounds for a sharded MLP ensemble, and its certainty rules.
 
-For the SERVED ensemble (:class:`jobs.learners.sisa.ensemble.SISAEnsemble` with
-``model="mlp"``, whose shards train with the masked LOO schedule,
-``schedule="loo"``): :func:`ensemble_loo_set` rebuilds shard ``s``'s LOO set from
-the ensemble's own records and training arguments -- index 0 is bit for bit the
-served shard network (checked), index ``1 + j`` bit for bit the shard after
-``ensemble.delete([ids[j]])`` -- and :func:`shard_bounds` turns those into
-per-shard bounds ``beta_s`` (:class:`ShardBounds`, each tied to the hash of the shard
-network it covers; ``for_ensemble`` gives the ``(S, C)`` array that
-:func:`jobs.guard.label_guard.sisa_certain` takes, ``+inf`` for a shard whose network has
-changed), recomputing only the shards it is given (after a deletion or an addition:
-the one shard it touched). A sliced shard's LOO networks part ways with the base
-network at the deleted record's slice (the checkpoints before it are kept), so its
-LOO set is trained stage by stage, each LOO network continuing from its own
-checkpoint (about twice the work of one slice at four slices). Ensembles trained with
-Adam stages (``schedule="adam"``) get no per-shard bounds (use ``+inf``, the
-bound-free vote rule, which is sound because one record lives in one shard).
-
-Stand-alone (benchmarks, soundness tests), :func:`train_sharded_loo` trains
-its own one-slice ensemble: ``S`` shards, record ``r`` in shard ``prf_u64(seed, "shard", r) % S``
-(as :mod:`jobs.learners.sisa.ensemble` assigns shards); shard ``s``'s model is the full
-network of :func:`jobs.learners.networks.loo_training.train_loo` on the shard's records, so the same
-call also gives every single-deletion model of that shard. The ensemble
-answers the majority vote of the shards' labels (ties to the lowest class).
-NOTE: this is a one-slice ensemble trained with the LOO schedule, not the
-sliced :class:`jobs.learners.sisa.ensemble.SISAEnsemble`; it is what the bound needs.
-
-Deleting a record changes one shard's network only (to that shard's N_{-x}),
-so with per-shard bounds ``beta[s, c]`` (:func:`jobs.guard.lucid.branch_and_bound.compute_bounds` on
-each shard's LOO set) two rules say when a vote is certain (0-iDP):
-
-* :func:`jobs.guard.label_guard.sisa_certain` (docs/DESIGN.md "Beyond LUCID, for SISA"):
-  certain iff no single fragile shard (margin <= its bound), moving its vote
-  anywhere, changes the winner;
-* the naive rule (:func:`naive_certain`): certain only if EVERY shard is above
-  its bound -- what one would do treating the ensemble as one network whose
-  every part must be stable.
-
-Both are sound; the SISA rule answers more queries without noise.
-"""
+For the served ensemble (``schedule="loo"``), :func:`ensemble_loo_set` rebuilds a shard's
+LOO set whose base network is the served shard and whose ``N_{-x}`` is the shard after
+``delete([x])``, and :func:`shard_bounds` bounds it, each row tied to its shard network's
+hash. :func:`train_sharded_loo` and :func:`naive_certain` serve benchmarks and tests.
+See docs/guard.md (SISA ensembles)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
 """One small MILP interface, two backends: HiGHS (``highspy``) and Gurobi (``gurobipy``).
 
-A :class:`MILP` is a maximisation problem in plain arrays (bounds, integrality,
-objective, sparse rows ``row_lo <= A x <= row_hi``). :func:`solve` hands it to a
-backend with a time limit and a relative MIP gap and returns a
-:class:`SolveResult` whose ``dual_bound`` is the solver's proven UPPER bound
-on the optimum -- never the incumbent:
-
-* optimal / gap reached / time limit: the solver's dual (best) bound
-  (``+inf`` when it proved none, e.g. the time ran out before the root LP);
-* infeasible: ``-inf`` (no feasible point exists, so any bound holds);
-* anything else (numerical trouble, memory, interrupt): ``+inf``.
-
-Gurobi's pip licence refuses models over 2,000 variables or 2,000 linear
-constraints. ``solver="gurobi"`` or ``"auto"`` checks the size first (ranged
-rows count twice: Gurobi gets them as two inequalities) and also catches the
-licence error (10010 and friends); either way it falls back to HiGHS and says
-so in ``SolveResult.note``. ``"auto"`` means Gurobi when it fits, else HiGHS.
-
-Never import OR-Tools into the same process: it and highspy crash together.
-"""
+:func:`solve` returns the solver's proven upper bound (``dual_bound``), never the
+incumbent, and falls back to HiGHS when Gurobi's licence refuses the model. Never import
+OR-Tools into the same process: it and highspy crash together.
+See docs/guard.md (How the bound is computed)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""DaRE random forests that forget exactly (docs/learners.md, "DaRE")."""
+"""DaRE random forests that forget exactly.
+See docs/learners.md (DaRE)."""

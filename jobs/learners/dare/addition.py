@@ -1,5 +1,6 @@
 """Adding records to a DaRE forest, exactly: every node on the new records' paths is
-re-derived from its records, and the outermost nodes whose split changed are retrained."""
+re-derived from its records, and the outermost nodes whose split changed are retrained.
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Compiled (numba) building of DaRE subtrees (:mod:`jobs.learners.dare.forest`): the
-depth-first builder (:func:`build_subtrees`) that fitting and every retrain after an update
-use, and the pool operations it shares with deletions.
-
-The pools are the named tuples of :mod:`jobs.learners.dare.state`: ``nodes``, ``caches``,
-``entries``, ``tables``, ``layout``; ``recs`` are the records
-(:class:`~jobs.learners.dare.state.RecordArrays`) and ``rule`` the split rule. ``ctr``
-holds the pools' counters (CTR_* below); kernels that may run out of room check before
-they write and return 1, leaving their state resumable, and the caller grows the pools
-and calls again.
-"""
+"""Compiled (numba) building of DaRE subtrees: the depth-first builder (:func:`build_subtrees`)
+that fitting and every retrain after an update use, and the pool operations it shares with
+deletions. ``ctr`` holds the pools' counters; a kernel that may run out of room checks
+before it writes and returns 1, leaving its state resumable: the caller grows the pools
+(:mod:`jobs.learners.dare.pools`) and calls again.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

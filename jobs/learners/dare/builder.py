@@ -1,6 +1,7 @@
 """Growing DaRE subtrees from their records: whole trees at a fit, the outermost changed
 subtrees after an update, the caches that greedy nodes keep and the value group tables a
-loaded forest rebuilds (the compiled builder is :mod:`jobs.learners.dare.build_kernels`)."""
+loaded forest rebuilds (the compiled builder is :mod:`jobs.learners.dare.build_kernels`).
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

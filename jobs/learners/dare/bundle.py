@@ -1,6 +1,7 @@
 """A DaRE forest on disk: ``meta.json`` (JSON) and ``arrays.npz`` (plain arrays, no
 pickle), the saved names of format ``obliviate.dare/1``. The value group tables, the
-score bounds and the cost model are derived state: a loaded forest rebuilds them."""
+score bounds and the cost model are derived state: a loaded forest rebuilds them.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

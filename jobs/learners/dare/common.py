@@ -1,5 +1,5 @@
-"""What the DaRE forest's modules share: keyed mixing (the module docstring of
-:mod:`jobs.learners.dare.forest`), index ranges, the x log x table, node kinds."""
+"""What the DaRE forest's modules share: keyed mixing, index ranges, the x log x table, node
+kinds. See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

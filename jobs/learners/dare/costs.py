@@ -1,6 +1,7 @@
 """What a batch of deletions is estimated to cost, incrementally or as a refit, so that
 a batch never costs more than a retrain (up to the estimate). Not part of the model: the
-estimate steers how an update is computed, never what it computes."""
+estimate steers how an update is computed, never what it computes.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""Compiled (numba) deletion of one record from a DaRE forest (:mod:`jobs.learners.dare.forest`).
-
-:func:`delete_record` walks the record's path in every tree, updates the counts, the
-cached candidate lists and value group tables, and re-checks every node on the path
-against its stored split; it never retrains (the caller rebuilds the outermost changed
-nodes with :func:`jobs.learners.dare.build_kernels.build_subtrees`). Where a node must be
-re-derived from its records it calls the same
-:func:`~jobs.learners.dare.search_kernels.decide_one` as training, and a cached node's
-candidates are re-scored with the same :func:`~jobs.learners.dare.search_kernels.score1`,
-so an update makes a retrain's choices bit for bit.
-
-Ties. A cached slot on an attribute with few distinct values in its node (at most one per
-``hist_ratio`` records when the cache was built) keeps the node's value group table: the
-class counts of every value the node holds, in value order. The deleted record's group,
-its neighbours and their counts are then a binary search away; without the table they
-are counted from the records that share the value, which on a tied attribute is most of
-the node (or of the training set).
-
-The pools and records are the named tuples of :mod:`jobs.learners.dare.state` (``order``
-is its :class:`~jobs.learners.dare.state.GlobalOrder`).
-"""
+"""Compiled (numba) deletion of one record from a DaRE forest: :func:`delete_record` walks the
+record's path in every tree, updates counts, cached candidates and value group tables, and
+re-checks each node against its stored split, with the same ``decide_one`` and ``score1``
+as training, so an update makes a retrain's choices bit for bit. It never retrains: the
+caller rebuilds the outermost changed nodes (:mod:`jobs.learners.dare.build_kernels`).
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

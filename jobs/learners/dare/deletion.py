@@ -1,7 +1,7 @@
 """Deleting records from a DaRE forest, exactly: incrementally (the compiled walk of
 :mod:`jobs.learners.dare.delete_kernels`, then the outermost changed subtrees retrained
 once) or, where that is estimated to cost more, by a refit (:mod:`jobs.learners.dare.costs`).
-"""
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

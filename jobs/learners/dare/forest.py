@@ -1,140 +1,11 @@
 """DaRE random forests (Brophy & Lowd, ICML 2021) whose updates are checkably exact.
 
-A DaRE forest caches, at every decision node, the counts it needs to re-score
-its candidate splits, so deleting (or adding) a record touches the counts along
-the record's path in every tree and retrains a subtree only where the best
-split changes. The paper promises that an update has the same *distribution*
-as a retrain. This implementation promises more: after any sequence of
-:meth:`DaREForest.delete` / :meth:`DaREForest.add` calls the forest is
-bit-identical to ``DaREForest(same params).fit(X, y, record_ids=live ids)``, which
-:meth:`DaREForest.verify` checks by retraining and comparing content hashes.
-
-Keyed randomness (why update == retrain)
-----------------------------------------
-No random stream is shared between training and updates. Every random choice
-is a pure function of ``random_state`` and a name for the choice, computed
-with a keyed 64-bit mixer (splitmix64's finaliser, keyed per tree by
-``keyed.prf_u64(random_state, "dare-tree", t)``). A node is named by its tree
-and its heap path (root 1, children 2i and 2i+1). A node's state is therefore
-a pure function of the records that reach it:
-
-* leaf: depth == max_depth, fewer than 2 * min_samples_leaf records, one
-  class, no non-constant attribute, or no candidate leaves min_samples_leaf
-  records on both sides.
-* random node (depth < d_rmax): the first attribute, in the node's keyed
-  attribute order, that is not constant on the node; the threshold is the
-  first draw of the keyed stream ``v_j = (2 u_j - 1) D`` (u_j keyed by node,
-  attribute and j) that falls in ``[min, max)`` of the node's values. ``D`` is
-  a canonical function of the live data, the smallest power of two above the
-  attribute's largest absolute value, so it changes only when that crosses a
-  power of two (then every random node on the attribute is re-derived).
-  A deletion only shrinks ``[min, max)``: the current draw stays the first
-  draw inside as long as both children are non-empty, else the node is
-  re-derived. An addition widens the range: the node is re-derived.
-* greedy node: the first ``floor(sqrt(p))`` non-constant attributes in the
-  node's keyed order; per attribute, the candidate thresholds are the pairs of
-  adjacent distinct values (v1, v2) that are *valid* (not both value groups
-  pure with the same label); each pair has the 32-bit priority
-  ``h(node, attribute, bits(v1))``; the k valid pairs of smallest
-  (priority, v1) are scored (Gini: maximise sum L_c^2/n_l + sum R_c^2/n_r
-  from exact integer sums; entropy: from a table of x*log(x)); ties go to the
-  earlier attribute, then the smaller (priority, v1). The threshold is the
-  midpoint of (v1, v2).
-
-Updating a greedy node with cached counts. Greedy nodes with at least
-``Tuning.cache_min`` records keep, per sampled attribute, the first k + ``Tuning.buffer``
-valid pairs in priority order with their left class counts, and the key
-(priority, v1) of the last one (the cut-off). A pair is named by its lower
-value v1, so when a deletion removes value w from a node, the pair (prev, w)
-becomes (prev, next) under the same priority and the pair (w, next) disappears;
-no pair with a new priority ever appears. Hence the stored list stays exactly
-"every valid pair with priority up to the cut-off", and its first k entries are
-the pairs a retrain would select, as long as at least k remain (otherwise the
-node's cache is recomputed from its records). A deletion decrements the left
-counts of the cached pairs, repairs the (at most two) pairs that touch w, and,
-when w's value disappears, checks whether the merged pair (prev, next) is a
-newly valid pair under the cut-off (prev and next are found by walking the
-attribute's global sorted order, or the node's own records, whichever is
-shorter). It then re-scores the k selected pairs and retrains the subtree only
-if the best pair changes; a pair that only moved its upper value moves the
-threshold without retraining. Smaller greedy nodes keep no per-candidate
-cache: when a record in them changes, their best split is recomputed from their
-records. Additions re-derive every node on the new records' paths from its
-records (exact, but slower than deletions).
-
-Ties. Finding w's group, its neighbours and their class counts is where tied
-data made deletions slow: on a feature with a handful of values most of a node
-(or of the training set) shares w. A cached slot whose attribute has at most one
-distinct value per ``Tuning.hist_ratio`` of the node's records therefore also keeps the
-node's value group table (rank and class counts of every value the node holds,
-in value order; a function of the node's records, rebuilt on load, not hashed):
-w's group and its neighbours are a binary search away, and the table shrinks
-with the node (a vanished value leaves it). Values that tie are also counted
-into a dense table instead of being sorted when a node is (re)built.
-
-Skipping the re-scoring. A greedy node keeps an upper bound on the scores of its
-other scored candidates: the runner-up's score at its last full scoring, plus 1
-per deletion since (a Gini score, sum L_c^2 / n_l + sum R_c^2 / n_r, grows by at
-most (n_l - 2) / n_l < 1 when a record leaves its side; a margin covers
-rounding). While the scored candidates are the same pairs (for a cached node: no
-pair among the first k died and none was inserted there; for an uncached one:
-the deleted record's value group neither vanished nor turned pure on any sampled
-attribute) and the stored split, scored from its children's counts, still beats
-the bound, the split stands without re-scoring. Entropy has no such cheap bound
-and always re-scores. None of this changes a choice: it only avoids work whose
-outcome is known.
-
-Deletions run in one compiled kernel (:mod:`jobs.learners.dare.delete_kernels`) over all
-trees, and a tree's walk ends at its first changed node: that node is retrained
-from its live records (:func:`build_kernels.build_subtrees`, depth first, the same
-split search as training), so nothing below it needs updating. A batch applies
-its records one after the other the same way, also ending a walk at a node an
-earlier record of the batch changed (its counts still follow, for its parent's
-checks), and retrains the outermost changed nodes once, at the end: a subtree
-retrained from its records is the canonical one whatever happened below it, so
-this is exact even for a node that flipped back. A batch refits from scratch
-instead when that is estimated to cost less (:meth:`CostModel.estimate`,
-deterministic, in units of build work; the report's ``retrained`` says which
-mode was taken and both estimates).
-
-Exactness does not make flips cheap: when two candidates of a large node are
-nearly tied, successive deletions can flip the argmax back and forth, and each
-flip retrains the subtree, exactly as a retrain would choose; this, not the
-count updates, dominates the deletion time of G-DaRE.
-
-What the forest stores per record
----------------------------------
-Each live record's id, features, label and its position in every tree's layout.
-A deletion leaves the record's slot behind in memory (so a batch needs no
-renumbering); :meth:`DaREForest.save` drops every such slot first
-(:func:`records.compact_store`): the value domains are re-derived from the
-live records and a cache cut-off that still named a deleted value is lowered to a
-live one, so a saved bundle holds nothing of a deleted record. Thresholds are
-midpoints of two live values or keyed draws.
-
-The content hash covers the structure, thresholds, counts, the selected
-candidates of cached nodes with their counts, the keyed draw indices, each
-leaf's records (by id) and the live training set; nothing in it depends on
-the order of updates, memory layout or record slots.
-
-Where the code is
------------------
-This module holds the estimator: the hyperparameters, the scikit-learn contract and the
-public operations, each delegated to a module that works on the fitted state, one
-:class:`~jobs.learners.dare.state.ForestState` (records, value index, domains, node /
-cache / entry / table pools, layout, cost model): :mod:`~jobs.learners.dare.training`
-(fit), :mod:`~jobs.learners.dare.split_search` (keyed choices, split search),
-:mod:`~jobs.learners.dare.builder` (growing subtrees), :mod:`~jobs.learners.dare.deletion`
-and :mod:`~jobs.learners.dare.addition` (updates), :mod:`~jobs.learners.dare.costs` (a
-batch's choice), :mod:`~jobs.learners.dare.routing` (queries),
-:mod:`~jobs.learners.dare.hashing` and :mod:`~jobs.learners.dare.bundle` (hash, save,
-load), with :mod:`~jobs.learners.dare.pools`, :mod:`~jobs.learners.dare.records`,
-:mod:`~jobs.learners.dare.values` and :mod:`~jobs.learners.dare.labels` for the state's
-parts. The compiled kernels are :mod:`~jobs.learners.dare.search_kernels` (search),
-:mod:`~jobs.learners.dare.build_kernels` (building) and
-:mod:`~jobs.learners.dare.delete_kernels` (a deletion's walk); keyed mixing and the
-helpers they all share are in :mod:`~jobs.learners.dare.common`.
-"""
+After any sequence of :meth:`DaREForest.delete` / :meth:`DaREForest.add` calls the forest is
+bit-identical to ``DaREForest(same params).fit`` on the live records, because every random
+choice is a keyed function of the seed and the node, never a shared stream; ``verify``
+retrains and compares content hashes. This module is the estimator; the fitted state
+(:class:`~jobs.learners.dare.state.ForestState`) is worked on by the modules beside it.
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 
@@ -234,7 +105,7 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
         re-drawn). A power of two: fixed for every attribute, so no update moves it; for
         features scaled to a known box (the sidecar's [0, 1]: 2.0).
     random_state : int
-        Key of every random choice (see the module docstring).
+        Key of every random choice (docs/learners.md, "How a DaRE update equals a retrain").
     """
 
     guarantee = "exact"

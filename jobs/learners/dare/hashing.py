@@ -1,6 +1,7 @@
 """The content hash of a DaRE forest: SHA-256 over everything that determines its
 predictions and its future updates, and nothing that depends on the order of updates,
-memory layout or record slots (so an updated forest and a retrain hash alike)."""
+memory layout or record slots (so an updated forest and a retrain hash alike).
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Classes that appear with an addition or vanish with a deletion: a DaRE forest's classes
-are its live records' labels, as a retrain on them would have them."""
+are its live records' labels, as a retrain on them would have them.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

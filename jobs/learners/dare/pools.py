@@ -1,11 +1,9 @@
-"""The growable pools of a DaRE forest's state: nodes, cache rows, candidate entries and
-value group tables (:mod:`jobs.learners.dare.state`).
-
-Pools are allocated with room to spare, grow by doubling (entries and tables by a
-quarter or a half, compacting their garbage first), and are trimmed after a fit. Growing
-a pool replaces its named tuple in the state; the kernels see the pools' counters in a
-``ctr`` array (:func:`counters`, :func:`put_counters`).
-"""
+"""The growable pools of a DaRE forest's state (:mod:`jobs.learners.dare.state`): nodes, cache
+rows, candidate entries and value group tables. Allocated with room to spare, they grow by
+doubling (entries and tables by a quarter or a half, compacting their garbage first) and
+are trimmed after a fit; growing one replaces its named tuple in the state, and the kernels
+see the counters in a ``ctr`` array (:func:`counters`, :func:`put_counters`).
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

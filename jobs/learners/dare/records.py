@@ -1,6 +1,7 @@
 """The record store of a DaRE forest: one slot per record ever added (features, label,
 id), grown for additions and compacted before a save, so that a saved forest holds
-nothing of a deleted record."""
+nothing of a deleted record.
+See docs/security.md (What each learner stores per record)."""
 
 from __future__ import annotations
 

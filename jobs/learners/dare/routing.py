@@ -1,5 +1,6 @@
 """Answering queries with a DaRE forest: routing them to leaves (``x <= thr`` to the
-left), the leaves' class frequencies, and the cells of the input space the leaves are."""
+left), the leaves' class frequencies, and the cells of the input space the leaves are.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

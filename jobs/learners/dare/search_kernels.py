@@ -1,16 +1,9 @@
-"""Compiled (numba) split search of :mod:`jobs.learners.dare.forest`: keyed hashing, the
-canonical state of one node (:func:`decide_one`) and the greedy search of many nodes at
-once (:func:`greedy_tasks`); the builder is :mod:`jobs.learners.dare.build_kernels`,
-deletions are :mod:`jobs.learners.dare.delete_kernels`.
-
-Every function here reproduces, bit for bit, a choice the DaRE forest documents in
-:mod:`jobs.learners.dare.forest` (keyed hashing, candidate selection, split scores, tie-breaks);
-the module docstring there is the specification. Integer counts stay integers, and the
-split score of a candidate is computed by one function, :func:`score1`, whichever path
-(from-scratch split search or cached incremental re-scoring) asks for it, so equal counts
-give equal bits. ``cache=True`` keeps the compiled code on disk next to this file
-(``__pycache__``), so only the first import on a machine pays the compile time.
-"""
+"""Compiled (numba) split search of the DaRE forest: keyed hashing, the canonical state of one
+node (:func:`decide_one`) and the greedy search of many nodes at once (:func:`greedy_tasks`).
+Each function reproduces, bit for bit, a rule the docs state; integer counts stay integers
+and one function, :func:`score1`, scores a candidate on every path, so equal counts give
+equal bits. ``cache=True`` keeps the compiled code in ``__pycache__`` beside this file.
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

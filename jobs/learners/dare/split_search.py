@@ -1,6 +1,7 @@
 """The DaRE forest's split search over many nodes at once: keyed choices, greedy and
 random splits, and each node's canonical state from its records (the compiled search of
-one node is :mod:`jobs.learners.dare.search_kernels`)."""
+one node is :mod:`jobs.learners.dare.search_kernels`).
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The DaRE forest's fitted state: one explicit object that every component takes.
 
-:class:`ForestState` holds the record store, the value index, the random-node domains,
-the pools (nodes, cache rows, candidate entries, value group tables), the per-tree layout
-of records and the batch cost model. The pools are named tuples of arrays: the compiled
-kernels take them as they are and read their fields by name, and growing a pool replaces
-the tuple (:mod:`jobs.learners.dare.pools`). Nothing here computes; the split search,
-the builder, the updates and the bundle work on this state.
-"""
+:class:`ForestState` holds the record store, the value index, the random-node domains, the
+pools (named tuples of arrays the compiled kernels read by field name), the per-tree layout
+of records and the batch cost model. Nothing here computes.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

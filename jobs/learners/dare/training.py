@@ -1,5 +1,6 @@
 """Training a DaRE forest from scratch: the state a fit (or a refit) starts from, every
-tree grown from all records."""
+tree grown from all records.
+See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

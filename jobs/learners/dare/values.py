@@ -1,5 +1,6 @@
 """The value index of a DaRE forest (dense value ranks, the global value order) and the
-random-node domains, both functions of the records they are derived from."""
+random-node domains, both functions of the records they are derived from.
+See docs/learners.md (How a DaRE update equals a retrain)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """A read-only view of a DaRE forest for code that reasons about single deletions.
 
-The forest guard (:mod:`jobs.guard.forest.fragility`) decides, for every record and
-node, whether deleting that one record would change the node's split. It needs what
-the forest's own update code reads: the nodes, the records each node holds, the
-ranks and labels of the records and, for every greedy node, its candidate split lists
-exactly as the split search builds them. This module hands those out without letting
-the guard reach into the forest: it reads the public fields of the forest's state
-(:class:`~jobs.learners.dare.state.ForestState`); nothing here modifies the forest.
-"""
+The forest guard (:mod:`jobs.guard.forest.fragility`) needs what the forest's own update
+code reads (nodes, each node's records, ranks and labels, greedy nodes' candidate lists as
+the split search builds them) without reaching into the forest: this module hands those out
+from the public fields of its state and modifies nothing.
+See docs/guard.md (DaRE forests)."""
 
 from __future__ import annotations
 

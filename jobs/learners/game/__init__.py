@@ -1,2 +1,2 @@
-"""Game-theoretic (approximate) unlearning of one network, and the attackers it plays
-against (docs/learners.md, "game")."""
+"""Game-theoretic (approximate) unlearning of one network, and the attackers it plays against.
+See docs/learners.md (game: approximate unlearning)."""

@@ -1,26 +1,8 @@
 """Membership-inference attackers: the pair attack on (original, unlearned) posteriors
-(Chen et al. 2021, the frozen ``M_A`` of the game) and a Shokri-style attack on one model.
-
-Both attackers are the same small torch network (:class:`Attacker`): an MLP with a
-two-way softmax whose second output is P(positive | features), trained with the
-keyed, deterministic :func:`jobs.learners.networks.torch_nets.train_stage` (Adam, cross-entropy)
-on a class-balanced set (the smaller class is repeated cyclically up to the size
-of the larger one). It is differentiable in its input, which is what the game's
-follower needs.
-
-Features
---------
-* pair features (:func:`pair_features`): the classes are ordered by the original
-  model's posterior, descending; the feature row is the two posteriors and their
-  scaled log-probabilities and log-ratio in that order (``5 C`` values; Chen et
-  al.'s concatenation and difference variants). Ordering by ``p_o`` makes the attack
-  class-agnostic (an attacker trained on some deletions applies to others) and
-  keeps it differentiable in ``p_u`` (the permutation depends on ``p_o`` only).
-* member features (:func:`member_features`): the posterior sorted descending,
-  the probability of the true label and the log-loss scaled to [0, 1]
-  (``-log max(p_y, 1e-6) / log 1e6``): Shokri et al.'s posterior vector made
-  label-aware in one model instead of one attack model per class.
-"""
+(Chen et al. 2021, the game's frozen ``M_A``) and a Shokri-style attack on one model.
+Both are the same small, differentiable torch network (:class:`Attacker`) on different
+features (:func:`pair_features`, :func:`member_features`).
+See docs/learners.md (Privacy evaluation)."""
 
 from __future__ import annotations
 
@@ -71,7 +53,9 @@ def pair_features(p_o: torch.Tensor, p_u: torch.Tensor) -> torch.Tensor:
     in that order, with ``l = max(log p, log 1e-6) / log 1e6 in [-1, 0]`` (the
     log-probabilities show the changes of small probabilities that a confident
     model's posteriors hide). Differentiable in ``p_u`` (and in ``p_o`` through
-    the gathered values; the order is a constant).
+    the gathered values; the order is a constant). Chen et al.'s concatenation and
+    difference variants; ordering by ``p_o`` makes the attack class-agnostic (an attacker
+    trained on some deletions applies to others).
     """
     order = torch.argsort(p_o.detach(), dim=1, descending=True, stable=True)
     po = p_o.gather(1, order)
@@ -92,6 +76,8 @@ def pair_features_np(p_o: np.ndarray, p_u: np.ndarray) -> np.ndarray:
 def member_features(p: np.ndarray, y_idx: np.ndarray) -> np.ndarray:
     """Shokri-style features of one model's posteriors: sorted p, p_y, scaled log-loss.
 
+    The log-loss is ``-log max(p_y, 1e-6) / log 1e6``, in [0, 1]: Shokri et al.'s
+    posterior vector made label-aware in one model instead of one attack model per class.
     A label index < 0 (a label the model does not know) counts as ``p_y = 0``.
     """
     p = np.asarray(p, dtype=np.float64)
@@ -102,7 +88,12 @@ def member_features(p: np.ndarray, y_idx: np.ndarray) -> np.ndarray:
 
 
 class Attacker:
-    """An MLP with a two-way softmax: :meth:`prob` is P(positive | features)."""
+    """An MLP with a two-way softmax: :meth:`prob` is P(positive | features).
+
+    Trained with the keyed, deterministic ``train_stage`` (Adam, cross-entropy) on a
+    class-balanced set (the smaller class repeated cyclically up to the larger one's
+    size); differentiable in its input, which the game's follower needs.
+    """
 
     def __init__(self, n_features: int, config: AttackConfig = DEFAULT_ATTACK,
                  seed: int = 0) -> None:

@@ -1,5 +1,6 @@
 """The game learner on disk: ``meta.json`` (JSON) and ``state.pt`` (tensors only, no
-pickle): the live records, the served network, the surrogate and the frozen attacker."""
+pickle): the live records, the served network, the surrogate and the frozen attacker.
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

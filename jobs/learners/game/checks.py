@@ -1,6 +1,7 @@
 """What can be checked of a game-unlearning network: the content hash of the network it
 serves, and the measured gap to a retrain from scratch (it is approximate: ``exact`` only
-while no update has changed the bits)."""
+while no update has changed the bits).
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The configuration a game-unlearning network works under (``config_``): its constructor's
 parameters, checked, in the order saved bundles hold them, and the groups its parts read
 (the attacker's :class:`~jobs.learners.game.attacks.AttackConfig`, the game's
-:class:`GameRules`)."""
+:class:`GameRules`).
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

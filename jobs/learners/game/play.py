@@ -1,7 +1,7 @@
-"""The Stackelberg game of one deletion (Liu et al.; the module docstring of
-:mod:`jobs.learners.game.stackelberg` states it): the leader pulls the network towards the
+"""The Stackelberg game of one deletion (Liu et al.): the leader pulls the network towards the
 surrogate on ``D_third`` while keeping the retain set, the follower pushes the frozen
-attacker's verdict on the forget set towards ``lam``."""
+attacker's verdict on the forget set towards ``lam``.
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

@@ -1,98 +1,11 @@
 """One network that forgets by a Stackelberg game (Liu et al.): APPROXIMATE unlearning.
 
-Guarantee: APPROXIMATE (docs/DESIGN.md, "Guarantees"). After a deletion the served
-network is NOT the network a retrain without the records would give, and nothing
-here bounds how far it is. What it offers instead is measured and reported: every
-:meth:`GameUnlearningNet.delete` returns the frozen attacker's advantage on the
-deleted records before and after the game, :meth:`GameUnlearningNet.verify`
-retrains from scratch and reports the gap (``exact`` is ``False`` as soon as any
-update has been applied), and :func:`jobs.eval.evaluate_unlearning` measures
-accuracy, membership inference and a retrained attacker against the result.
-
-The method (docs/PAPERS.md §4)
---------------------------------------
-``fit`` trains one network ``M_o`` normally (Adam, keyed mini-batches, the
-deterministic loop of :mod:`jobs.learners.networks.torch_nets`). It also prepares, once, what
-every later deletion needs:
-
-* ``D_third``: third-party inputs disjoint from training. Either the ``X_third``
-  given to :meth:`~GameUnlearningNet.fit` (e.g. a part of a public or test set;
-  labels are not needed), or, by default, a keyed ``third_fraction`` of the records
-  given to ``fit``, held out of training. Held-out records still belong to the
-  model's data (they are in ``record_ids_``): deleting one just drops it from
-  ``D_third`` (no game: the network never trained on it).
-* the surrogate ``M_r'``: a network trained from its own seed on a keyed random
-  ``surrogate_fraction`` (20%, the paper's) of the training records. It is kept
-  and reused; a deletion that names one of its records retrains it on its
-  remaining records first (timed as part of the deletion), so the surrogate
-  never holds deleted data.
-* the frozen attacker ``M_A`` (Chen et al.'s attack on the pair of posteriors;
-  :class:`jobs.learners.game.attacks.Attacker`): a shadow network is retrained without a
-  keyed ``attack_fraction`` of the training records (the same initialisation
-  and batches as ``M_o``: the exact retrain for that deletion). Positives: pair
-  features ``(M_o(x), M_shadow(x))`` of those records ("in the original, not in
-  the unlearned model"); negatives (``attack_negatives``): pairs of ``D_third``
-  (never in either) and of as many retained training records (in both).
-
-``delete(ids)`` then plays, on a copy of the current weights ``w_u = w_o``, for
-``rounds`` rounds:
-
-* leader (unlearning module, Alg. 1, Eq. 10): one step on
-  ``distance_weight * mean_i ||softmax M_u(x_i) - softmax M_r'(x_i)||_2`` over a
-  batch of ``D_third`` plus ``ce_weight * CE(M_u)`` over a batch of the retain set;
-* follower (privacy module, Alg. 2, Eq. 12-13): one step on
-  ``mean_i |M_A(M_o(x_i), M_u(x_i)) - lam|`` over (a batch of) the forget set,
-  ``M_o`` being the weights before this deletion.
-
-``delete(ids, method="finetune")`` (or ``method="finetune"`` at construction) is
-the plain baseline instead: ``finetune_epochs`` epochs on the retain set.
-
-``add(ids, X, y)`` fine-tunes the network on the new records mixed with a keyed
-replay sample of the live training records (``add_epochs``, ``add_replay``).
-APPROXIMATE as well: the result is not a retrain on the enlarged set.
-
-Choices the paper leaves open are constructor parameters (documented on the
-class; the defaults are the ones ``tests/test_game.py`` pins and
-``tests/bench/bench_game.py`` measures). Everything is keyed by ``random_state``:
-the same calls on the same data give the same bits (same device type, torch
-build and ``cpu_threads``).
-
-What the model stores per record
---------------------------------
-The live records' ids, features and labels (the retain set, ``D_third`` and the
-surrogate's subset are taken from them), and the networks. A deletion drops the
-record from all of them (the surrogate is retrained without it when it held it);
-the networks' weights are what the game leaves, which is why the guarantee is
-approximate. Nothing else of a deleted record is kept or saved.
-
-What "retrain from scratch" means here
---------------------------------------
-``M_o``'s training on the live training records (held-out ``D_third`` records
-excluded; records that arrived by ``add`` included), from the same seed:
-``GameUnlearningNet(**params).fit(X, y, record_ids=ids)`` gives the same network as
-``verify``'s retrain when no record was ever added and ``D_third`` is the same.
-
-What the measurements say (``tests/bench/bench_game.py``; read before relying on it)
------------------------------------------------------------------------------------
-* The frozen attacker's advantage stays low (<= 0.05 on every benchmark setting)
-  -- but it is also low for an exact retrain on random removals (0.01-0.12):
-  on data the network does not memorise there is little for it to see.
-* PriAA rewards doing nothing: an untouched forget set looks "not deleted",
-  and the game then only has to make it look half-changed. With one whole
-  digit class removed the game's network still classifies that class
-  perfectly (retrain: 0%), the Shokri-style attack still calls it "member"
-  (0.93 vs 0.00), mean KL to the retrain is 1.8 nats -- and the frozen
-  attacker reports 0.04. Class-level forgetting does NOT match retraining.
-  Check ``acc_forget``, the membership attack and the gap to a retrain
-  (:func:`jobs.eval.evaluate_unlearning`), not PriAA alone.
-* On random removals the result stays close to the ORIGINAL network: test
-  accuracy within a point of the retrain in 8 of 12 settings, otherwise above
-  it (the retrain loses accuracy; the game keeps the original's).
-* Speed: a deletion costs ``rounds`` small steps plus a surrogate retrain
-  (20% of the data) when a deleted record was in it, whatever the data size;
-  the speedup over retraining grows with it (0.6-1.1x on 341 records, 1.4-1.6x
-  on 1078, 2.7-3.0x on 3600). Plain fine-tuning is 7-11x faster still.
-"""
+After a deletion the served network is NOT what a retrain would give, and nothing bounds
+the gap; what it offers instead is measured: ``delete`` reports the frozen attacker's
+advantage before and after, ``verify`` retrains and reports the gap, and
+:func:`jobs.eval.evaluate_unlearning` measures more. Low attacker advantage alone does not
+mean forgotten (docs/benchmarks.md, bench_game).
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 
@@ -404,7 +317,7 @@ class GameUnlearningNet(SpecClassifier):
     # ------------------------------------------------------------------ updates
 
     def delete(self, ids: Any, method: str | None = None) -> UpdateReport:
-        """Forget records by id with the game (APPROXIMATE; see the module docstring).
+        """Forget records by id with the game (APPROXIMATE; docs/learners.md).
 
         ``method`` overrides the constructor's ``method`` for this call
         (``"finetune"``: the plain baseline, e.g. to compare on a copy).

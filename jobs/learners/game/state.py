@@ -1,7 +1,8 @@
 """A fitted :class:`jobs.learners.game.stackelberg.GameUnlearningNet` as one object
 (:class:`GameState`): what its networks train under, the live records (training ones and
 held-out ``D_third``), the served network, the surrogate and the frozen attacker. Training,
-the game, the checks and the bundle take it and read its fields; an update makes a new one."""
+the game, the checks and the bundle take it and read its fields; an update makes a new one.
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

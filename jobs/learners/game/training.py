@@ -1,7 +1,8 @@
 """How the game learner's networks train: ``M_o`` (whose retrain from scratch is the
 reference), the shadow and the surrogate, and the fine-tunes of updates, all with the
 keyed, deterministic loop of :mod:`jobs.learners.networks.torch_nets`; and the frozen
-attacker ``M_A`` trained once at ``fit`` from a shadow retrain."""
+attacker ``M_A`` trained once at ``fit`` from a shadow retrain.
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Deletions (the game, or plain fine-tuning) and additions (fine-tuning with replay) of the
-game learner: APPROXIMATE, measured (module docstring of
-:mod:`jobs.learners.game.stackelberg`). Each returns a new state; the old one is left as
-it was, so a refused request changes nothing."""
+game learner: APPROXIMATE, measured. Each returns a new state; the old one is left as it
+was, so a refused request changes nothing.
+See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 

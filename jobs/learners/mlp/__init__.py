@@ -1,1 +1,2 @@
-"""One network that forgets a record by swapping in its leave-one-out twin (docs/learners.md)."""
+"""One network that forgets a record by swapping in its leave-one-out twin.
+See docs/learners.md (mlp: one network, deletions by swap)."""

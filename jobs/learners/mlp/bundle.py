@@ -1,5 +1,6 @@
 """The mlp learner on disk: ``meta.json`` and ``state.npz`` (network, records), no pickle.
-The LOO set is the guard's to keep (``adopt_loo`` after a load)."""
+The LOO set is the guard's to keep (``adopt_loo`` after a load).
+See docs/learners.md (mlp: one network, deletions by swap)."""
 
 from __future__ import annotations
 

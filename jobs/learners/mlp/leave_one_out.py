@@ -1,33 +1,11 @@
 """One network that forgets a record by swapping in its leave-one-out twin.
 
-:class:`LeaveOneOutMLP` trains a single ReLU MLP with the masked leave-one-out schedule of
-:mod:`jobs.learners.networks.loo_training` (``T(D)``: keyed batches, plain SGD, float32, a batch
-count ``B``
-frozen from the training set at :meth:`~LeaveOneOutMLP.fit`). Retraining is defined once,
-here: ``T`` on the live records, with every deleted record's schedule key as a tombstone
-(an always-masked slot), the same seed and the same ``B``. So
-
-* ``N_{-x}``, trained beside ``N`` in a LOO set (:meth:`~LeaveOneOutMLP.fit_loo`), IS the
-  model retrained without ``x``: a deletion of one record while the LOO set of the
-  current records is at hand serves ``N_{-x}`` at once (``retrained["swap"]``), with no
-  training at all;
-* any other update (several records, an addition, a second deletion before the LOO set
-  of the new records exists) retrains the one network from scratch under the same
-  definition -- tens of milliseconds for a thousand records on 2 cores;
-* :meth:`~LeaveOneOutMLP.verify` retrains from scratch and compares the bits.
-
-A recomputed batch count (``ceil((|D|-1) / batch_size)`` after a deletion) would be a
-different training algorithm: the LOO set would no longer hold the retrained models. The
-count is part of :attr:`config_` and a LOO set trained with another one is refused
-(:meth:`~LeaveOneOutMLP.adopt_loo`).
-
-What a deletion leaves: the served network ``N_{-x}``, the remaining records, and ``x``'s
-64-bit keyed schedule key. The LOO set of the old records (every network in it saw ``x``,
-except ``N_{-x}``) is dropped in the same step; the LOO set of the new records is trained
-again in the background (the sidecar's guard job), as is the LUCID bound that rests on it
-(:mod:`jobs.guard.lucid.branch_and_bound`). Bits are reproducible per device type: on CUDA
-the LOO set's slots are checked against the single network before they are adopted.
-"""
+:class:`LeaveOneOutMLP` trains with the masked leave-one-out schedule and defines the
+retrain once (live records, deleted records as tombstone keys, the same seed and a batch
+count frozen at ``fit``), so ``N_{-x}`` of its LOO set IS the model retrained without
+``x``: a single deletion is a swap, anything else a retrain; a LOO set trained under another
+batch count is refused (:meth:`~LeaveOneOutMLP.adopt_loo`).
+See docs/learners.md (mlp: one network, deletions by swap)."""
 
 from __future__ import annotations
 

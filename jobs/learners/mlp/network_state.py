@@ -1,6 +1,7 @@
 """A fitted :class:`jobs.learners.mlp.leave_one_out.LeaveOneOutMLP` as one object: the frozen
 training definition, the live records, the deleted records' schedule keys, the served
-network and the LOO set kept for swaps. The retrain from scratch is defined here, once."""
+network and the LOO set kept for swaps. The retrain from scratch is defined here, once.
+See docs/learners.md (mlp: one network, deletions by swap)."""
 
 from __future__ import annotations
 

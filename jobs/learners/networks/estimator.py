@@ -1,6 +1,7 @@
 """What the network learners (SISA, the mlp and game learners) share as scikit-learn
 classifiers: their fitted state is one object in ``state_`` with the live records in
-``state_.records``; inputs are checked the same way at ``fit`` and at prediction."""
+``state_.records``; inputs are checked the same way at ``fit`` and at prediction.
+See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """What the network learners' constructors accept, declared the way scikit-learn validates
 it (``_parameter_constraints``), plus the two kinds of value its own constraints do not
 cover: numbers that refuse ``True``/``False`` (Python counts them as ints, and a seed or an
-epoch count of ``True`` is a mistake) and layer widths."""
+epoch count of ``True`` is a mistake) and layer widths.
+See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
 

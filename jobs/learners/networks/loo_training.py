@@ -1,69 +1,10 @@
 """Leave-one-out training: the full network N and every N_{-x}, trained together.
 
-The training algorithm T
-------------------------
-``T(D; seed, hidden, epochs, batch_size, B, lr, weight_decay, tombstones)`` trains
-a ReLU MLP (:class:`jobs.learners.networks.torch_nets.MLP` architecture, inputs in [0, 1]^d)
-with plain SGD (no momentum; ``p <- p - lr * (grad + weight_decay * p)``), float32:
-
-* initial weights: :func:`jobs.learners.networks.torch_nets.init_net` from ``seed`` alone;
-* record ``r`` enters the schedule only through its 64-bit schedule KEY
-  ``k_r = prf(seed, "loo-batch", r)`` (:func:`schedule_keys`): rows in key order;
-  per epoch ``e``, record ``r`` goes to mini-batch
-  ``mix64(k_r ^ prf(seed, "loo-epoch", e)) mod B``, ordered within the batch by
-  that hash (:func:`jobs.learners.networks.torch_nets.epoch_batches`). Two records of one
-  training set with the same key (a 64-bit collision) raise ``ValueError``;
-* ``B`` (the number of batches) is a hyper-parameter frozen from ``|D|`` of the
-  FULL set: ``B = max(1, ceil(|D| / batch_size))``. Removing a record therefore
-  removes it from one batch per epoch and moves no other record;
-* the loss of a batch is the MEAN cross-entropy over the batch's present
-  records: ``sum_{i present} CE_i / n_present``. A batch whose records are all
-  absent makes no optimiser step (no weight decay either) -- exactly like a
-  batch that is empty in the keyed schedule.
-
-N = T(D) and N_{-x} = T(D \\ {x}) with the same B: "retrain without x" is "the
-same schedule with x skipped". The LOO networks ARE the exactly-unlearned models.
-
-Mask normalisation (how "x skipped" is computed on CUDA)
---------------------------------------------------------
-Every network sees the same padded batch matrix; network ``m`` multiplies the
-per-row loss gradient by ``w_{m,i} = mask_{m,i} / max(1, sum_i mask_{m,i})``
-(``mask`` = 0 for the removed record, for tombstones and for padding rows). The
-count is an exact small integer in float32 and ``mask / count`` is one IEEE
-division, so the weights of the present rows are exactly ``1 / n_present`` --
-the mean above. A masked row's gradient is exactly zero, so its features never
-enter the weights (a single run may hold zeros in that slot: same bits).
-
-Why a network of the set equals its single run, bit for bit
------------------------------------------------------------
-On the CPU every network is trained by its own compiled loops
-(:func:`jobs.learners.networks.mlp_kernels.sgd_slots`: the same arithmetic in the same order
-whatever the number of networks; a skipped row is left out of the mean, which is what
-multiplying its gradient by an exact zero gives), so :func:`train_single` gets the
-same bits as slot ``i`` of :func:`train_loo` by construction; it is also several times
-faster than torch for these small networks. On CUDA the networks are stacked along a
-leading "slot" axis and trained with batched matrix products (``torch.bmm``) and
-element-wise ops; no op mixes slots. What can still make a slot's float32 result
-depend on how many slots there are and where it sits (the gemm kernels pick code
-paths by each matrix's 64-byte alignment; vectorised loops run tail elements through
-scalar code) is removed by construction: batch rows are padded to a multiple of
-``GRANULE`` = 32 floats (masked rows) and hidden widths to a multiple of
-``WIDTH_GRANULE`` = 16 floats (padded units have zero weights and stay exactly zero);
-one slot's parameters live in one flat row of ``P`` floats, each block starting at a
-multiple of 32, so the SGD step is a few element-wise IEEE operations on a (slots, P)
-matrix. The compiled CPU kernel uses the same padded layout and never touches the
-padding. ``tests/idp/test_loo.py`` checks every record of small sets, several chunk
-sizes. Bits are reproducible per device type (and torch build and GPU on CUDA, where
-slot independence of cuBLAS batched kernels is not verified here: compare with
-``train_single(..., device=...)`` before relying on it).
-
-Tombstones: records deleted earlier can stay in the schedule as always-masked
-zero rows (``tombstones=``), so that after deleting x the new training set's
-full network equals the old N_{-x} (T with tombstone x and the old B). A
-tombstone is given by its schedule key alone -- that is all the schedule needs
-of it -- so what is kept of a deleted record is a keyed hash, never its id
-or data.
-"""
+One masked, keyed schedule ``T`` (plain SGD, keyed batches, a batch count frozen from the
+full set, deleted records as tombstone keys) makes ``N_{-x}``, ``T`` on ``D`` without
+``x``, the exactly unlearned model, and every network of a set bit for bit its single run
+(own compiled loops on the CPU; padded, slot-independent batched kernels on CUDA).
+See docs/DESIGN.md (The masked leave-one-out schedule)."""
 
 from __future__ import annotations
 
@@ -92,7 +33,7 @@ from jobs.learners.networks.torch_nets import (
     torch_threads,
 )
 
-GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (module doc)
+GRANULE = 32  # floats; per-slot element-wise blocks are multiples of this (docs/DESIGN.md)
 WIDTH_GRANULE = 16  # floats (64 bytes); hidden widths are padded to a multiple of this
 # On CUDA every network trains in a batch of exactly this many slots (padded with copies):
 # cuBLAS picks its batched kernels by the batch count, and a network trained alone or in

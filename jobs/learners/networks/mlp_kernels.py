@@ -1,27 +1,9 @@
-"""Training of small ReLU MLPs on the CPU, compiled: :func:`train_mlp` (Adam) is what
-:func:`jobs.learners.networks.torch_nets.train_stage` runs for an
-:class:`~jobs.learners.networks.torch_nets.MLP` on
-the CPU, :func:`sgd_slots` what the leave-one-out schedule of
-:mod:`jobs.learners.networks.loo_training`
-(the sidecar's SISA shards) runs there.
-
-Why not torch there: the sidecar's networks are tiny (tens of inputs, one hidden layer of
-32) and their mini-batches small (32 rows), so a torch step is almost all per-call
-overhead (about 0.1 ms for a few thousand multiply-adds): a SISA shard of 3,200 records
-took 0.23 s to retrain, most of a deletion's latency. The same step in one compiled loop
-takes a fraction of that.
-
-The computation is torch's, in float32: per mini-batch the logits ``a W^T + b`` layer by
-layer with ReLU between, the mean softmax cross-entropy, its gradient by back-propagation
-(ReLU passes the gradient where its input is > 0; one helper for both), then plain SGD
-with weight decay (the LOO schedule) or Adam as torch implements it
-(``foreach=False``, no weight decay, no amsgrad): ``m = b1 m + (1 - b1) g``, ``v = b2 v
-+ (1 - b2) g^2``, ``p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)``. The
-bits differ from torch's (other summation orders); what matters for exact unlearning is
-that training is a function of the records and that every path (fit, delete, add,
-verify) runs the same kernel, which it does (a model records which one trained it:
-:data:`jobs.learners.networks.torch_nets.KERNELS`): deterministic loops, no threads.
-"""
+"""Training of small ReLU MLPs on the CPU, compiled: :func:`train_mlp` (Adam) for
+:func:`jobs.learners.networks.torch_nets.train_stage`, :func:`sgd_slots` for the leave-one-out
+schedule. The sidecar's networks are so small that a torch step is almost all per-call
+overhead; one compiled loop computes torch's float32 arithmetic (other bits), and a model
+records which kernel trained it so every path runs the same one.
+See docs/DESIGN.md (The masked leave-one-out schedule)."""
 
 from __future__ import annotations
 

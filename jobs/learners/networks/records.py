@@ -1,5 +1,6 @@
 """The live records a network learner keeps, as one table sorted by id: training and
-retraining read rows in that order, so a row's position is a function of the set."""
+retraining read rows in that order, so a row's position is a function of the set.
+See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,10 @@
 """Small torch networks and a training loop that is a function of the SET of records.
 
-Used by :mod:`jobs.learners.sisa.ensemble` (and meant for anyone who needs to reproduce
-one of its shard models, e.g. the guard's leave-one-out networks).
-
-What makes training a pure function of the set {(id, x, y)} (docs/DESIGN.md,
-"Training as a function of the SET of records"):
-
-* initialisation comes from a seed alone (:func:`init_net`, a CPU generator,
-  so the initial weights are the same bits on every device);
-* rows are always held sorted by record id, so a row's position is a function
-  of the set;
-* per epoch, a record's mini-batch is ``h mod B`` where ``h`` is a keyed
-  64-bit hash of (seed, stage key, epoch, record id) (:func:`epoch_batches`),
-  not a position in a shuffled list: removing a record removes it from one
-  batch per epoch and leaves every other record's batch unchanged (as long as
-  the number of batches ``B`` stays the same);
-* within a batch, records are taken in ``(h, id)`` order; empty batches are
-  skipped (no optimiser step);
-* float32, deterministic kernels (:func:`deterministic`), and the same code
-  path (same kernels, same shapes) for the served and the checked model.
-"""
+Used by SISA, the mlp and game learners and the attackers (and by anyone reproducing one of
+their networks): the seed alone initialises, rows are sorted by id, a record's batch per
+epoch is a keyed hash of (seed, stage, epoch, id) mod ``B``, and kernels and shapes are the
+same for the served and the checked model.
+See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
 

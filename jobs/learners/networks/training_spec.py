@@ -1,5 +1,6 @@
 """What a network learner's networks train under (:class:`TrainingSpec`): fixed at ``fit``,
-saved with the model, and part of what the trained bits depend on."""
+saved with the model, and part of what the trained bits depend on.
+See docs/DESIGN.md (Training as a function of the SET of records)."""
 
 from __future__ import annotations
 

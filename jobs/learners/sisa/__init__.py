@@ -1,1 +1,2 @@
-"""SISA: a sharded, sliced ensemble that forgets exactly (docs/learners.md, "SISA")."""
+"""SISA: a sharded, sliced ensemble that forgets exactly.
+See docs/learners.md (SISA)."""

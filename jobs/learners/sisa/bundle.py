@@ -1,6 +1,6 @@
-"""A SISA ensemble on disk: JSON metadata and one torch state file, no pickle; what is
-kept of a deleted record is its schedule keys (module docstring of
-:mod:`jobs.learners.sisa.ensemble`, "What the saved bundle stores per record")."""
+"""A SISA ensemble on disk: JSON metadata and one torch state file, no pickle; what is kept of
+a deleted record is its schedule keys.
+See docs/security.md (What each learner stores per record)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What makes a SISA ensemble checkable: content hashes of its shard networks and
-checkpoints, and verification (retrain from scratch, compare bit for bit)."""
+checkpoints, and verification (retrain from scratch, compare bit for bit).
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

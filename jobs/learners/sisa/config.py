@@ -1,6 +1,7 @@
 """The configuration a SISA ensemble is trained under (``config_``): the constructor's
 parameters with the schedule resolved and its defaults filled in. It is saved with the
-ensemble, and the bits depend on every entry."""
+ensemble, and the bits depend on every entry.
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

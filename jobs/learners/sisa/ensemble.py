@@ -1,151 +1,11 @@
 """SISA: a sharded, sliced ensemble of small torch networks that forgets exactly.
 
-The estimator is here (parameters, fit, prediction); what it holds once fitted is one
-:class:`jobs.learners.sisa.state.EnsembleState`, which the parts take: the keyed placement
-(:mod:`jobs.learners.sisa.placement`), how a shard trains
-(:mod:`jobs.learners.sisa.shard_training`), deletions and additions
-(:mod:`jobs.learners.sisa.updates`), hashes and ``verify``
-(:mod:`jobs.learners.sisa.checks`), saving and loading (:mod:`jobs.learners.sisa.bundle`).
-
-Guarantee: EXACT, and checkable bit for bit (docs/DESIGN.md, "Guarantees").
-
-The training set
-----------------
-The model is a deterministic function ``T(seed, hyperparameters, D)`` of the
-set ``D`` of live records, each a tuple ``(id, x, y, origin)`` with
-``origin`` = ``"fit"`` (present at :meth:`SISAEnsemble.fit`) or ``"add"``
-(arrived later through :meth:`SISAEnsemble.add`). Neither row positions nor
-arrival order enter ``T``:
-
-* shard of a record: ``prf(seed, "shard", id) mod S`` -- stable under any
-  additions and deletions (``sampling="partition"``, the default). With
-  ``sampling="independent"`` (Gupta et al., Alg. 2-3) a record joins each shard
-  ``s`` on its own, iff ``prf_uniform(seed, ("member", s), id) < shard_prob``: it
-  may sit in several shards or in none, a deletion retrains every shard holding
-  it, and an addition joins the shards its keyed draws pick;
-* slice of a record within its shard (``add_slice="last"``, the default):
-  ``prf(seed, "slice", id) mod R`` for ``origin="fit"``, and ``R - 1`` (the
-  shard's last slice) for ``origin="add"``. With ``add_slice="keyed"`` every
-  record uses the keyed slice, origin is irrelevant and ``T`` depends on the
-  set ``{(id, x, y)}`` alone (an addition then retrains from its keyed slice,
-  which costs more);
-* shard ``s`` starts from weights drawn from ``prf(seed, "init", s)`` alone;
-  how it trains is the ``schedule`` (below); the served model of shard ``s``
-  is its last checkpoint;
-* float32, deterministic kernels, a fixed CPU thread count (``cpu_threads``).
-
-Two training schedules
-----------------------
-``schedule="loo"`` (the default for ``model="mlp", n_slices=1``; the
-configuration the sidecar serves, where it is asked for whatever the slices):
-shard ``s`` is trained by the masked leave-one-out kernel of
-:mod:`jobs.learners.networks.loo_training` --
-:func:`jobs.learners.networks.loo_training.train_single` on the shard's
-live records with ``seed_s = prf(seed, "init", s)`` (the same
-initialisation), rows in the order of their schedule keys ``k = prf(seed_s,
-"loo-batch", id)``, per-epoch batch ``mix64(k ^ prf(seed_s, "loo-epoch", e))
-mod B``, ``B = max(1, ceil(n_s / batch_size))`` (``n_s`` the shard's live
-record count), plain SGD with ``lr`` and ``weight_decay``, ``E(B) =
-max(epochs_per_slice, ceil(min_steps / B))`` epochs (a function of ``B``, so of
-the live count, like ``B`` itself), the padded batched kernels. Records
-deleted since ``fit`` stay in the schedule of every shard that held them as
-TOMBSTONES (``tombstones_``: shard -> sorted uint64 schedule keys under that
-shard's seed; no id, features or label): always-masked rows at the key's
-place, in the batch the key hashes to. A tombstone contributes an exact zero
-to every sum, so it changes nothing arithmetically, but it keeps every other
-row where it was:
-the gemm kernels of some CPUs (seen on Sapphire Rapids, MKL, AVX-512) sum a
-batch's rows in an order that depends on row positions, so "x masked in
-place" and "x removed, later rows moved up" can differ in the last bits.
-With tombstones the shard network is bit for bit the base network ``N`` of
-``train_loo`` on the shard's records with those arguments
-(:meth:`SISAEnsemble.shard_training_args`, which carries the shard's
-tombstones), and ``train_loo``'s ``N_{-x}`` with ``B = ceil((n_s - 1) /
-batch_size)`` is bit for bit the shard after ``delete([x])``, on any CPU:
-that is what lets :func:`jobs.guard.lucid.shard_bounds.shard_bounds` compute
-per-shard LUCID bounds for the SERVED ensemble. A later ``add`` of a
-tombstoned id removes its tombstones (its keys are recomputed from the id);
-``fit`` starts with none.
-
-Sliced, under ``schedule="loo"`` (ask for it; the sidecar does): stage ``r`` is
-that same ``train_single`` run on the live records of slices ``0..r`` and the
-tombstones of records deleted from those slices (``tombstone_slices_``, aligned
-with ``tombstones_``: a deleted record's slice), ``B`` and ``E(B)`` from the
-stage's live count, starting from the checkpoint after stage ``r - 1`` (stage 0:
-the seed's weights), its epochs numbered from ``r * STAGE_EPOCH_STRIDE`` (so
-every stage's batches are keyed apart; one slice: from 0). A deletion from slice
-``j`` keeps checkpoints ``0..j-1`` as for Adam stages, and the shard's
-single-deletion models are what :func:`jobs.guard.lucid.shard_bounds.ensemble_loo_set`
-trains stage by stage, so sliced shards get per-shard bounds too. A re-added
-record's tombstone leaves the stages from its old slice on, so its shard
-retrains from there.
-
-``schedule="adam"`` (the default otherwise: sliced ensembles, the CNN): stage
-``r = 0 .. R-1`` trains on the union of slices ``0..r`` for ``E(B)`` epochs
-(as above, ``B`` the stage's batch count), starting from the checkpoint after
-stage ``r - 1``, with a fresh Adam optimiser (``lr``; no weight decay); a checkpoint
-(state dict) is kept after every stage; within a stage, epoch ``e``: a
-record's mini-batch is a keyed hash of ``(seed, s, r, e, id)`` mod ``B``,
-``B = max(1, ceil(n / batch_size))`` with ``n`` the stage's record count;
-records within a batch in key order; empty batches are skipped (see
-:mod:`jobs.learners.networks.torch_nets`). Such ensembles are exact and verifiable too, but
-per-shard bounds need the ``"loo"`` schedule; the guard serves them with the
-bound-free vote rule (every shard fragile).
-
-What "retrain from scratch" means
----------------------------------
-Computing ``T`` on the live set: every shard re-initialised from the seed and
-every stage retrained, using each live record's recorded origin (hence its
-slice: the keyed slice, or the last slice for records that arrived by
-``add``) and, under ``schedule="loo"``, the shards' tombstone keys.
-:meth:`SISAEnsemble.verify` does exactly that and compares every checkpoint
-and the served weights bit for bit. When no record was ever added (or
-``add_slice="keyed"``) and none deleted under ``schedule="loo"``, this is the
-same as ``SISAEnsemble(**params).fit`` on the live records (with their ids).
-
-Why updates equal the retrain
------------------------------
-Stage ``r`` of shard ``s`` depends only on the checkpoint after stage ``r-1``
-and on the records of shard ``s`` in slices ``0..r``. Deleting a record of
-slice ``r`` therefore leaves shard ``s``'s checkpoints ``0..r-1`` and all
-other shards untouched, and retraining stages ``r..R-1`` from checkpoint
-``r-1`` is the same computation, on the same inputs, as the from-scratch
-retrain. An addition lands in slice ``R-1`` (``"last"``), so only stage
-``R-1`` of its shard changes: the update retrains that stage from checkpoint
-``R-2``; the from-scratch retrain puts the record in the same slice because
-its origin is part of the set. The price of the "add to the last slice" rule
-is that ``T`` depends on origin: re-``fit`` ting the live records as if all
-were present from the start would assign the added ones keyed slices and give
-different (equally valid) weights.
-
-Empty shards
-------------
-A shard without live records keeps its seed-only initial weights (all its
-checkpoints equal the initialisation) and is EXCLUDED from the vote/mean; it
-still appears in :meth:`SISAEnsemble.shard_logits` and in the content hash,
-and :attr:`SISAEnsemble.active_shards_` says which shards vote. With no active
-shard at all, :meth:`scores` is all zeros (vote) or uniform (mean) and
-:meth:`predict` returns ``classes_[0]``. Note for the guard: deleting the last
-record of a shard removes that shard's vote (``v - e_a``) instead of moving it.
-
-Limits of the bit-for-bit claim
--------------------------------
-Bits are reproducible on the same device type, torch build and CPU thread
-count (``cpu_threads``, fixed during training and inference on CPU). A model
-saved on one device type and updated on another is still a correct model of
-the live set, but its checkpoints then mix platforms and ``verify`` would
-report a mismatch; :meth:`SISAEnsemble.load` warns when that can happen.
-
-What the saved bundle stores per record
----------------------------------------
-A live record: its id, features, label and origin (updates and ``verify``
-need them). A deleted record: nothing but, under ``schedule="loo"``, its
-schedule key in each shard that held it -- a 64-bit keyed hash of its id
-under that shard's seed; no id, features or label anywhere in the bundle.
-Someone holding the model files (the seed included) who can enumerate
-candidate ids can test whether one of them was deleted from the model; the
-ledger names deleted ids anyway.
-"""
+The estimator (parameters, fit, prediction). The model is a deterministic function of the
+set of live records, each placed by keyed functions of its id; a deletion retrains its
+shards from the earliest affected slice, and ``verify`` retrains everything and compares bit
+for bit. The fitted :class:`~jobs.learners.sisa.state.EnsembleState` is worked on by
+placement, shard_training, updates, checks and bundle.
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 
@@ -228,7 +88,7 @@ class SISAEnsemble(SpecClassifier):
         SGD weight decay of the ``"loo"`` schedule (``p <- p - lr (g + wd p)``);
         the ``"adam"`` schedule has none and ignores it.
     schedule : {"auto", "loo", "adam"}
-        How shards train (module docstring). ``"auto"``: ``"loo"`` for
+        How shards train (docs/learners.md). ``"auto"``: ``"loo"`` for
         ``model="mlp"`` with ``n_slices=1``, ``"adam"`` otherwise. ``"loo"`` (per-shard
         bounds possible, sliced or not) needs ``model="mlp"``.
     aggregation : {"vote", "mean"}
@@ -237,7 +97,7 @@ class SISAEnsemble(SpecClassifier):
     add_slice : {"last", "keyed"}
         Where :meth:`add` puts a record: the shard's last slice (cheap: one
         stage to retrain) or its keyed slice (training depends on the set of
-        (id, x, y) alone). See the module docstring.
+        (id, x, y) alone; docs/learners.md).
     classes : sequence or None
         All labels the model may ever see; ``None``: the labels present at fit.
         Adding a record with a label outside ``classes_`` raises ``ValueError``.

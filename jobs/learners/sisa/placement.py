@@ -1,7 +1,7 @@
 """Where a record goes in a SISA ensemble: its shards, its slice, its batch key, and what is
 kept of it as a tombstone. Every rule is keyed by (seed, id) alone, so placements are
-stable under any additions and deletions (module docstring of
-:mod:`jobs.learners.sisa.ensemble`, "The training set")."""
+stable under any additions and deletions.
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""How a SISA shard trains (the module docstring of :mod:`jobs.learners.sisa.ensemble` states
-the schedules): the Adam stages, the masked LOO schedule stage by stage, and what a caller
-needs to reproduce a shard outside the ensemble (the guard's LOO sets)."""
+"""How a SISA shard trains: the Adam stages, the masked LOO schedule stage by stage, and what
+a caller needs to reproduce a shard outside the ensemble (the guard's LOO sets).
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

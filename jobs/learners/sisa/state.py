@@ -1,7 +1,8 @@
 """A fitted SISA ensemble as one object (:class:`EnsembleState`): what every shard trains
 under, the live records with their keyed placement, the deleted records' tombstones, the
 checkpoints and the served networks. Shard training, updates, checks and the bundle take it
-and read its fields; an update makes a new one."""
+and read its fields; an update makes a new one.
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Deletions and additions of a SISA ensemble: each affected shard retrains from its earliest
-affected slice, every other checkpoint is kept ("Why updates equal the retrain" in
-:mod:`jobs.learners.sisa.ensemble`). Each update returns a new state; the old one is left
-as it was, so a refused request changes nothing."""
+affected slice, every other checkpoint is kept. Each update returns a new state; the old
+one is left as it was, so a refused request changes nothing.
+See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 

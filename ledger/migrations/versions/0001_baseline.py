@@ -1,12 +1,8 @@
-"""The schema before migrations existed (commit ff838b8): ten tables.
-
-Creates whichever of them are missing, so a database made by that code's
-``create_all`` calls (which created only the tables each process imported) and an
-empty database both leave this revision with all ten.
+"""The schema before migrations existed (commit ff838b8): ten tables, each created if missing,
+so a database made by that code's ``create_all`` calls and an empty one both end with all ten.
 
 Revision ID: 0001_baseline
-Revises:
-"""
+Revises:"""
 
 from __future__ import annotations
 

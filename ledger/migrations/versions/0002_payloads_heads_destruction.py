@@ -1,16 +1,10 @@
-"""Records apart from their data, purge maintenance, signed heads, version destruction.
-
-- ``record_payloads`` takes the raw features and label out of ``training_records``
-  (copied for records not purged, the two columns dropped) and purge maintenance
-  (``purge_maintenance``) is asked for one rewrite of ``training_records``, which
-  takes out what purges under the old schema left in dead tuples or free space;
-- ``signed_heads``: tree heads signed with the key kept outside the database;
-- the registry's ``model_versions`` gains ``superseded_by_deletion`` and
-  ``destroyed_at``; ``model_version_counters`` and ``version_keys`` are new.
+"""Records apart from their data, purge maintenance, signed heads, version destruction:
+``record_payloads`` takes the raw features and label out of ``training_records`` (one
+rewrite of it asked of purge maintenance), ``signed_heads``, and the registry's
+destruction columns, ``model_version_counters`` and ``version_keys``.
 
 Revision ID: 0002_payloads_heads_destruction
-Revises: 0001_baseline
-"""
+Revises: 0001_baseline"""
 
 from __future__ import annotations
 

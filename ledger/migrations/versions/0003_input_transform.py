@@ -1,14 +1,9 @@
-"""The input transform fitted at `ledger init`: per feature its name, min and max.
-
-``dataset_schema.transform`` holds ``{"kind": "min-max", "features": [{"name", "min",
-"max"}, ...]}``: a raw value x becomes (x - min) / (max - min) in the model's input
-space (0 for a constant feature). Ledgers from before it stored features already
-scaled to [0, 1] and did not keep the scaling, so their row gets the identity (min 0,
-max 1, names x0, x1, ...): their clients keep sending what they sent before.
+"""The input transform fitted at `ledger init`: per feature its name, min and max
+(``dataset_schema.transform``, x -> (x - min) / (max - min)); a ledger from before it gets
+the identity, so its clients keep sending what they sent.
 
 Revision ID: 0003_input_transform
-Revises: 0002_payloads_heads_destruction
-"""
+Revises: 0002_payloads_heads_destruction"""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Keys out of the database: ``sealed_payloads``, and ``version_keys`` moved to the key store.
-
-- ``sealed_payloads`` holds an added record's features and label encrypted under a
-  key of its own, kept in the key store (:mod:`ledger.sealed_payloads`);
-- the model versions' sealing keys leave ``version_keys`` for the key store
-  (:mod:`ledger.keystore`), and the table is dropped: a key in the database lives on
-  in its WAL, archives and backups after the version is destroyed. The keys are
-  written to the key store (synced) before the table is dropped in this transaction,
-  so a failure leaves them in both places, never in neither. What the dropped table
-  held stays in the WAL written before this revision: see docs/DESIGN.md.
+"""Keys out of the database: ``sealed_payloads``, and ``version_keys`` moved to the key store
+(written and synced before the table is dropped in this transaction, so a failure leaves
+the keys in both places, never in neither). See docs/security.md (Crypto-shredding).
 
 Revision ID: 0004_key_store
-Revises: 0003_input_transform
-"""
+Revises: 0003_input_transform"""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Alembic revisions of the schema, one file each, applied in order by ledger.migrations."""
