@@ -68,8 +68,11 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
                         "and fingerprints, and hold the tables to what the events say")
     p.set_defaults(func=cmd_verify, verify_checks=tuple(verify_checks))
 
-    p = lsub.add_parser("show", help="a request's history with inclusion proofs")
+    p = lsub.add_parser("show", help="a request's history: its events, each with an "
+                        "inclusion proof")
     p.add_argument("request_id")
+    p.add_argument("--json", action="store_true", help="the full document: payloads, "
+                   "inclusion proofs, the signed tree head")
     p.set_defaults(func=cmd_show)
 
     p = lsub.add_parser("forgotten", help="what a deletion removed, when, and from which "
@@ -285,7 +288,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     except KeyError as exc:
         print(exc.args[0], file=sys.stderr)
         return 1
-    print(json.dumps(history, indent=2, default=str))
+    if args.json:
+        print(json.dumps(history, indent=2, default=str))
+        return 0
+    from ledger.history_text import render_history
+
+    print("\n".join(render_history(history)))
     return 0
 
 

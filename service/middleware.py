@@ -158,8 +158,10 @@ def _one_shape(body: bytes, status: int, scope: Scope) -> bytes:
         return json.dumps({"error": _plain_error(body, status, scope)}).encode()
     if isinstance(doc, list) and len(doc) == 1 and isinstance(doc[0], dict):
         doc = doc[0]
-    if not isinstance(doc, dict) or set(doc) - {"error", "detail"} or "error" not in doc:
+    if not isinstance(doc, dict) or "error" not in doc:
         return json.dumps({"error": _plain_error(body, status, scope)}).encode()
+    if set(doc) - {"error", "detail"}:  # an intake rejection's status and reason: kept
+        return body
     parts = [str(doc["error"])]
     for d in doc.get("detail") or ():
         if isinstance(d, dict):
