@@ -1,23 +1,11 @@
-"""Version directories in a model store, written and removed by several processes.
+"""Version directories in the model store, written and removed by several processes.
 
-The store is ``OBLIVIATE_MODEL_STORE`` (default ``.obliviate/models``, beside the
-ledger's other state); each ledger keeps its versions under its own identity there
-(``<store>/<ledger id>/<name>/<version>``, the id of :class:`ledger.keystore.LedgerKeys`),
-so two ledgers never share a tag and starting over starts empty. ``bentoml`` keeps the
-old place, ``$BENTOML_HOME/models``, shared by every ledger. See docs/operations.md.
-
-BentoML's own store is not safe for several writers: it creates an item in place
-(another process listing the store meanwhile meets a directory without
-``model.yaml`` and fails), and deleting one item re-reads every other. Workers on
-several hosts share one store, so here a version is written into a staging
-directory beside the store (a BentoML store of its own, so its ``model.yaml`` is
-BentoML's) and renamed into place whole, and a removal renames it out of the
-store before deleting it. A writer holds the lock of its staging directory, and of
-the temporary directory BentoML fills first (``bentoml-model-<name>-*`` in the
-system's temporary directory), until both are removed; a writer killed mid-save
-leaves them to the next :meth:`VersionStore.remove_leftovers`
-(:mod:`jobs.orchestration.leftovers`). Readers only ever see complete versions; the
-``latest`` pointer BentoML keeps per model name names the highest version present.
+The store is ``OBLIVIATE_MODEL_STORE`` (``.obliviate/models``), each ledger's versions
+under its identity, so ledgers never share a tag (``bentoml``: ``$BENTOML_HOME/models``).
+BentoML's own store is not safe for several writers, so a version is written into a
+staging directory and renamed into place whole, and removed by renaming it out first;
+leftovers of a killed writer go at the next start (:mod:`jobs.orchestration.leftovers`).
+See docs/operations.md ("The model store") and docs/security.md.
 """
 
 from __future__ import annotations
