@@ -68,8 +68,11 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
                         "and fingerprints, and hold the tables to what the events say")
     p.set_defaults(func=cmd_verify, verify_checks=tuple(verify_checks))
 
-    p = lsub.add_parser("show", help="a request's history with inclusion proofs")
+    p = lsub.add_parser("show", help="a request's history: its events, each with an "
+                        "inclusion proof")
     p.add_argument("request_id")
+    p.add_argument("--json", action="store_true", help="the full document: payloads, "
+                   "inclusion proofs, the signed tree head")
     p.set_defaults(func=cmd_show)
 
     p = lsub.add_parser("forgotten", help="what a deletion removed, when, and from which "
@@ -285,7 +288,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     except KeyError as exc:
         print(exc.args[0], file=sys.stderr)
         return 1
-    print(json.dumps(history, indent=2, default=str))
+    if args.json:
+        print(json.dumps(history, indent=2, default=str))
+        return 0
+    from ledger.history_text import render_history
+
+    print("\n".join(render_history(history)))
     return 0
 
 
@@ -445,24 +453,33 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_long_running(args: argparse.Namespace, default_metrics_port: int) -> None:
-    """Logging, and the Prometheus endpoint (`--metrics-port`, 0 for none), of a daemon."""
+def start_long_running(args: argparse.Namespace, default_metrics_port: int,
+                       port_setting: str) -> None:
+    """Logging, and the Prometheus endpoint (`--metrics-port`, else the setting
+    `port_setting`; 0 for none) of a daemon, on OBLIVIATE_METRICS_HOST; ValueError naming
+    the port and the setting when it cannot listen there."""
     from prometheus_client import start_http_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     port = default_metrics_port if args.metrics_port is None else args.metrics_port
+    host = settings_from(args).metrics_host
     if port:
-        start_http_server(port)
+        try:
+            start_http_server(port, addr=host)
+        except OSError as exc:
+            raise ValueError(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}): "
+                             f"pick another --metrics-port or {port_setting} (0 turns them "
+                             "off)") from None
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
     from ledger.consumer import RequestConsumer, ensure_topics
 
     s = settings_from(args)
-    start_long_running(args, s.consumer_metrics_port)
+    start_long_running(args, s.consumer_metrics_port, "OBLIVIATE_CONSUMER_METRICS_PORT")
+    ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
     ledger = s.open_ledger()
     log.info("%s", ledger.schema_upgrade.describe())  # the migrations ran as it opened
-    ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
     consumer = RequestConsumer(ledger, s.kafka_bootstrap, s.requests_topic,
                                s.dead_letter_topic, group_id=args.group or s.consumer_group,
                                batch_size=args.batch_size)

@@ -53,6 +53,9 @@ class LedgerSettings(EnvSettings):
     # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
     purge_maintenance_s: float | None = None
     consumer_metrics_port: int = 9102  # `obliviate consume` serves its metrics here
+    # where the worker's and the consumer's metrics listen: this machine only, unless a
+    # deployment's Prometheus scrapes them from elsewhere (the deploy files: 0.0.0.0)
+    metrics_host: str = "127.0.0.1"
 
     def topic_configs(self) -> dict[str, dict[str, str]]:
         """Retention settings of the requests and dead-letter topics, when created here."""

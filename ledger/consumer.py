@@ -48,14 +48,36 @@ _RECORD_OVERHEAD = 512
 _MAX_REASON_BYTES = 4096
 _FLUSH_TIMEOUT_S = 30.0
 LetterKey = tuple[str | None, int | None, int | None]
+# how long the first contact with the broker may take before the command gives up
+# (kafka-python waits 30 s, then raises a traceback's worth of KafkaTimeoutError)
+BOOTSTRAP_TIMEOUT_S = 5.0
+
+
+class BrokerUnreachable(ConnectionError):
+    """No Kafka broker answered at the bootstrap address: the message names it and the
+    setting that gives it."""
 
 
 def ensure_topics(bootstrap: str, topics: list[str], partitions: int = 1,
-                  configs: dict[str, dict[str, str]] | None = None) -> None:
+                  configs: dict[str, dict[str, str]] | None = None,
+                  timeout_s: float = BOOTSTRAP_TIMEOUT_S) -> None:
     """Create the topics if they do not exist yet (with `configs[topic]` when given; an
-    existing topic keeps its own settings)."""
+    existing topic keeps its own settings). BrokerUnreachable after `timeout_s` without
+    an answer: this is every command's first contact with the broker."""
     configs = configs or {}
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="obliviate-admin")
+    kafka_log = logging.getLogger("kafka")
+    level = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)  # its retries are said below, in one line
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="obliviate-admin",
+                                 bootstrap_timeout_ms=int(timeout_s * 1000))
+    except KafkaError as exc:
+        raise BrokerUnreachable(
+            f"cannot reach a Kafka broker at {bootstrap} (no answer in {timeout_s:g} s: "
+            f"{type(exc).__name__}); check --bootstrap or OBLIVIATE_KAFKA_BOOTSTRAP and that "
+            "the broker is running") from None
+    finally:
+        kafka_log.setLevel(level)
     try:
         existing = set(admin.list_topics())
         new = [NewTopic(t, partitions, 1, topic_configs=configs.get(t, {}))

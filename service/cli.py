@@ -46,16 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="serving processes (env OBLIVIATE_SERVICE_WORKERS, default 1)")
     p.set_defaults(func=_serve)
-    p = sub.add_parser("demo", help="run the whole flow on embedded defaults")
+    p = sub.add_parser("build", help="build the Bento (bentofile.yaml) holding the current "
+                       "model version of this ledger")
+    p.add_argument("--bentofile", default="bentofile.yaml", metavar="FILE")
+    p.set_defaults(func=_build)
+    p = sub.add_parser("demo", help="run the whole flow on embedded defaults (its own "
+                       "ledger and broker in --workdir)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--dataset", default="breast_cancer")
-    p.add_argument("--workdir", default="demo-output")
+    p.add_argument("--workdir", default="demo-output",
+                   help="where the demo keeps its state; emptied first if a previous "
+                        "demo's, refused if anything else is in it (default demo-output)")
     p.add_argument("--learner", choices=["dare", "mlp", "sisa"], default="dare")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
     p.add_argument("--params", default="{}",
                    help='the learner\'s hyperparameters as a JSON object (e.g. sliced SISA '
                         'shards: \'{"n_slices": 3}\')')
-    p.set_defaults(func=_demo)
+    p.set_defaults(func=_demo, own_connections=True)
     _connection_options_everywhere(parser)
     return parser
 
@@ -63,14 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _connection_options_everywhere(parser: argparse.ArgumentParser) -> None:
     """`--db`, `--bootstrap` and `--topic` after the subcommand too (`obliviate ledger
     verify --db URL`): each command parser gets them with no default of its own, so a
-    value given before the subcommand stands unless the command repeats it."""
+    value given before the subcommand stands unless the command repeats it. A command
+    that makes its own (`demo`, `own_connections`) is not offered them."""
     for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers only here
         if not isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
             continue
         for sub in dict.fromkeys(action.choices.values()):
             if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):  # noqa: SLF001
                 _connection_options_everywhere(sub)
-            else:
+            elif not sub.get_default("own_connections"):
                 ledger_cli.add_connection_options(sub, default=argparse.SUPPRESS)
 
 
@@ -98,7 +106,24 @@ def _serve(args: argparse.Namespace) -> int:
     os.execv(bentoml, [bentoml, "serve", SERVICE, "--host", args.host, "--port", str(args.port)])
 
 
+def _build(args: argparse.Namespace) -> int:
+    from jobs.orchestration.job_settings import JobSettings
+    from service.bento_build import build_bento
+
+    ledger = ledger_cli.open_ledger(args, sign=False)
+    tag, model = build_bento(ledger, JobSettings.from_env().model_name,
+                             Path(args.bentofile))
+    held = (f"holding model version {model}" if model else "with no model version (none "
+            "is published yet: the service loads versions from OBLIVIATE_MODEL_STORE)")
+    print(f"built Bento {tag} {held}; then `bentoml containerize {tag}`")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    given = [f"--{k}" for k in ("db", "bootstrap", "topic") if getattr(args, k, None)]
+    if given:
+        raise ValueError(f"the demo runs its own ledger and broker in --workdir: "
+                         f"{', '.join(given)} is not used; leave it out")
     from service.demo.walkthrough import run_demo
 
     return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate,
@@ -114,8 +139,22 @@ def database_error(exc: BaseException, url: str | None) -> str | None:
     reason = next((line.strip() for line in str(inner).splitlines() if line.strip()),
                   type(inner).__name__)
     where = _safe_url(url) if url else "the ledger database"
+    if "does not exist" in reason and url:
+        reason = reason.split("FATAL:")[-1].strip()
+        return (f"cannot use {where}: {reason[:300]}; create it ({_createdb(url)}) or fix "
+                "the name in --db or OBLIVIATE_DATABASE_URL")
     return (f"cannot use {where}: {reason[:300]}; check --db or OBLIVIATE_DATABASE_URL and "
             "that the database server is running")
+
+
+def _createdb(url: str) -> str:
+    """The command that creates the database `url` names, on its server."""
+    from sqlalchemy import make_url
+
+    u = make_url(url)
+    opts = [f"-h {u.host}" if u.host else "", f"-p {u.port}" if u.port else "",
+            f"-U {u.username}" if u.username else ""]
+    return f"`createdb {' '.join(o for o in [*opts, u.database or ''] if o)}`"
 
 
 def _safe_url(url: str) -> str:
@@ -143,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         message = database_error(exc, url or _default_url())
         if message is not None:
             print(f"obliviate: error: {message}", file=sys.stderr)
+            return 1
+        if isinstance(exc, ConnectionError):  # a broker (or other server) that is not there
+            print(f"obliviate: error: {_first_line(exc)}", file=sys.stderr)
             return 1
         if isinstance(exc, ValueError | RuntimeError):
             print(f"obliviate: error: {_first_line(exc)}", file=sys.stderr)

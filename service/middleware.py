@@ -1,7 +1,7 @@
-"""ASGI middleware around the whole service: request bodies within a limit, and every JSON
-error in one shape.
+"""ASGI middleware around the whole service: request bodies within a limit, JSON bodies
+declared as such, and every error in one shape (docs/sidecar.md, "Errors").
 
-Both run outside BentoML's app and the mounted one (:mod:`service.http_api`), so
+They run outside BentoML's app and the mounted one (:mod:`service.http_api`), so
 `/v1/predict`, whose body BentoML reads, gets the same treatment as the other endpoints.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -88,19 +89,20 @@ class BodyLimit:
 
 
 class ErrorShape:
-    """ASGI middleware: JSON error bodies of `paths` in the one shape, {"error": "..."}.
+    """ASGI middleware: every error answer (status >= 400), on every path, in the one
+    shape, ``{"error": "..."}`` with ``Content-Type: application/json``.
 
     BentoML answers an API's InvalidArgument with ``[{"error": ...}]`` and a pydantic
     validation error with ``{"error": ..., "detail": [...]}``; this folds the details
-    into the message (``loc: msg``) and unwraps the list. Other bodies pass unchanged.
+    into the message (``loc: msg``) and unwraps the list. Plain-text answers (Starlette's
+    404 and 405, BentoML's ``/readyz`` 503) become a message that says what to do.
     """
 
-    def __init__(self, app: ASGIApp, paths: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.paths = frozenset(paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start: Message | None = None
@@ -108,9 +110,7 @@ class ErrorShape:
 
         async def reshaping(message: Message) -> None:
             nonlocal start
-            if message["type"] == "http.response.start" and message["status"] >= 400 and \
-                    any(k.lower() == b"content-type" and v.startswith(b"application/json")
-                        for k, v in message.get("headers", [])):
+            if message["type"] == "http.response.start" and message["status"] >= 400:
                 start = message
                 return
             if start is None or message["type"] != "http.response.body":
@@ -119,24 +119,48 @@ class ErrorShape:
             chunks.append(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            body = _one_shape(b"".join(chunks))
+            body = _one_shape(b"".join(chunks), start["status"], scope)
             headers = [(k, v) for k, v in start.get("headers", [])
-                       if k.lower() != b"content-length"]
-            await send({**start, "headers": [*headers,
+                       if k.lower() not in (b"content-length", b"content-type")]
+            await send({**start, "headers": [*headers, (b"content-type", b"application/json"),
                                               (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, reshaping)
 
 
-def _one_shape(body: bytes) -> bytes:
+class JsonBody:
+    """ASGI middleware: a POST to `paths` whose body is not declared JSON gets 415 saying
+    to send ``Content-Type: application/json`` (BentoML would read it as a form, and
+    answer ``instances: Field required``)."""
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and \
+                scope["path"] in self.paths:
+            declared = dict(scope.get("headers") or ()).get(b"content-type", b"")
+            if declared.split(b";")[0].strip().lower() != b"application/json":
+                what = repr(declared.decode("latin-1")[:100]) if declared else "none"
+                await _send_error(send, 415, "send the body as JSON with the header "
+                                             "'Content-Type: application/json' (got "
+                                             f"{what})")
+                return
+        await self.app(scope, receive, send)
+
+
+def _one_shape(body: bytes, status: int, scope: Scope) -> bytes:
     try:
         doc = json.loads(body)
     except ValueError:
-        return body
+        return json.dumps({"error": _plain_error(body, status, scope)}).encode()
     if isinstance(doc, list) and len(doc) == 1 and isinstance(doc[0], dict):
         doc = doc[0]
-    if not isinstance(doc, dict) or set(doc) - {"error", "detail"} or "error" not in doc:
+    if not isinstance(doc, dict) or "error" not in doc:
+        return json.dumps({"error": _plain_error(body, status, scope)}).encode()
+    if set(doc) - {"error", "detail"}:  # an intake rejection's status and reason: kept
         return body
     parts = [str(doc["error"])]
     for d in doc.get("detail") or ():
@@ -144,3 +168,17 @@ def _one_shape(body: bytes) -> bytes:
             loc = ".".join(map(str, d.get("loc") or ()))
             parts.append(f"{loc}: {d.get('msg')}" if loc else str(d.get("msg")))
     return json.dumps({"error": "; ".join(parts)}).encode()
+
+
+def _plain_error(body: bytes, status: int, scope: Scope) -> str:
+    """What a non-JSON error answer says, in words a client can act on."""
+    path, method = scope.get("path", ""), scope.get("method", "")
+    if status == 404:
+        return f"no endpoint at {path[:200]} (docs/sidecar.md lists them)"
+    if status == 405:
+        return f"{method} is not allowed on {path[:200]}"
+    if status == 503 and path == "/readyz":
+        return ("not ready: no model version is loaded yet (publish one with `obliviate "
+                "model train` or `obliviate worker --train`)")
+    text = body.decode("utf-8", "replace").strip()
+    return text[:500] or HTTPStatus(status).phrase

@@ -31,7 +31,7 @@ from jobs.orchestration.registry import Registry
 from ledger.config import LedgerSettings
 from ledger.transform import InputTransform
 from service.http_api import AppContext, build_app
-from service.middleware import BodyLimit, ErrorShape
+from service.middleware import BodyLimit, ErrorShape, JsonBody
 from service.model_holder import ModelHolder, NoModelError
 from service.route_templates import template_paths
 from service.service_metrics import LedgerCollector
@@ -201,6 +201,8 @@ class Obliviate:
 
 
 # Outermost first: the body limit before anything reads the body (every path; the mounted
-# app's own are 1 MiB), then BentoML's error bodies of /v1/predict in the one shape.
+# app's own are 1 MiB), a JSON body declared as JSON, then every error (BentoML's and
+# Starlette's included) in the one shape.
 Obliviate.add_asgi_middleware(BodyLimit, limits={"/v1/predict": PREDICT_MAX_BODY_BYTES})
-Obliviate.add_asgi_middleware(ErrorShape, paths=("/v1/predict",))
+Obliviate.add_asgi_middleware(JsonBody, paths=("/v1/predict",))
+Obliviate.add_asgi_middleware(ErrorShape)

@@ -17,6 +17,8 @@ from ledger.store import Ledger
 # BentoML reads its home once per process: give the test session its own model store.
 os.environ.setdefault("BENTOML_DO_NOT_TRACK", "true")
 os.environ.setdefault("BENTOML_HOME", tempfile.mkdtemp(prefix="obliviate-bentoml-"))
+# and its own model store (OBLIVIATE_MODEL_STORE: ledgers share it under their identities)
+os.environ.setdefault("OBLIVIATE_MODEL_STORE", tempfile.mkdtemp(prefix="obliviate-models-"))
 # and its own key store (ledgers share it: each keeps its keys under its own identity)
 os.environ.setdefault("OBLIVIATE_KEY_STORE_DIR", tempfile.mkdtemp(prefix="obliviate-keys-"))
 

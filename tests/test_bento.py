@@ -1,7 +1,7 @@
-"""`bentoml build` makes a real Bento of the service, which is complete and serves.
+"""`obliviate build` makes a real Bento of the service, which is complete and serves.
 
 One Bento is built for the module (the repository's bentofile.yaml, a temporary
-BENTOML_HOME, a small SISA version). It is held to two things:
+BENTOML_HOME and model store, a small SISA version). It is held to three things:
 
 - its own sources are complete: a fresh interpreter that sees the Bento's `src` and
   the third-party packages, but not the project (``python -S``: no ``.pth`` file runs,
@@ -9,7 +9,9 @@ BENTOML_HOME, a small SISA version). It is held to two things:
   ledger (running the migrations from the Bento's own files) and every module of the
   three packages, each from `src`;
 - it serves: exported, imported into another home, `bentoml serve` answers a guarded
-  prediction with raw features.
+  prediction with raw features (its own copy of the version, the model store empty);
+- it holds this ledger's current version, under a tag naming the ledger (BentoML's
+  own store is every ledger's: another ledger's v000001 is not this one).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Built:
 def bento(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     tmp = tmp_path_factory.mktemp("bento")
     env = {"BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
+           "OBLIVIATE_MODEL_STORE": str(tmp / "models"),
            "OBLIVIATE_DATABASE_URL": f"sqlite:///{tmp / 'ledger.db'}",
            "OBLIVIATE_HMAC_KEY_FILE": str(tmp / "hmac.key"),
            "OBLIVIATE_LEDGER_SIGNING_KEY_FILE": str(tmp / "signing.key"),
@@ -78,7 +81,7 @@ def bento(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     built.run(*obliviate, "ledger", "init", "--dataset", "breast_cancer")
     built.run(*obliviate, "model", "train", "--learner", "sisa",
               "--params", '{"n_shards": 3, "epochs_per_slice": 5}')
-    built.run(BENTOML, "build", "--output", "tag")  # the repository's bentofile.yaml
+    built.run(*obliviate, "build")  # the repository's bentofile.yaml
     bentos = tmp / "bentoml" / "bentos" / "obliviate"
     [tag] = [p.name for p in bentos.iterdir() if p.name != "latest"]
     yield Built(tmp, env, tag)
@@ -137,15 +140,18 @@ print(json.dumps({{"ours": ours, "editable": any("editable" in n for n in sys.mo
 def test_the_built_bento_serves_a_guarded_prediction(bento: Built) -> None:
     # the Bento holds the code and the requirements, and names the current version
     info = yaml.safe_load((bento.path / "bento.yaml").read_text())
-    assert [m["tag"] for m in info["models"]] == ["obliviate:v000001"]
+    [tag] = [m["tag"] for m in info["models"]]
+    scope = next((bento.tmp / "models").glob("*/obliviate/v000001")).parent.parent.name
+    assert tag == f"obliviate:v000001-{scope}"
     assert (bento.path / "src" / "service" / "audit" / "index.html").exists()
     # ... and carries it: exported, then imported into a fresh home with no models
     bundle = bento.tmp / "obliviate.bento"
     bento.run(BENTOML, "export", f"obliviate:{bento.tag}", str(bundle))
-    env = {**bento.env, "BENTOML_HOME": str(bento.tmp / "elsewhere")}
+    env = {**bento.env, "BENTOML_HOME": str(bento.tmp / "elsewhere"),
+           "OBLIVIATE_MODEL_STORE": str(bento.tmp / "no-models")}
     bento.run(BENTOML, "import", str(bundle), env=env)
-    assert (bento.tmp / "elsewhere" / "models" / "obliviate" / "v000001" / "manifest.json"
-            ).exists()
+    assert (bento.tmp / "elsewhere" / "models" / "obliviate" / tag.split(":")[1] /
+            "manifest.json").exists()
 
     from ledger.datasets import load
 

@@ -37,7 +37,10 @@ def test_init_submit_show_export_verify(env: str, capsys) -> None:
                                          '"record_ids": ["zzz"]}')
     assert code == 2 and "unknown record" in json.loads(out)["reason"]
 
-    code, out, _ = run(capsys, "ledger", "show", "q1")
+    code, out, _ = run(capsys, "ledger", "show", "q1")  # a summary for a person
+    assert code == 0 and out.startswith("request q1: delete subject s001, received")
+    assert "received" in out.splitlines()[2] and "hash(es)" not in out.splitlines()[0]
+    code, out, _ = run(capsys, "ledger", "show", "q1", "--json")  # the document (issue 28)
     history = json.loads(out)
     head = history["tree_head"]
     [ev] = history["events"]

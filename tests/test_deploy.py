@@ -53,11 +53,12 @@ EXTRA_ENV = {
     "OBLIVIATE_WORKER_METRICS_PORT",    # worker: metrics port
     "OBLIVIATE_CONSUMER_METRICS_PORT",  # consumer: metrics port
     "OBLIVIATE_SERVICE_WORKERS",        # service.service: BentoML worker processes
-    "BENTOML_HOME",                     # BentoML's model store = the model registry
+    "BENTOML_HOME",                     # BentoML's home (a Bento's own, in the image)
     "BENTOML_DO_NOT_TRACK",             # BentoML usage tracking off
 }
 REQUIRED_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_KAFKA_BOOTSTRAP", "OBLIVIATE_HMAC_KEY_HEX",
-                "OBLIVIATE_ADMIN_TOKEN", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX", "BENTOML_HOME"}
+                "OBLIVIATE_ADMIN_TOKEN", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX",
+                "OBLIVIATE_MODEL_STORE"}
 # the ledger's one signing key among them: every process signs with it
 # (tests/test_signing_identity.py starts processes with this environment)
 SECRET_ENV = {"OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_ADMIN_TOKEN",
@@ -280,7 +281,7 @@ def test_compose_obliviate_service(name: str) -> None:
                          f"(OBLIVIATE_<FIELD>) nor EXTRA_ENV know: {unknown}")
     assert not REQUIRED_ENV - set(env), f"{name}: missing {sorted(REQUIRED_ENV - set(env))}"
     assert env["OBLIVIATE_KAFKA_BOOTSTRAP"] == "kafka:9092"
-    assert env["BENTOML_HOME"] == "/models"
+    assert env["OBLIVIATE_MODEL_STORE"] == "/models"
     url = env["OBLIVIATE_DATABASE_URL"]
     assert url.startswith("postgresql+psycopg://obliviate:")
     assert url.endswith("@postgres:5432/obliviate")
@@ -551,7 +552,7 @@ def test_k8s_service_targets_the_service_pods() -> None:
 
 
 @pytest.mark.parametrize(("setting", "claim", "users"), [
-    ("BENTOML_HOME", "obliviate-models", ("obliviate-service", "obliviate-worker")),
+    ("OBLIVIATE_MODEL_STORE", "obliviate-models", ("obliviate-service", "obliviate-worker")),
     ("OBLIVIATE_KEY_STORE_DIR", "obliviate-keys",
      ("obliviate-service", "obliviate-worker", "obliviate-consumer"))])
 def test_k8s_model_store_and_key_store_are_shared_rwx_volumes(setting: str, claim: str,

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from jobs.orchestration.model_store import VersionStore
 from jobs.orchestration.registry import Registry
 from ledger.config import LedgerSettings
 from ledger.datasets import load
@@ -103,9 +102,8 @@ def run_end_to_end(learner: str, workdir: Path, broker: LocalBroker, topics: tup
         try:
             # that version, from the registry (the sidecar's model store): without the
             # deleted records, with the added one, and exactly what retraining gives
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(VersionStore, "home", property(lambda _: sc.bentoml_home))
-                model = Registry(ledger.engine, "obliviate", ledger.keys).load(served)
+            model = Registry(ledger.engine, "obliviate", ledger.keys,
+                             store=sc.env["OBLIVIATE_MODEL_STORE"]).load(served)
             held = set(model.learner.record_ids_.tolist())
             assert held.isdisjoint(DELETED) and ADDED in held
             assert held == set(ledger.records.live().record_ids.tolist())

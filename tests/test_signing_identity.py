@@ -82,7 +82,7 @@ def deployment(source: str, db_url: str, tmp: Path) -> dict[str, str]:
     assert mounts(source) == {name: {"/keys", *(["/models"] if name != "consumer" else [])}
                               for name in SIGNING}
     # the test's database, model store and key store stand in for the deployment's
-    env.update(OBLIVIATE_DATABASE_URL=db_url, BENTOML_HOME=str(tmp / "models"),
+    env.update(OBLIVIATE_DATABASE_URL=db_url, OBLIVIATE_MODEL_STORE=str(tmp / "models"),
                OBLIVIATE_KEY_STORE_DIR=str(tmp / "keys"))
     return env
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ledger.config import STATE_DIR
 from ledger.env_settings import EnvSettings
 
 if TYPE_CHECKING:  # SciPy loads only with private mode, not with the command line
@@ -21,6 +22,9 @@ class JobSettings(EnvSettings):
     """What the worker trains and publishes, and under which guarantees it is served."""
 
     model_name: str = "obliviate"
+    # where versions' files go, each ledger's under its identity (jobs.orchestration.
+    # model_store); "bentoml": $BENTOML_HOME/models, where they went before
+    model_store: str = str(STATE_DIR / "models")
     learner: str = "dare"
     guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
     evaluate: str = "off"  # "on": the worker measures each deletion's privacy (jobs.eval)

@@ -107,7 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from jobs.orchestration.worker import worker_name
 
     s = JobSettings.from_env()
-    start_long_running(args, s.worker_metrics_port)
+    start_long_running(args, s.worker_metrics_port, "OBLIVIATE_WORKER_METRICS_PORT")
     worker = _worker(args, name=args.name or worker_name(), batch_window_s=args.batch_window,
                      max_batch=args.max_batch, verify_exactness=not args.no_verify,
                      guard_max_wait_s=args.guard_max_wait, guard_grow_s=args.guard_grow,

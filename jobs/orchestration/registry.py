@@ -1,7 +1,8 @@
 """The model registry: versions in BentoML's model store, the pointer in the ledger DB.
 
-A version's files (learner, fitted guard, ``manifest.json``) live in BentoML's
-model store under the tag ``<name>:v<seq>``.
+A version's files (learner, fitted guard, ``manifest.json``) live in the model
+store under the ledger's identity and the tag ``<name>:v<seq>``
+(:mod:`jobs.orchestration.model_store`).
 Which version is current is a row in the ledger database, so every process
 (workers, service replicas) agrees on it, and it moves in the same
 transaction as the ledger events that announce it. Publishing is a
@@ -33,6 +34,7 @@ from sqlalchemy import (
 from sqlmodel import Field, SQLModel
 
 from jobs import sealing
+from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.model_store import VersionStore
 from ledger import migrations
 from ledger.chain import canonical_json, iso, utc_now
@@ -129,13 +131,16 @@ class Registry:
     """Stores, publishes and loads model versions of one model name."""
 
     def __init__(self, engine: Engine, name: str = "obliviate",
-                 keys: LedgerKeys | None = None) -> None:
+                 keys: LedgerKeys | None = None, store: str | None = None) -> None:
         """`keys`: the ledger's key store (`Ledger.keys`; default: the store of
-        OBLIVIATE_KEY_STORE_DIR), where each version's sealing key is kept."""
+        OBLIVIATE_KEY_STORE_DIR), where each version's sealing key is kept; `store`: the
+        model store (default OBLIVIATE_MODEL_STORE), where its files are, under the
+        ledger's identity."""
         self.engine = engine
         self.name = name
-        self.store = VersionStore(name)
         self.keys = keys if keys is not None else LedgerKeys(engine)
+        self.store = VersionStore(name, store or JobSettings.from_env().model_store,
+                                  self.keys.scope)
         migrations.ensure(engine)  # its tables are in the ledger's migrations
 
     # ------------------------------------------------------------------ reading

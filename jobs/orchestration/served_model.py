@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -109,6 +110,11 @@ class ServedModel(abc.ABC):
         """Fit a new learner of `kind` on the records, and its guard unless told not to
         (then it answers in noise-all mode until a worker refits it)."""
         sub = _kind(kind)
+        valid = set(inspect.signature(sub.learner_cls).parameters)
+        unknown = sorted(set(params or {}) - valid)
+        if unknown:
+            raise ValueError(f"unknown parameter(s) of the {kind} learner: "
+                             f"{', '.join(map(repr, unknown))} (valid: {', '.join(sorted(valid))})")
         merged = {**DEFAULT_PARAMS[kind], "random_state": fresh_seed(), **(params or {})}
         for key in ("hidden", "attack_hidden"):
             if key in merged:

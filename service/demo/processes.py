@@ -95,6 +95,7 @@ def sidecar_env(workdir: Path, database_url: str, kafka_bootstrap: str | None = 
            "OBLIVIATE_LEDGER_SIGNING_KEY_FILE": str(workdir / "ledger-signing.key"),
            "OBLIVIATE_ADMIN_TOKEN_FILE": str(workdir / "admin.token"),
            "OBLIVIATE_KEY_STORE_DIR": str(workdir / "keys"),
+           "OBLIVIATE_MODEL_STORE": str(workdir / "models"),
            "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus")}
     if kafka_bootstrap is not None:

@@ -46,13 +46,12 @@ from service.service_settings import ServiceSettings
 
 FINAL = ("verified", "failed")
 DEMO_GRACE_S = 5.0
+DEMO_MARKER = ".obliviate-demo"  # in a work dir the demo made (and may empty again)
 
 
 def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
              rate: float = 50.0, params: dict[str, Any] | None = None) -> int:
-    work = Path(workdir).resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_workdir(Path(workdir))
     print(f"== Obliviate demo: data set {dataset!r}, learner {learner!r}, {n_requests} "
           f"requests at {rate:g}/s, state in {work}/")
     with LocalBroker(log_path=work / "tansu.log") as broker:
@@ -76,7 +75,8 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
         print(f"record store: {len(ds.record_ids)} records of {len(set(ds.subject_ids))} "
               f"subjects, {ds.X.shape[1]} features min-max scaled by ranges stored in the "
               "ledger (clients send raw values)")
-        registry = Registry(ledger.engine, JobSettings.from_env().model_name, ledger.keys)
+        registry = Registry(ledger.engine, JobSettings.from_env().model_name, ledger.keys,
+                            store=env["OBLIVIATE_MODEL_STORE"])
         first = Worker(ledger, registry).bootstrap(learner, params)
         print(f"model: {first} trained ({learner}) and guarded"
               + (" in noise-all mode until the worker's guard job has bounded it"
@@ -114,6 +114,23 @@ def run_demo(workdir: str, dataset: str, n_requests: int, learner: str = "dare",
           f"records = {current.manifest['training_set']['count'] if current else '-'} is "
           "the current version's training set: the live records only")
     return 0 if ok and not problems and not any(codes.values()) else 1
+
+
+def fresh_workdir(workdir: Path) -> Path:
+    """`workdir`, empty and marked as the demo's: a previous demo's is emptied; one that
+    holds anything else is refused (ValueError), so nothing the demo did not make is lost."""
+    work = workdir.resolve()
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--workdir {workdir} is a file, not a directory: pick another")
+    if work.is_dir() and any(work.iterdir()):
+        if not (work / DEMO_MARKER).is_file():
+            raise ValueError(f"--workdir {workdir} is not empty and not a previous demo's "
+                             f"(no {DEMO_MARKER} in it): pick another --workdir, or empty it")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / DEMO_MARKER).write_text("made by `obliviate demo`: the next demo empties "
+                                    "this directory\n")
+    return work
 
 
 def _stream(ledger: Ledger, s: LedgerSettings, ds: datasets.Dataset, n: int, rate: float,

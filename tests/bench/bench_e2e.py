@@ -146,6 +146,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
         env = sidecar_env(work, s.database_url, s.kafka_bootstrap, model_name=model_name)
         # BentoML reads its home once per process: every run here shares main()'s store
         env["BENTOML_HOME"] = os.environ["BENTOML_HOME"]
+        env["OBLIVIATE_MODEL_STORE"] = os.environ["OBLIVIATE_MODEL_STORE"]  # this one's too
         ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
         ds = datasets.load("synthetic", n_samples=n_records)
@@ -279,6 +280,7 @@ def main() -> int:
     n = args.requests or (200 if args.quick else 1000)
     n_records = args.records or (2000 if args.quick else max(16_000, n + 500))
     os.environ["BENTOML_HOME"] = tempfile.mkdtemp(prefix="bench-e2e-bentoml-")
+    os.environ["OBLIVIATE_MODEL_STORE"] = tempfile.mkdtemp(prefix="bench-e2e-models-")
     os.environ["BENTOML_DO_NOT_TRACK"] = "true"
     from jobs.orchestration.served_model import DEFAULT_PARAMS
     from ledger import datasets
