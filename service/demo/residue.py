@@ -154,7 +154,7 @@ class TraceScanner:
                         rid, f"raw row {np.dtype(dt).name}")
             for j, v in enumerate(values):
                 word = _word(v)
-                if word not in held and len(word) >= (5 if _is_number(v) else 4):
+                if v is not None and word not in held and len(word) >= (5 if _is_number(v) else 4):
                     self._word_hits[word.encode()] = (rid, f"raw[{j}] text")
         if not self._word_hits:
             return None
