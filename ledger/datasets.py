@@ -211,19 +211,14 @@ def _load(t: _Table, label_column: str, subject_column: str | None, id_column: s
         raise CsvError(f"{path}: no feature columns (every column is the label, subject "
                        "or id column)")
     cells = dict(zip(header, t.columns, strict=True))
-    codings = (transform.raw_columns if transform is not None
-               else [_fit(t, h, cells[h], subject_column, id_column, options)
-                     for h in features])
+    if transform is None:
+        fitted = [_fit(t, h, cells[h], subject_column, id_column, options) for h in features]
+        codings, parts = [c for c, _ in fitted], [e for _, e in fitted]
+    else:
+        codings, parts = list(transform.raw_columns), _encode(t, transform, cells)
     if [c.name for c in codings] != features:
         raise CsvError(f"{path}: the feature columns are {', '.join(features)}; the ledger's "
                        f"schema has {', '.join(c.name for c in codings)}")
-    markers = _markers(transform.na if transform is not None else options.na)
-    parts = []
-    for c in codings:
-        try:
-            parts.append(c.encode_cells(cells[c.name], markers))
-        except CellError as exc:
-            raise CsvError(f"{t.where(exc.row, c.name)}: {exc}") from None
     try:
         y, labels = fit_labels(cells[label_column],
                                transform.labels if transform is not None else None)
@@ -240,8 +235,21 @@ def _load(t: _Table, label_column: str, subject_column: str | None, id_column: s
     return from_raw(path.stem, E, y, records, subjects, transform=transform)
 
 
+def _encode(t: _Table, transform: InputTransform, cells: dict[str, Any]) -> list[np.ndarray]:
+    """The columns encoded by the codings an existing ledger stores."""
+    parts = []
+    for c in transform.raw_columns:
+        if c.name not in cells:
+            raise CsvError(f"{t.path}: no column {c.name!r}, which the ledger's schema has")
+        try:
+            parts.append(c.encode_cells(cells[c.name], _markers(transform.na)))
+        except CellError as exc:
+            raise CsvError(f"{t.where(exc.row, c.name)}: {exc}") from None
+    return parts
+
+
 def _fit(t: _Table, name: str, cells: Any, subject_column: str | None,
-         id_column: str | None, options: TableOptions) -> ColumnCoding:
+         id_column: str | None, options: TableOptions) -> tuple[ColumnCoding, np.ndarray]:
     """One feature column's coding, its kind declared or inferred (docs/tables.md)."""
     declared = ("categorical" if name in options.categorical
                 else "numeric" if name in options.numeric else None)

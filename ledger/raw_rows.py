@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.columns import CellError
+from ledger.columns import CellError, show_cell
 from ledger.transform import InputTransform
 
 
@@ -25,11 +25,11 @@ def encode_row(transform: InputTransform, row: Any, where: str) -> list[float]:
         names = [c.name for c in columns]
         unknown = [k for k in row if k not in set(names)]
         if unknown:
-            raise RowError(f"{where}: unknown column {_name(unknown[0])} (GET /v1/schema "
+            raise RowError(f"{where}: unknown column {show_cell(unknown[0])} (GET /v1/schema "
                            f"lists the columns: {_list(names)})")
         absent = [n for n in names if n not in row]
         if absent:
-            raise RowError(f"{where}: missing column {_name(absent[0])} (send null for a "
+            raise RowError(f"{where}: missing column {show_cell(absent[0])} (send null for a "
                            "missing value)")
         values = [row[n] for n in names]
     elif isinstance(row, list):
@@ -44,7 +44,7 @@ def encode_row(transform: InputTransform, row: Any, where: str) -> list[float]:
         try:
             out += column.encode(value, transform.na)
         except CellError as exc:
-            raise RowError(f"{where}, column {_name(column.name)}: {exc}") from None
+            raise RowError(f"{where}, column {show_cell(column.name)}: {exc}") from None
     return out
 
 
@@ -56,11 +56,6 @@ def label_code(transform: InputTransform, classes: list[int], label: Any) -> int
     if isinstance(label, bool) or not isinstance(label, int) or label not in classes:
         return None
     return label
-
-
-def _name(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _list(names: list[str], limit: int = 12) -> str:
