@@ -56,9 +56,10 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
     """Queries as an (n, d) float array in the model's input space, or InvalidArgument
     saying what is wrong.
 
-    One row (a list of numbers) or a batch (a list of rows). Raw features (`scaled`
-    False, the API's default) are finite numbers in each feature's own units: they
-    are scaled by `transform`, the one stored at `ledger init`, and clipped to [0, 1]
+    One row (a list of values) or a batch (a list of rows; a row may be an object keyed
+    by column name, docs/tables.md). Raw features (`scaled` False, the API's default)
+    are in each column's own units (categories as text): they are encoded and scaled
+    by `transform`, the one stored at `ledger init`, and clipped to [0, 1]
     (the guard answers in that box; a value beyond the initial table's range counts
     as its edge). Pre-scaled features (`scaled` True) must be finite numbers in
     [0, 1] already: a value outside it means the caller forgot to scale.
