@@ -9,9 +9,13 @@ capital-loss, hours-per-week, native-country*; * = a category coded 0..k-1 in no
 meaningful order) with their kind of skew, and a noisy logistic label with
 non-monotone effects (an age bump, per-category effects, a capital-gain threshold), so
 a linear model stays several points below a forest; about 76% of the labels are 0.
+:func:`census_export` is the same table as users download it: text categories, a
+text label, `?` for missing values, a record id and a person column. See docs/tables.md.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -55,3 +59,62 @@ def census_like(n: int = 32_560, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
     X = np.column_stack([age, workclass, fnlwgt, education, edu_num, marital, occupation, rel,
                          race, sex, gain, loss, hours, country]).astype(np.float64)
     return X, y
+
+
+# the text of each coded category, in code order (UCI Adult's names)
+CATEGORY_NAMES = {
+    "workclass": ("Private", "Self-emp-not-inc", "Local-gov", "State-gov", "Self-emp-inc",
+                  "Federal-gov", "Without-pay", "Never-worked"),
+    "education": ("Preschool", "1st-4th", "5th-6th", "7th-8th", "9th", "10th", "HS-grad",
+                  "Some-college", "11th", "12th", "Bachelors", "Assoc-voc", "Assoc-acdm",
+                  "Masters", "Prof-school", "Doctorate"),
+    "marital": ("Married-civ-spouse", "Never-married", "Divorced", "Separated", "Widowed",
+                "Married-spouse-absent", "Married-AF-spouse"),
+    "occupation": ("Prof-specialty", "Craft-repair", "Exec-managerial", "Adm-clerical",
+                   "Sales", "Other-service", "Machine-op-inspct", "Transport-moving",
+                   "Handlers-cleaners", "Farming-fishing", "Tech-support", "Protective-serv",
+                   "Priv-house-serv", "Armed-Forces"),
+    "relationship": ("Husband", "Not-in-family", "Own-child", "Unmarried", "Other-relative",
+                     "Wife"),
+    "race": ("White", "Black", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other"),
+    "sex": ("Female", "Male"),
+    "native_country": (
+        "United-States", "Mexico", "Philippines", "Germany", "Puerto-Rico", "Canada",
+        "El-Salvador", "India", "Cuba", "England", "Jamaica", "South", "China", "Italy",
+        "Dominican-Republic", "Vietnam", "Guatemala", "Japan", "Poland", "Columbia", "Taiwan",
+        "Haiti", "Iran", "Portugal", "Nicaragua", "Peru", "Greece", "France", "Ecuador",
+        "Ireland", "Hong", "Trinadad&Tobago", "Cambodia", "Thailand", "Laos", "Yugoslavia",
+        "Outlying-US(Guam-USVI-etc)", "Hungary", "Honduras", "Scotland",
+        "Holand-Netherlands"),
+}
+LABEL_NAMES = ("<=50K", ">50K")
+MISSING = "?"
+# where the download has '?' (workclass and occupation are missing together)
+_MISSING_FRACTION = {"workclass": 0.05, "native_country": 0.02}
+
+
+def census_export(n: int = 32_560, seed: int = 0, rows_per_person: int = 2,
+                  numeric_missing: float = 0.0) -> dict[str, list[Any]]:
+    """:func:`census_like` as exported, column by column: `record_id`, `person` (the
+    subject: `rows_per_person` rows each), the features with text categories and `?`
+    where the download has missing values (`numeric_missing`: that fraction of
+    `hours_per_week` too), and the text label `income`."""
+    X, y = census_like(n, seed)
+    rng = np.random.default_rng(seed + 1)
+    width = len(str(max(n - 1, 1)))
+    out: dict[str, list[Any]] = {
+        "record_id": [f"a{i:0{width}d}" for i in range(n)],
+        "person": [f"p{i // rows_per_person:0{width}d}" for i in range(n)]}
+    for j, name in enumerate(FEATURES):
+        codes = X[:, j].astype(np.int64).tolist()
+        names = CATEGORY_NAMES.get(name)
+        out[name] = [names[c] for c in codes] if names else codes
+    for name, fraction in _MISSING_FRACTION.items():
+        for i in np.flatnonzero(rng.random(n) < fraction).tolist():
+            out[name][i] = MISSING
+            if name == "workclass":
+                out["occupation"][i] = MISSING
+    for i in np.flatnonzero(rng.random(n) < numeric_missing).tolist():
+        out["hours_per_week"][i] = MISSING
+    out["income"] = [LABEL_NAMES[v] for v in y.tolist()]
+    return out

@@ -106,17 +106,22 @@ def _add_init_command(lsub: argparse._SubParsersAction) -> None:
     """`ledger init`: the training table, bundled or a CSV file."""
     p = lsub.add_parser("init", help="seed the record store with a training table",
                         description="Load the initial training table. Features are kept in "
-                        "the model's input space, [0, 1]: each feature is min-max scaled "
-                        "with its range in this table (widened to round numbers), and that "
-                        "scaling is stored in the ledger, so queries and additions send raw "
-                        "values (`obliviate ledger schema` shows it).")
+                        "the model's input space, [0, 1]: categories one-hot encoded, each "
+                        "feature min-max scaled with its range in this table (widened to "
+                        "round numbers), and that encoding is stored in the ledger, so "
+                        "queries and additions send raw values (`obliviate ledger schema` "
+                        "shows it; docs/tables.md explains it).")
     p.add_argument("--dataset", default="breast_cancer",
                    help=f"a bundled table: one of {', '.join(DATASETS)} (default "
                         "breast_cancer)")
-    p.add_argument("--csv", metavar="FILE", help="load this CSV file instead: a header line, "
-                   "numeric feature columns, an integer label column")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--csv", metavar="FILE", help="load this CSV file instead: a header "
+                     "line, feature columns (numbers, text categories, true/false), a label "
+                     "column (integers or text)")
+    src.add_argument("--parquet", metavar="FILE", help="load this Parquet file instead (the "
+                     "columns as for --csv; needs the `parquet` extra)")
     p.add_argument("--label-column", default="label", metavar="NAME",
-                   help="the CSV column holding the class label (default: label)")
+                   help="the table's column holding the class label (default: label)")
     p.add_argument("--subject-column", metavar="NAME",
                    help="the CSV column naming the person (subject) each row belongs to; "
                         "`delete` by subject_id removes all their rows. Without it each "
@@ -124,9 +129,27 @@ def _add_init_command(lsub: argparse._SubParsersAction) -> None:
     p.add_argument("--id-column", metavar="NAME",
                    help="the CSV column holding each row's record id (unique); default "
                         "r0000, r0001, ... by row")
+    p.add_argument("--categorical", metavar="COL,...", type=_names, default=(),
+                   help="columns to encode as categories even when they hold numbers "
+                        "(kinds are inferred otherwise)")
+    p.add_argument("--numeric", metavar="COL,...", type=_names, default=(),
+                   help="columns that must be numbers (a text cell is refused)")
+    p.add_argument("--na", metavar="MARKER", help="the text that marks a missing value "
+                   "(e.g. '?'; empty cells are missing too): a category of its own in a "
+                   "categorical column; in a numeric one refused, or see --impute")
+    p.add_argument("--impute", choices=("median", "mean"), help="fill missing numbers with "
+                   "the column's median or mean at init (rounded; stored in the schema)")
+    p.add_argument("--min-frequency", type=int, default=5, metavar="N",
+                   help="a category seen in fewer rows is coded 'other' and never stored "
+                        "by name (default 5)")
     p.add_argument("--records-per-subject", type=int, default=3,
                    help="bundled tables: rows per made-up subject (default 3)")
     p.set_defaults(func=cmd_init)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """`a,b,c` -> ('a', 'b', 'c')."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _add_intake_commands(sub: argparse._SubParsersAction) -> None:
@@ -204,9 +227,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     ledger = open_ledger(args)
     existing = ledger.records.input_transform()
     stored = existing if existing is not None and existing.fitted else None
-    if args.csv:
-        ds = datasets.load_csv(args.csv, args.label_column, args.subject_column,
-                               args.id_column, transform=stored)
+    if args.csv or args.parquet:
+        if args.min_frequency < 1:
+            raise ValueError(f"--min-frequency must be at least 1, got {args.min_frequency}")
+        options = datasets.TableOptions(args.categorical, args.numeric, args.na, args.impute,
+                                        args.min_frequency)
+        load = datasets.load_csv if args.csv else datasets.load_parquet
+        ds = load(args.csv or args.parquet, args.label_column, args.subject_column,
+                  args.id_column, transform=stored, options=options)
     else:
         if args.subject_column or args.id_column:
             raise ValueError("--subject-column and --id-column name columns of --csv FILE")
@@ -224,9 +252,23 @@ def cmd_init(args: argparse.Namespace) -> int:
         how = "stored" if existing else "fitted and stored"
         print(f"features min-max scaled to [0, 1] by the ranges {how} in the ledger "
               "(`obliviate ledger schema`); /v1/predict and additions take raw values")
-    if args.csv and not args.subject_column:
+        if transform.columns:
+            print(_encoding_summary(transform))
+    if (args.csv or args.parquet) and not args.subject_column:
         print("no --subject-column: each row is its own subject (s0000, s0001, ...)")
     return 0
+
+
+def _encoding_summary(transform: Any) -> str:
+    """One line: the columns by kind, and the label names."""
+    kinds: dict[str, list[str]] = {}
+    for c in transform.columns:
+        kinds.setdefault(c.kind, []).append(
+            f"{c.name} ({len(c.categories)} + other)" if c.kind == "categorical" else
+            f"{c.name} (missing -> {c.impute:g})" if c.impute is not None else c.name)
+    text = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items())
+    labels = f"; labels {', '.join(transform.labels)}" if transform.labels else ""
+    return f"columns {text}{labels}"
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -240,8 +282,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
-    print(f"schema {doc['name']!r}: {doc['n_features']} features, classes {doc['classes']}, "
-          f"transform {doc['transform']}")
+    print(f"schema {doc['name']!r}: {doc['n_features']} features, classes {doc['classes']}"
+          f" ({', '.join(doc['label_names'])}), transform {doc['transform']}")
+    for c in doc["columns"]:
+        if c["kind"] != "numeric" or "impute" in c:
+            what = (f"categories {', '.join(map(repr, c['categories']))} + other"
+                    if c["kind"] == "categorical" else
+                    f"missing -> {c['impute']:g}" if "impute" in c else "0/1")
+            print(f"  column {c['name']} ({c['kind']}): {what}")
     width = max(len(f["name"]) for f in doc["features"])
     print(f"  {'feature':<{width}}  {'min':>12}  {'max':>12}")
     for f in doc["features"]:
@@ -445,9 +493,9 @@ def cmd_produce(args: argparse.Namespace) -> int:
         messages = request_stream(list(live.record_ids), list(live.subject_ids),
                                   schema.n_features, schema.classes, args.count,
                                   random_state=args.seed, invalid_fraction=args.invalid_fraction,
-                                  feature_ranges=list(zip(schema.input_transform.mins,
-                                                          schema.input_transform.maxs,
-                                                          strict=True)))
+                                  feature_ranges=None if schema.input_transform.columns
+                                  else list(zip(schema.input_transform.mins,
+                                                schema.input_transform.maxs, strict=True)))
     n = produce(s.kafka_bootstrap, s.requests_topic, messages)
     print(f"sent {n} messages to {s.requests_topic} at {s.kafka_bootstrap}")
     return 0

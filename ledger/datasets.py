@@ -1,27 +1,23 @@
-"""Training tables the record store can be seeded from: bundled, synthetic or CSV.
+"""Training tables the record store can be seeded from: bundled, synthetic, CSV or Parquet.
 
-Every table keeps its raw features (`raw`, in the features' own units) and gets an
-input transform fitted to it (:mod:`ledger.transform`: per feature its name, min
-and max, widened to round numbers); `X` is the table in the model's input space,
-[0, 1] per feature, which is what the ledger stores and the models train on. The
-transform is stored with the ledger's schema, so queries and additions in raw
-units are scaled the same way. Every row gets a record id and a subject (the
-person it belongs to).
-
-scikit-learn (and with it SciPy) is imported only for the bundled and synthetic
-tables: a CSV needs neither.
+Every table gets an input transform fitted to it (:mod:`ledger.transform`; a user's
+table, with text, booleans and missing values, column by column: :mod:`ledger.columns`);
+`X` is the table in the model's input space, [0, 1] per encoded feature, which the
+ledger stores and the models train on. Every row gets a record id and a subject (the
+person it belongs to). scikit-learn is imported only for the bundled and synthetic
+tables. See docs/tables.md.
 """
 
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ledger.columns import MIN_FREQUENCY, CellError, ColumnCoding, fit_column, fit_labels
 from ledger.transform import InputTransform
 
 # loader names in sklearn.datasets
@@ -107,16 +103,28 @@ def load(name: str, records_per_subject: int = 3, n_samples: int = 2000,
 
 
 class CsvError(ValueError):
-    """A CSV file that cannot be loaded; the message names the file, line and column."""
+    """A table (CSV or Parquet) that cannot be loaded; the message names the file, line
+    (or row) and column."""
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """How `ledger init` reads a table's columns (see docs/tables.md)."""
+
+    categorical: tuple[str, ...] = ()  # declared kinds; the others are inferred
+    numeric: tuple[str, ...] = ()
+    na: str | None = None  # the missing-value marker (null and empty cells are missing too)
+    impute: str | None = None  # None: a missing number is refused; 'median' or 'mean'
+    min_frequency: int = MIN_FREQUENCY  # rarer categories are coded as 'other'
 
 
 def load_csv(path: str | Path, label_column: str, subject_column: str | None = None,
-             id_column: str | None = None, transform: InputTransform | None = None
-             ) -> Dataset:
-    """A user's own table: numeric feature columns, an integer label column, and
-    optionally the columns naming each row's subject (the person it belongs to) and
-    record id. Every other column is a feature. `transform` (default: fitted to the
-    table) is what an existing ledger already stores."""
+             id_column: str | None = None, transform: InputTransform | None = None,
+             options: TableOptions | None = None) -> Dataset:
+    """A user's own table as exported: feature columns (numeric, categorical or boolean),
+    a label column (integers or text), and optionally the columns naming each row's
+    subject (the person it belongs to) and record id. Every other column is a feature.
+    `transform` (default: fitted to the table) is what an existing ledger already stores."""
     path = Path(path)
     try:
         with open(path, newline="") as fh:
@@ -130,90 +138,155 @@ def load_csv(path: str | Path, label_column: str, subject_column: str | None = N
     if not header:
         raise CsvError(f"{path}: empty file; the first line must name the columns")
     header = [h.strip() for h in header]
+    for i, row in enumerate(rows):
+        if len(row) != len(header):
+            raise CsvError(f"{path}: line {i + 2} has {len(row)} fields, the header "
+                           f"{len(header)}")
+    columns = [[c.strip() for c in col] for col in zip(*rows, strict=True)] if rows else []
+    return _load(_Table(path, header, columns, len(rows), "line", 2), label_column,
+                 subject_column, id_column, transform, options or TableOptions())
+
+
+def load_parquet(path: str | Path, label_column: str, subject_column: str | None = None,
+                 id_column: str | None = None, transform: InputTransform | None = None,
+                 options: TableOptions | None = None) -> Dataset:
+    """:func:`load_csv` for a Parquet file (read with pyarrow: the `parquet` extra)."""
+    path = Path(path)
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CsvError(f"{path}: reading Parquet needs pyarrow: pip install "
+                       "'obliviate[parquet]'") from None
+    if not path.is_file():
+        raise CsvError(f"{path}: no such file")
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CsvError(f"{path}: cannot be read as Parquet ({why})") from None
+    columns: list[Any] = []
+    for col in table.columns:
+        numeric = pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
+        columns.append(col.to_numpy() if numeric and col.null_count == 0 else col.to_pylist())
+    return _load(_Table(path, [str(n).strip() for n in table.column_names], columns,
+                        table.num_rows, "row", 1),
+                 label_column, subject_column, id_column, transform, options or TableOptions())
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A table as read: its columns' cells (stripped text, or Parquet values)."""
+
+    path: Path
+    header: list[str]
+    columns: list[Any]
+    n_rows: int
+    unit: str  # how a row is named in errors: "line" (CSV, from 2) or "row" (from 1)
+    first: int
+
+    def where(self, row: int | None, column: str) -> str:
+        at = f"{self.unit} {row + self.first}, " if row is not None else ""
+        return f"{self.path}: {at}column {column!r}"
+
+
+def _load(t: _Table, label_column: str, subject_column: str | None, id_column: str | None,
+          transform: InputTransform | None, options: TableOptions) -> Dataset:
+    path, header = t.path, t.header
     dup = sorted({h for h in header if header.count(h) > 1})
     if dup:
-        raise CsvError(f"{path}: line 1 names column(s) {', '.join(map(repr, dup))} twice")
+        raise CsvError(f"{path}: the header names column(s) {', '.join(map(repr, dup))} twice")
     for flag, col in (("--label-column", label_column), ("--subject-column", subject_column),
-                      ("--id-column", id_column)):
+                      ("--id-column", id_column),
+                      *(("--categorical", c) for c in options.categorical),
+                      *(("--numeric", c) for c in options.numeric)):
         if col is not None and col not in header:
             raise CsvError(f"{path}: no column {col!r} (columns: {', '.join(header)}); "
                            f"name the right one with {flag}")
-    if not rows:
+    if not t.n_rows:
         raise CsvError(f"{path}: no rows after the header line")
     special = {label_column, subject_column, id_column}
-    features = [j for j, h in enumerate(header) if h not in special]
+    features = [h for h in header if h not in special]
     if not features:
         raise CsvError(f"{path}: no feature columns (every column is the label, subject "
                        "or id column)")
-    where = {h: j for j, h in enumerate(header)}
-    X = np.empty((len(rows), len(features)), dtype=np.float64)
-    y = np.empty(len(rows), dtype=np.int64)
-    for i, row in enumerate(rows):
-        line = i + 2
-        if len(row) != len(header):
-            raise CsvError(f"{path}: line {line} has {len(row)} fields, the header "
-                           f"{len(header)}")
-        for k, j in enumerate(features):
-            X[i, k] = _number(path, line, header[j], row[j], subject_column, id_column)
-        y[i] = _label(path, line, label_column, row[where[label_column]])
-    n = len(rows)
-    records, subjects = _ids(n, 1)
+    cells = dict(zip(header, t.columns, strict=True))
+    if transform is None:
+        fitted = [_fit(t, h, cells[h], subject_column, id_column, options) for h in features]
+        codings, parts = [c for c, _ in fitted], [e for _, e in fitted]
+    else:
+        codings, parts = list(transform.raw_columns), _encode(t, transform, cells)
+    if [c.name for c in codings] != features:
+        raise CsvError(f"{path}: the feature columns are {', '.join(features)}; the ledger's "
+                       f"schema has {', '.join(c.name for c in codings)}")
+    try:
+        y, labels = fit_labels(cells[label_column],
+                               transform.labels if transform is not None else None)
+    except CellError as exc:
+        raise CsvError(f"{t.where(exc.row, label_column)}: {exc}") from None
+    E = np.hstack(parts)
+    records, subjects = _ids(t.n_rows, 1)
     if id_column is not None:
-        records = _id_column(path, rows, where[id_column], id_column, unique=True)
+        records = _id_column(t, cells[id_column], id_column, unique=True)
     if subject_column is not None:
-        subjects = _id_column(path, rows, where[subject_column], subject_column)
-    return from_raw(path.stem, X, y, records, subjects, [header[j] for j in features],
-                    transform)
+        subjects = _id_column(t, cells[subject_column], subject_column)
+    if transform is None:
+        transform = InputTransform.fit_encoded(E, codings, labels, options.na)
+    return from_raw(path.stem, E, y, records, subjects, transform=transform)
 
 
-def _number(path: Path, line: int, column: str, text: str, subject_column: str | None,
-            id_column: str | None) -> float:
-    value = text.strip()
-    where = f"{path}: line {line}, column {column!r}"
-    if not value:
-        raise CsvError(f"{where}: empty; every feature needs a number (fill or drop "
-                       "the row)")
-    try:
-        x = float(value)
-    except ValueError:
-        hint = ""
-        if subject_column is None and id_column is None:
-            hint = (f"; if {column!r} names the person the row belongs to, pass "
-                    f"--subject-column {column} (or --id-column {column} for record ids)")
-        raise CsvError(f"{where}: {_quote(value)} is not a number{hint}") from None
-    if not math.isfinite(x):
-        raise CsvError(f"{where}: {_quote(value)} is not a finite number")
-    return x
-
-
-def _label(path: Path, line: int, column: str, text: str) -> int:
-    value = text.strip()
-    try:
-        return int(value)
-    except ValueError:
+def _encode(t: _Table, transform: InputTransform, cells: dict[str, Any]) -> list[np.ndarray]:
+    """The columns encoded by the codings an existing ledger stores."""
+    parts = []
+    for c in transform.raw_columns:
+        if c.name not in cells:
+            raise CsvError(f"{t.path}: no column {c.name!r}, which the ledger's schema has")
         try:
-            f = float(value)
-        except ValueError:
-            f = math.nan
-        if math.isfinite(f) and f == int(f):
-            return int(f)
-    raise CsvError(f"{path}: line {line}, column {column!r}: {_quote(value)} is not an "
-                   "integer class label (name the label column with --label-column)")
+            parts.append(c.encode_cells(cells[c.name], _markers(transform.na)))
+        except CellError as exc:
+            raise CsvError(f"{t.where(exc.row, c.name)}: {exc}") from None
+    return parts
 
 
-def _id_column(path: Path, rows: list[list[str]], j: int, column: str,
-               unique: bool = False) -> list[str]:
-    out = [r[j].strip() for r in rows]
+def _fit(t: _Table, name: str, cells: Any, subject_column: str | None,
+         id_column: str | None, options: TableOptions) -> tuple[ColumnCoding, np.ndarray]:
+    """One feature column's coding, its kind declared or inferred (docs/tables.md)."""
+    declared = ("categorical" if name in options.categorical
+                else "numeric" if name in options.numeric else None)
+
+    def id_hint() -> str:
+        if subject_column is None and id_column is None:
+            fix = (f"if {name!r} names the person the row belongs to, pass --subject-column "
+                   f"{name} (or --id-column {name} for record ids)")
+        elif id_column is None:
+            fix = f"if {name!r} holds record ids, pass --id-column {name}"
+        else:
+            fix = f"if {name!r} names the person the row belongs to, pass --subject-column {name}"
+        return (f"; {fix}, or --categorical {name} to keep it as a feature (a value seen "
+                f"fewer than {options.min_frequency} times is coded 'other')")
+
+    try:
+        return fit_column(name, cells, _markers(options.na), options.na or "", declared,
+                          options.impute, options.min_frequency, id_hint)
+    except CellError as exc:
+        raise CsvError(f"{t.where(exc.row, name)}: {exc}") from None
+
+
+def _markers(na: str | None) -> frozenset[str]:
+    return frozenset({"", na} if na is not None else {""})
+
+
+def _id_column(t: _Table, cells: Any, column: str, unique: bool = False) -> list[str]:
+    out = ["" if v is None else v if isinstance(v, str) else str(v) for v in cells]
     for i, v in enumerate(out):
         if not v or len(v) > 128 or not v.isprintable():
-            raise CsvError(f"{path}: line {i + 2}, column {column!r}: an id must be 1-128 "
-                           "printable characters")
+            raise CsvError(f"{t.where(i, column)}: an id must be 1-128 printable characters")
     if unique:
         seen: dict[str, int] = {}
         for i, v in enumerate(out):
             if v in seen:
-                raise CsvError(f"{path}: line {i + 2}, column {column!r}: record id "
-                               f"{_quote(v)} is on line {seen[v] + 2} too")
+                raise CsvError(f"{t.where(i, column)}: record id {_quote(v)} is on "
+                               f"{t.unit} {seen[v] + t.first} too")
             seen[v] = i
     return out
 

@@ -1,16 +1,11 @@
-"""The input transform: from a feature's own units to the model's input space, [0, 1].
+"""The input transform: from a table's raw columns to the model's input space, [0, 1].
 
-Fitted once, at `ledger init`, on the initial table (per feature: its name, min and
-max) and stored in the ledger's schema (`dataset_schema.transform`). Everything that
-enters the model's input space goes through it: the initial records, the features of
-an `add` request at intake, and every query at `/v1/predict` (which then clips to
-[0, 1], as the guard requires). It is never refitted: a deletion does not move the
-input space, or every version would have to be retrained.
-
-Scaling one value is ``(x - min) / (max - min)`` in float64 (``x - min`` for a
-constant feature, so the value at init maps to 0), the same arithmetic in numpy and
-in plain Python, so a record scaled at intake holds exactly the bits the same row
-scaled at init would.
+Fitted once, at `ledger init`, on the initial table and stored in the ledger's schema
+(`dataset_schema.transform`, covered by the ledger's proof): each raw column's coding
+(:mod:`ledger.columns`: numbers, one-hot categories, booleans; the label names) and per
+encoded feature its name, min and max. The initial records, additions and queries all
+go through it; it is never refitted. Scaling is ``(x - min) / (max - min)`` in float64,
+the same arithmetic in numpy and plain Python (bit for bit). See docs/tables.md.
 """
 
 from __future__ import annotations
@@ -22,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ledger.columns import OTHER, ColumnCoding
+
 KIND = "min-max"
 
 
@@ -32,6 +29,11 @@ class InputTransform:
     maxs: tuple[float, ...]
     # False for the identity given to ledgers from before the transform was stored
     fitted: bool = True
+    # the raw columns' codings; () for a table of plain numeric columns (one feature each,
+    # named by `names`): such a table's stored document is what it always was
+    columns: tuple[ColumnCoding, ...] = ()
+    labels: tuple[str, ...] = ()  # the class names of a text label (class i is labels[i])
+    na: str | None = None  # the missing-value marker a cell may hold (besides null and "")
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.mins) == len(self.maxs):
@@ -56,6 +58,31 @@ class InputTransform:
                    tuple(b[1] for b in bounds))
 
     @classmethod
+    def fit_encoded(cls, E: np.ndarray, columns: Sequence[ColumnCoding],
+                    labels: tuple[str, ...] = (), na: str | None = None) -> InputTransform:
+        """The transform of a table whose columns were encoded by `columns` into `E`
+        (one row per record): a numeric feature's range widened as :meth:`fit` does, a
+        category's or boolean's 0/1 kept as [0, 1]. Plain numeric columns and integer
+        labels give exactly :meth:`fit`'s transform."""
+        names = [n for c in columns for n in c.feature_names()]
+        if all(c.plain for c in columns) and not labels:
+            return cls.fit(E, names)
+        E = np.asarray(E, dtype=np.float64)
+        numeric = [c.kind == "numeric" for c in columns for _ in range(c.width)]
+        bounds = [widen(lo, hi) if num else (0.0, 1.0) for lo, hi, num in zip(
+            E.min(axis=0).tolist(), E.max(axis=0).tolist(), numeric, strict=True)]
+        return cls(tuple(names), tuple(b[0] for b in bounds), tuple(b[1] for b in bounds),
+                   columns=tuple(columns), labels=tuple(labels), na=na)
+
+    @property
+    def raw_columns(self) -> tuple[ColumnCoding, ...]:
+        """The raw columns a row holds: the stored codings, or one number per feature."""
+        return self.columns or tuple(ColumnCoding(n) for n in self.names)
+
+    def label_name(self, code: int) -> str:
+        return self.labels[code] if self.labels else str(code)
+
+    @classmethod
     def identity(cls, n_features: int) -> InputTransform:
         """Features already in [0, 1]: min 0 and max 1 each (scaling changes nothing)."""
         return cls(tuple(f"x{j}" for j in range(n_features)), (0.0,) * n_features,
@@ -70,7 +97,9 @@ class InputTransform:
             raise ValueError(f"unknown input transform {doc.get('kind')!r}")
         feats = doc["features"]
         return cls(tuple(str(f["name"]) for f in feats), tuple(float(f["min"]) for f in feats),
-                   tuple(float(f["max"]) for f in feats), fitted=bool(doc.get("fitted", True)))
+                   tuple(float(f["max"]) for f in feats), fitted=bool(doc.get("fitted", True)),
+                   columns=tuple(ColumnCoding.from_json(c) for c in doc.get("columns", ())),
+                   labels=tuple(str(n) for n in doc.get("labels", ())), na=doc.get("na"))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": KIND, "features": [
@@ -78,6 +107,12 @@ class InputTransform:
             for n, lo, hi in zip(self.names, self.mins, self.maxs, strict=True)]}
         if not self.fitted:
             out["fitted"] = False
+        if self.columns:
+            out["columns"] = [c.to_json() for c in self.columns]
+        if self.labels:
+            out["labels"] = list(self.labels)
+        if self.na is not None:
+            out["na"] = self.na
         return out
 
     @property
@@ -105,7 +140,9 @@ class InputTransform:
                 for n, lo, hi in zip(self.names, self.mins, self.maxs, strict=True)]
 
     def same_as(self, other: InputTransform) -> bool:
-        return (self.names, self.mins, self.maxs) == (other.names, other.mins, other.maxs)
+        def key(t: InputTransform) -> tuple[Any, ...]:
+            return t.names, t.mins, t.maxs, t.columns, t.labels, t.na
+        return key(self) == key(other)
 
 
 def widen(lo: float, hi: float, digits: int = 3) -> tuple[float, float]:
@@ -126,14 +163,21 @@ def widen(lo: float, hi: float, digits: int = 3) -> tuple[float, float]:
 
 
 def schema_document(schema: Any) -> dict[str, Any]:
-    """What `ledger schema` prints and `GET /v1/schema` answers."""
+    """What `ledger schema` prints and `GET /v1/schema` answers: the raw columns (kind,
+    categories, imputed value), the label names, and the encoded features' ranges."""
     t = InputTransform.from_json(schema.transform, schema.n_features)
     return {"name": schema.name, "n_features": schema.n_features,
             "classes": list(schema.classes),
-            "input": "raw features, in each feature's own units: scaled as (x - min) / "
+            "label_names": [t.label_name(int(c)) for c in schema.classes],
+            "input": "rows of raw values, as arrays in column order or objects keyed by "
+                     "column name: numbers in their own units, categories as text (an "
+                     f"unknown one counts as '{OTHER}'), missing values as null or the "
+                     "marker; encoded (one 0/1 feature per category), scaled as (x - min) / "
                      "(max - min) and clipped to [0, 1]; send \"scaled\": true with "
-                     "features already in [0, 1]",
+                     "encoded features already in [0, 1]",
             "transform": "min-max" if t.fitted else
                          "identity (a ledger from before stored transforms: its features "
                          "were scaled to [0, 1] elsewhere)",
+            "na": t.na,
+            "columns": [c.to_json() for c in t.raw_columns],
             "features": t.describe()}

@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from ledger.models import DatasetSchema, Event, RecordPayload, Request, TrainingRecord
+from ledger.raw_rows import RowError, encode_row, label_code
 from ledger.transform import InputTransform
 
 
@@ -192,15 +193,20 @@ def _records(payload: Any, schema: DatasetSchema) -> tuple[NewRecord, ...]:
                 raise InvalidRequest(f"{where} is missing '{name}'")
         rid = _identifier(item["record_id"], f"{where}.record_id")
         feats = item["features"]
-        if not isinstance(feats, list) or len(feats) != schema.n_features:
-            got = len(feats) if isinstance(feats, list) else _kind(feats)
-            raise InvalidRequest(f"{where}.features must be a list of {schema.n_features} "
-                                 f"numbers (schema {schema.name!r}), got {got}")
-        values = _features(feats, where, transform)
-        label = item["label"]
-        if isinstance(label, bool) or not isinstance(label, int) or label not in schema.classes:
-            raise InvalidRequest(f"{where}.label {show_value(label)} is not one of the schema's "
-                                 f"classes {schema.classes}")
+        if transform is not None and (isinstance(feats, dict) or transform.columns):
+            values = _encoded(feats, where, transform)  # a table with text, or an object
+        else:
+            if not isinstance(feats, list) or len(feats) != schema.n_features:
+                got = len(feats) if isinstance(feats, list) else _kind(feats)
+                raise InvalidRequest(f"{where}.features must be a list of {schema.n_features} "
+                                     f"numbers (schema {schema.name!r}), got {got}")
+            values = _features(feats, where, transform)
+        label = label_code(schema.input_transform, schema.classes, item["label"])
+        if label is None:
+            names = schema.input_transform.labels
+            raise InvalidRequest(f"{where}.label {show_value(item['label'])} is not one of the "
+                                 f"schema's classes {schema.classes}"
+                                 + (f" or label names {list(names)}" if names else ""))
         out.append(NewRecord(rid, values, label))
     ids = [r.record_id for r in out]
     if len(set(ids)) != len(ids):
@@ -231,6 +237,23 @@ def _features(feats: list[Any], where: str, transform: InputTransform | None
                                  "[0, 1]: with \"scaled\": true features must be in the "
                                  "model's input space (send raw values without it)")
         return values
+    return _within_reach(values, feats, where, transform)
+
+
+def _encoded(feats: Any, where: str, transform: InputTransform) -> list[float]:
+    """A raw row of a table with text columns, or an object keyed by column name, in
+    the model's input space (:mod:`ledger.raw_rows` encodes it)."""
+    try:
+        values = encode_row(transform, feats, f"{where}.features")
+    except RowError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return _within_reach(values, values, where, transform)
+
+
+def _within_reach(values: list[float], feats: list[Any], where: str,
+                  transform: InputTransform) -> list[float]:
+    """The encoded `values` scaled, unless one lies further than FAR_OUTSIDE times its
+    range outside it (`feats`: what was sent, for the reason)."""
     scaled = transform.scale_row(values)
     bad = next((j for j, z in enumerate(scaled)
                 if not -FAR_OUTSIDE <= z <= 1 + FAR_OUTSIDE), None)

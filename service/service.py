@@ -29,6 +29,7 @@ from jobs.adaptive.budget import BudgetExhausted, SeedBudgets
 from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.registry import Registry
 from ledger.config import LedgerSettings
+from ledger.raw_rows import RowError, encode_row
 from ledger.transform import InputTransform
 from service.http_api import AppContext, build_app
 from service.middleware import BodyLimit, ErrorShape, JsonBody
@@ -55,9 +56,10 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
     """Queries as an (n, d) float array in the model's input space, or InvalidArgument
     saying what is wrong.
 
-    One row (a list of numbers) or a batch (a list of rows). Raw features (`scaled`
-    False, the API's default) are finite numbers in each feature's own units: they
-    are scaled by `transform`, the one stored at `ledger init`, and clipped to [0, 1]
+    One row (a list of values) or a batch (a list of rows; a row may be an object keyed
+    by column name, docs/tables.md). Raw features (`scaled` False, the API's default)
+    are in each column's own units (categories as text): they are encoded and scaled
+    by `transform`, the one stored at `ledger init`, and clipped to [0, 1]
     (the guard answers in that box; a value beyond the initial table's range counts
     as its edge). Pre-scaled features (`scaled` True) must be finite numbers in
     [0, 1] already: a value outside it means the caller forgot to scale.
@@ -65,9 +67,12 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
     if not isinstance(instances, list) or not instances:
         raise InvalidArgument("'instances' must be a non-empty list: one row of "
                               f"{n_features} numbers, or a list of such rows")
-    rows = [instances] if not isinstance(instances[0], list) else instances
+    rows = [instances] if not isinstance(instances[0], list | dict) else instances
     if len(rows) > MAX_BATCH:
         raise InvalidArgument(f"at most {MAX_BATCH} rows per call, got {len(rows)}")
+    if not scaled and transform is not None and (
+            transform.columns or any(isinstance(r, dict) for r in rows)):
+        return _encoded_rows(rows, transform)
     for i, row in enumerate(rows):
         if not isinstance(row, list):
             raise InvalidArgument(f"row {i} is not a list of numbers")
@@ -94,6 +99,20 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
         Z = transform.scale(X)
     Z[np.isnan(Z)] = 0.0  # unreachable for finite input; never hand NaN to the guard
     return np.clip(Z, 0.0, 1.0)  # the guard's box (GuardedAnswers.answer clips it so too)
+
+
+def _encoded_rows(rows: list[Any], transform: InputTransform) -> np.ndarray:
+    """Raw rows of a table with text columns, or objects keyed by column name, in the
+    model's input space (:mod:`ledger.raw_rows` encodes them; then scaled and clipped)."""
+    try:
+        E = np.asarray([encode_row(transform, r, f"row {i}") for i, r in enumerate(rows)],
+                       dtype=np.float64)
+    except RowError as exc:
+        raise InvalidArgument(str(exc)) from None
+    with np.errstate(over="ignore", invalid="ignore"):
+        Z = transform.scale(E)
+    Z[np.isnan(Z)] = 0.0
+    return np.clip(Z, 0.0, 1.0)
 
 
 def _short(v: Any, limit: int = 40) -> str:
@@ -150,10 +169,12 @@ class Obliviate:
     def predict(self, instances: list[Any], scaled: bool = False) -> dict[str, Any]:
         """Labels only, never scores: certain answers as is, the rest noised (eps-iDP).
 
-        `instances` in the features' own units (scaled here with the transform stored
-        at `ledger init`, then clipped to [0, 1]); `scaled`: true for features already
-        in [0, 1]. Errors answer {"error": "..."} (BentoML would put a 5xx's reason in
-        the log only: 503 and 429 are answered here).
+        `instances`: rows of raw values, arrays in column order or objects keyed by
+        column name (encoded and scaled here with the transform stored at `ledger
+        init`, then clipped to [0, 1]); `scaled`: true for encoded features already in
+        [0, 1]. A text label's names come in `label_names`. Errors answer {"error":
+        "..."} (BentoML would put a 5xx's reason in the log only: 503 and 429 are
+        answered here).
         """
         try:
             serving = self.holder.serving
@@ -165,8 +186,12 @@ class Obliviate:
             labels, used = self.holder.predict(X)
         except BudgetExhausted as exc:  # a quota on answers, spent until fresh seeds: 429
             return JSONResponse({"error": str(exc)}, status_code=HTTPStatus.TOO_MANY_REQUESTS)
-        return {"labels": labels.tolist(), "model_version": used.version.version,
-                "guard": used.mode if self.holder.guarded else "off"}
+        answer = {"labels": labels.tolist(), "model_version": used.version.version,
+                  "guard": used.mode if self.holder.guarded else "off"}
+        transform = self._transform()
+        if transform is not None and transform.labels:  # a text label: its names too
+            answer["label_names"] = [transform.label_name(c) for c in answer["labels"]]
+        return answer
 
     def _transform(self) -> InputTransform | None:
         """The input transform stored at `ledger init` (fixed once set: read once)."""

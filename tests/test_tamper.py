@@ -330,6 +330,47 @@ def test_an_edited_schema_is_caught_by_verify(signed: Ledger, edit) -> None:
                      "query and addition means"], found
 
 
+def _rename_category(doc: dict) -> None:
+    column = next(c for c in doc["columns"] if c["kind"] == "categorical")
+    column["categories"][0] += "x"  # its rows' queries would count as 'other'
+
+
+def _swap_labels(doc: dict) -> None:
+    doc["labels"].reverse()  # every answer's label name flips
+
+
+def _move_imputed(doc: dict) -> None:
+    next(c for c in doc["columns"] if "impute" in c)["impute"] += 1.0
+
+
+@pytest.mark.parametrize("edit", [_rename_category, _swap_labels, _move_imputed],
+                         ids=["category", "label-names", "imputed-value"])
+def test_an_edited_encoding_is_caught_by_verify(db_url: str, tmp_path, edit) -> None:
+    """Issue 28: the encoding of a table with text (categories, label names, imputed
+    values) is part of the schema the proof covers."""
+    from ledger.census import census_export
+    from ledger.datasets import TableOptions, load_csv
+    from tests.exported_tables import write_csv
+
+    path = write_csv(tmp_path / "adult.csv", census_export(60, numeric_missing=0.05))
+    ds = load_csv(path, "income", "person", "record_id",
+                  options=TableOptions(na="?", impute="median"))
+    led = Ledger(db_url, HMAC_KEY)
+    try:
+        led.records.load(ds.record_ids, ds.subject_ids, ds.X, ds.y, ds.name, ds.transform)
+        assert led.verify().ok
+        with led.engine.connect() as conn:
+            doc = json.loads(json.dumps(conn.execute(select(SCHEMA)).one().transform))
+        edit(doc)
+        tamper(led, update(SCHEMA).values(transform=doc))
+        assert problems(led) == [
+            "dataset_schema: the input transform, classes or width is not what event 1 "
+            "(records_loaded) committed to: edited, which changes what every query and "
+            "addition means"]
+    finally:
+        led.close()
+
+
 def test_an_edited_schema_with_its_event_rewritten_is_caught_by_audit_check(
         signed: Ledger) -> None:
     """The insider edits the schema and the digest in its `records_loaded` event, and

@@ -26,6 +26,11 @@ for what a record leaves behind when it is written out:
   alone; on a grid of values a deleted one can sit exactly there), are
   no trace of the deleted record on their own, and float32 alone (4 bytes) would
   match by chance;
+- optionally its raw values (as the user's table held them, before the input
+  transform encoded them: numbers in their own units, category names): the numbers
+  as a float32/float64 row, and each value no kept record holds (a rare category,
+  an integer of at least five digits, any other text of at least four characters)
+  as a whole word of text (docs/tables.md);
 - optionally its id: as an element of the string arrays in numpy files (stored
   as UTF-32) and among the strings of the pickles in torch's archives (both read,
   never executed: a short id like "r012" is four small integers in UTF-32, which
@@ -49,10 +54,11 @@ import math
 import pickletools
 import re
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +94,8 @@ class TraceScanner:
     """
 
     def __init__(self, gone: Mapping[str, np.ndarray], kept: np.ndarray | None = None,
-                 ids: bool = True) -> None:
+                 ids: bool = True, raw: Mapping[str, Sequence[Any]] | None = None,
+                 kept_raw: Iterable[Sequence[Any]] = ()) -> None:
         kept = np.zeros((0, 0)) if kept is None else np.asarray(kept, np.float64)
         kept_vals = set(kept.ravel().tolist())
         columns = [np.unique(c) for c in kept.T] if kept.ndim == 2 else []
@@ -118,6 +125,7 @@ class TraceScanner:
                         self._text[text.encode()] = (rid, f"x[{j}] text")
             if ids:
                 self._ids[rid.encode()] = (rid, "id text")
+        self._words = self._raw_patterns(raw or {}, kept_raw)
         # candidates are the windows whose first word starts some pattern (one np.isin)
         self._first = {n: np.unique(np.frombuffer(b"".join(p[:n] for p in pats),
                                                   "<u4" if n == 4 else "<u8"))
@@ -128,6 +136,31 @@ class TraceScanner:
         self._id_re = (re.compile(rb"(?<![\w.:@-])(" + b"|".join(
             re.escape(p) for p in sorted(self._ids, key=len, reverse=True)) + rb")(?![\w.:@-])")
                        if self._ids else None)
+
+    def _raw_patterns(self, raw: Mapping[str, Sequence[Any]], kept_raw: Iterable[Sequence[Any]]
+                      ) -> re.Pattern[bytes] | None:
+        """Row patterns of the raw numbers; a whole-word regex of the raw values no kept
+        record holds (None without any). Fills `self._word_hits` with what each names."""
+        kept_rows = [list(r) for r in kept_raw]
+        held = {_word(v) for r in kept_rows for v in r}
+        numeric_kept = {np.asarray([v for v in r if _is_number(v)], np.float64).tobytes()
+                        for r in kept_rows}
+        self._word_hits: dict[bytes, tuple[str, str]] = {}
+        for rid, values in raw.items():
+            numbers = np.asarray([v for v in values if _is_number(v)], np.float64)
+            if len(numbers) > 2 and numbers.tobytes() not in numeric_kept:
+                for n, dt in ((4, "<f4"), (8, "<f8")):
+                    self._binary[n][numbers.astype(dt).tobytes()] = (
+                        rid, f"raw row {np.dtype(dt).name}")
+            for j, v in enumerate(values):
+                word = _word(v)
+                if v is not None and word not in held and len(word) >= (5 if _is_number(v) else 4):
+                    self._word_hits[word.encode()] = (rid, f"raw[{j}] text")
+        if not self._word_hits:
+            return None
+        return re.compile(rb"(?<![\w.])(" + b"|".join(
+            re.escape(w) for w in sorted(self._word_hits, key=len, reverse=True))
+            + rb")(?![\w.])")
 
     def scan(self, paths: Iterable[str | Path],
              read: Callable[[Path], bytes] = Path.read_bytes) -> list[Finding]:
@@ -182,6 +215,8 @@ class TraceScanner:
             found |= search.scan(buf)
         if self._text:
             found.update(self._text[t] for t in set(_NUMBER.findall(blob)) if t in self._text)
+        if self._words is not None:
+            found.update(self._word_hits[m.group(1)] for m in self._words.finditer(blob))
         if self._id_set:
             found.update((rid, f"id {how}") for rid, how in self._id_hits(blob))
         return found
@@ -305,6 +340,17 @@ def _strided_searches(gone: Mapping[str, np.ndarray], kept: np.ndarray
     return [_StridedSearch(rids, np.array([np.asarray(gone[r], np.float64).ravel()
                                            for r in rids]), kept, n, dt, ut)
             for d, rids in by_d.items() if d >= _MIN_ALIGNED for n, dt, ut in _WORDS]
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _word(v: Any) -> str:
+    """A raw value as text, as a table, JSON or a log writes it (39, not 39.0)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return v.strip() if isinstance(v, str) else str(v)
 
 
 def _simple_fraction(v: float) -> bool:
