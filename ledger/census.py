@@ -1,17 +1,10 @@
 """A generated census-style table: what real tables look like, with nothing downloaded.
 
-Benchmarks on ``make_classification`` flatter tree learners: every value is distinct,
-so no threshold ties. Census, credit and clickstream tables are not like that: most
-columns are ordinal-coded categories, small integer counts or rounded amounts. This
-table has the columns of the UCI Adult table (age, workclass*, fnlwgt, education*,
-education-num, marital*, occupation*, relationship*, race*, sex*, capital-gain,
-capital-loss, hours-per-week, native-country*; * = a category coded 0..k-1 in no
-meaningful order) with their kind of skew, and a noisy logistic label with
-non-monotone effects (an age bump, per-category effects, a capital-gain threshold), so
-a linear model stays several points below a forest; about 76% of the labels are 0.
-:func:`census_export` is the same table as users download it: text categories, a
-text label, `?` for missing values, a record id and a person column. See docs/tables.md.
-"""
+The columns of the UCI Adult table with their kind of skew, ties and categories, and a
+noisy non-monotone label (about 76% zeros), because ``make_classification`` (every value
+distinct) flatters tree learners. :func:`census_export` is the same table as users
+download it: text categories, a text label, `?` for missing, id and person columns.
+See docs/tables.md and docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each command is a function of parsed arguments returning an exit code, so the
 `obliviate` entry point (in `service.cli`) only has to assemble them.
-"""
+See docs/operations.md (The command line)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Recording incoming requests: one transaction per batch, one effect per message.
 
-:class:`ledger.intake.BatchIntake` decides what becomes of each message; this
-component runs it in a transaction, isolates a message the database refuses, and
-counts what intake made of every message (the metrics and the demo read them).
-"""
+:class:`ledger.intake.BatchIntake` decides what becomes of each message; this component
+runs it in a transaction, isolates a message the database refuses, and counts what intake
+made of every message (the metrics and the demo read them). See docs/ledger.md (Intake)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """Structural validation of a request message, shared by Kafka, HTTP and the CLI.
 
-Checks that need the database (duplicates, unknown subjects or records) happen
-in `ledger.store` inside the transaction that records the request; everything
-that can be decided from the message alone is decided here, with a reason a
-producer can act on.
-
-Nothing a producer sends may get further than a rejection: a null value, an
-integer of any size, NaN or Infinity, JSON nested a thousand deep, non-UTF-8
-bytes, a key twice in one object, an id that is not a string, and strings longer
-than the column they are stored in are all refused here, before the database
-sees them, and reasons never quote more than a short prefix of what was sent.
-An addition is refused unless every learner can take it: a feature must scale
-to within FAR_OUTSIDE times its range of [0, 1] (so it is finite in float32,
-what the networks train in), or lie in [0, 1] when it comes pre-scaled; a
-worker that could not apply an accepted addition would stop every deletion
-behind it.
-"""
+Everything that can be decided from the message alone is decided here, before the
+database sees it, with a reason a producer can act on (checks that need the database
+happen in the transaction that records the request). An addition is refused unless every
+learner can take it: a worker that could not apply an accepted addition would stop every
+deletion behind it. See docs/ledger.md (Limits and rejections)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""The `obliviate` command line.
+"""The `obliviate` command line: the parser, and the commands of the service layer.
 
-Building the parser imports only the standard library and the ledger's light
-modules: every command imports what it needs when it runs, so `obliviate --help`,
-the `ledger` commands, `submit` and `produce` start without torch, numba, SciPy or
-the solvers (`tests/test_cli_errors.py` holds it to that; `tests/bench/bench_cli.py`
-times it).
-
-Exit codes: 0 done; 1 the command ran and the answer is no (verification failed,
-nothing found, the database cannot be reached); 2 a usage error (arguments,
-configuration, an input file or request that cannot be taken), with one line on
-stderr that says what is wrong and what to do.
-"""
+The parser imports only the standard library and the ledger's light modules (each
+command imports what it needs when it runs), so `--help`, the `ledger` commands,
+`submit` and `produce` start without torch or numba (`tests/test_cli_errors.py`). Exit
+codes: 0 done, 1 the answer is no, 2 a usage error with one line saying what to do.
+See docs/operations.md (The command line)."""
 
 from __future__ import annotations
 

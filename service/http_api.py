@@ -1,15 +1,10 @@
 """The service's JSON endpoints besides /v1/predict, and the audit page.
 
-Mounted into the BentoML service as an ASGI app. Intake and audit endpoints
-need the admin bearer token: a deletion request and a request's history are
-not for the public. The model manifest, the ledger's signed tree heads and
-consistency proofs, and the page itself are public (the page asks for the
-token and sends it with each call). A deletion receipt is for the admin or the
-subject holding the request's receipt token.
-
-Each endpoint is a function of (context, request) that turns the request into one
-call and its result into JSON; :func:`build_app` lists the routes.
-"""
+A Starlette app mounted into the BentoML service. Intake and audit endpoints need the
+admin bearer token; the manifest, signed heads, proofs and the page are public; a
+deletion receipt is for the admin or the subject holding its token. Each endpoint turns
+a request into one call and its result into JSON; :func:`build_app` lists the routes.
+See docs/sidecar.md (Service)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """ASGI middleware around the whole service: request bodies within a limit, JSON bodies
-declared as such, and every error in one shape (docs/sidecar.md, "Errors").
+declared as such, and every error in one shape.
 
-They run outside BentoML's app and the mounted one (:mod:`service.http_api`), so
+It runs outside BentoML's app and the mounted one (:mod:`service.http_api`), so
 `/v1/predict`, whose body BentoML reads, gets the same treatment as the other endpoints.
-"""
+See docs/sidecar.md (HTTP errors)."""
 
 from __future__ import annotations
 

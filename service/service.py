@@ -1,13 +1,9 @@
 """The BentoML service: guarded label-only predictions, intake, audit and model endpoints.
 
-`POST /v1/predict` is the BentoML API; the other endpoints and the audit page
-are a Starlette app mounted beside it (:mod:`service.http_api`). BentoML
-provides `/healthz`, `/readyz` and `/metrics` (aggregated over its worker
-processes); `__metrics__` adds the gauges read from the ledger database.
-Configuration comes from OBLIVIATE_* variables, each layer's own
-(:class:`ledger.config.LedgerSettings`, :class:`jobs.orchestration.job_settings.JobSettings`,
-:class:`service.service_settings.ServiceSettings`).
-"""
+`POST /v1/predict` is the BentoML API; the other endpoints and the audit page are a
+Starlette app mounted beside it (:mod:`service.http_api`). BentoML provides `/healthz`,
+`/readyz` and `/metrics`; `__metrics__` adds the gauges read from the ledger database.
+See docs/sidecar.md (Service)."""
 
 from __future__ import annotations
 

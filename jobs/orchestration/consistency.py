@@ -1,33 +1,10 @@
 """The model registry held to the ledger: what `ledger verify` checks beyond the ledger.
 
-The ledger knows nothing of models, but its events say which versions were
-published (`applied`, `verified`, `model_trained`, `guard_refreshed`,
-`seeds_rotated` and `rolled_back` carry the version they published, in the
-transaction that moved the pointer) and which were destroyed (`destroyed`, with
-the SHA-256 of the manifest). The registry's tables (`model_pointer`,
-`model_versions`; the sealing keys in the key store) are working state that anyone with write
-access to the database can edit; :func:`verify_registry` finds where they
-disagree with the log:
-
-- the pointer names the version the latest publication event announced, which
-  exists, is not destroyed and may be served;
-- every version row was announced by an event, and its manifest agrees with
-  what the events say about it (the `change` an announcement carries, the
-  guarantee of `applied`, the guard and exactness check of `verified`, how many
-  requests it applied or verified, a `destroyed` event's manifest digest and
-  content hash), with its own row (seq, parent) and with the `manifest.json`
-  saved beside its files in the model store;
-- a destroyed version stays destroyed: `destroyed_at` set and no sealing key; a
-  version that is not destroyed still has its key (without it no process can load
-  it: deleting the current version's key stops the service);
-- a `verified` event marked `in_place` (the exactness check run on a version
-  that was published already guarded) publishes nothing: it must follow the
-  event that published the version it names.
-
-Where the events say nothing (a manifest's other fields of a version that is
-still kept) only the copy in the model store can disagree: a publication event
-that carried the manifest's digest would close that gap.
-"""
+The registry's tables are working state anyone with write access to the database can
+edit; the ledger's events say which versions were published and destroyed, and
+:func:`verify_registry` finds where the pointer, the version rows, the manifests (in the
+database and beside the files) and the sealing keys disagree with them.
+See docs/ledger.md (What `ledger verify` holds)."""
 
 from __future__ import annotations
 

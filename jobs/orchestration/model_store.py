@@ -5,7 +5,7 @@ under its identity, so ledgers never share a tag (``bentoml``: ``$BENTOML_HOME/m
 BentoML's own store is not safe for several writers, so a version is written into a
 staging directory and renamed into place whole, and removed by renaming it out first;
 leftovers of a killed writer go at the next start (:mod:`jobs.orchestration.leftovers`).
-See docs/operations.md ("The model store") and docs/security.md.
+See docs/operations.md (The model store) and docs/security.md.
 """
 
 from __future__ import annotations

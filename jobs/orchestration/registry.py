@@ -1,14 +1,10 @@
-"""The model registry: versions in BentoML's model store, the pointer in the ledger DB.
+"""The model registry: versions in the model store, the pointer in the ledger database.
 
-A version's files (learner, fitted guard, ``manifest.json``) live in the model
-store under the ledger's identity and the tag ``<name>:v<seq>``
-(:mod:`jobs.orchestration.model_store`).
-Which version is current is a row in the ledger database, so every process
-(workers, service replicas) agrees on it, and it moves in the same
-transaction as the ledger events that announce it. Publishing is a
-compare-and-set on the parent version: two workers can never both build on
-the same version.
-"""
+A version's files (learner, fitted guard, ``manifest.json``) live in the model store under
+the ledger's identity (:mod:`jobs.orchestration.model_store`); which version is current is
+a row of the ledger database, moved in the transaction of the events that announce it, by
+a compare-and-set on the parent: two workers can never both build on the same version.
+See docs/sidecar.md (Registry)."""
 
 from __future__ import annotations
 

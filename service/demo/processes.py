@@ -1,9 +1,8 @@
 """Starting and stopping the sidecar's processes on one machine (demo, tests, benchmarks).
 
-Each process is the real command a deployment runs (`obliviate serve`,
-`obliviate worker`, `obliviate consume`), with its output in a log file, so
-what is exercised here is what runs in production.
-"""
+Each process is the real command a deployment runs (`obliviate serve`, `obliviate
+worker`, `obliviate consume`), with its output in a log file, so what is exercised here
+is what runs in production. See docs/development.md (What `make demo` does)."""
 
 from __future__ import annotations
 

@@ -1,51 +1,10 @@
 """Looking for deleted records in files: the check behind "forget means gone".
 
-A promise that a record is gone is kept only where its bytes are gone, so this
-module scans files (model store, ledger database, temporary directories, logs)
-for what a record leaves behind when it is written out:
-
-- its whole feature vector, and any two adjacent features of which at least one
-  value no kept record holds, as float32 and float64 little-endian bytes (a row of
-  an uncompressed array, as numpy and torch write them);
-- its features at equal distances, as float32 and float64 bytes: a column-major
-  (feature-major) matrix keeps one feature's values for all records together, so a
-  record's features lie one column length apart (DaRE's ``X``); a strided row is
-  found the same way. A record counts as found when at least half its features
-  (and at least 6) line up at one distance, counting only values that occur at most
-  64 times in the file (0.0, or a category many records share, names no one), and
-  no kept record holds the same values at those features (a duplicate of a kept
-  record is the kept record's). Records of fewer than 6 features, or whose features
-  are mostly such common values, are not found this way; and kept records that tie
-  with a deleted one feature by feature at exactly equal distances (a diagonal of
-  ties) would be taken for it;
-- each value that no kept record holds, alone, as float64 bytes (not for simple
-  fractions, p/q with q up to 10^6, which a model's own probabilities match by
-  coincidence) and as decimal text (JSON, logs, ``repr``).
-  Values that kept records hold too (ties: categories, counts), or that lie halfway
-  between two values of a kept column (a tree's threshold, derived from kept data
-  alone; on a grid of values a deleted one can sit exactly there), are
-  no trace of the deleted record on their own, and float32 alone (4 bytes) would
-  match by chance;
-- optionally its raw values (as the user's table held them, before the input
-  transform encoded them: numbers in their own units, category names): the numbers
-  as a float32/float64 row, and each value no kept record holds (a rare category,
-  an integer of at least five digits, any other text of at least four characters)
-  as a whole word of text (docs/tables.md);
-- optionally its id: as an element of the string arrays in numpy files (stored
-  as UTF-32) and among the strings of the pickles in torch's archives (both read,
-  never executed: a short id like "r012" is four small integers in UTF-32, which
-  an int32 array holds by chance), and as a whole word of any other text. The
-  ledger's own log names deleted ids on purpose, so the id is looked for only
-  where no id may remain (the model store).
-
-What it cannot find: values transformed before they were written (rescaled,
-rounded, float16, compressed or encrypted files: sealed files are scanned
-unsealed with their key), and anything a model learned from a record rather than
-stored (weights, thresholds): that is the unlearning's guarantee, not this scan's.
-
-The scan reads each file once per pattern family (numpy for the binary windows,
-one regular expression for decimal numbers), so megabytes take milliseconds.
-"""
+A promise that a record is gone is kept only where its bytes are gone: this scans files
+(model store, database, temporary directories, logs) for a record's feature vector and
+its values as float32/float64 bytes (row- and feature-major), as decimal text and as the
+raw values of the user's table, and for its id where no id may remain. What it cannot
+see, and why a value shared with kept records is no trace: docs/security.md (The residue scan)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """`make demo`: the whole sidecar on embedded defaults, start to finish on one machine.
 
-A local broker (tansu), a fresh SQLite ledger seeded with a bundled data set,
-a first model version trained and guarded, then the three real processes
-(`obliviate serve`, `obliviate worker`, `obliviate consume`). A stream of
-deletion and addition requests (with resends and malformed messages mixed in)
-goes through Kafka while a client asks the service for predictions. At the
-end: the audit trail, the model lineage, deletion latencies, a metrics
-summary, an inclusion proof checked the way an auditor would, and a full
-`ledger verify`. Everything is stopped cleanly.
-"""
+A local broker, a fresh SQLite ledger on a bundled data set, a first version trained and
+guarded, the three real processes; deletions and additions (resends and malformed
+messages mixed in) through Kafka while a client asks for predictions; then the audit
+trail, lineage, latencies, metrics, an inclusion proof and `ledger verify`.
+See docs/development.md (What `make demo` does)."""
 
 from __future__ import annotations
 
