@@ -38,7 +38,7 @@ class NetworkClassifier(ClassifierMixin, Learner, BaseEstimator):
 
     def _label_set(self, y: np.ndarray, *, min_classes: int) -> np.ndarray:
         """``classes_``: the ``classes`` parameter (sorted unless of mixed types), or the
-        labels present; at least ``min_classes`` of them."""
+        labels present; at least ``min_classes`` (1 or 2) of them."""
         given = getattr(self, "classes", None)
         if given is None:
             classes = np.unique(y)
@@ -49,8 +49,9 @@ class NetworkClassifier(ClassifierMixin, Learner, BaseEstimator):
             if classes.dtype != object:
                 classes = np.sort(classes)
         if len(classes) < min_classes:
-            raise ValueError(f"need at least {min_classes} distinct class(es), got "
-                             f"{len(classes)} class(es): {classes.tolist()}")
+            least = "one class" if min_classes == 1 else "two classes"
+            raise ValueError(f"need at least {least}, got {len(classes)} class(es): "
+                             f"{classes.tolist()}")
         return classes
 
     def _queries(self, X: Any) -> np.ndarray:
