@@ -58,7 +58,8 @@ def two_deletions_then_the_check(ledger: Ledger) -> tuple[Worker, list[str]]:
 
 
 def run_checks(w: Worker, ledger: Ledger) -> None:
-    w.config = replace(w.config, guard_after_idle_s=0.0)  # a pause: the check runs
+    # a pause: the check runs (the guard pass schedules it, by its own settings)
+    w.guard.config = replace(w.guard.config, guard_after_idle_s=0.0)
     end = time.monotonic() + 90
     while time.monotonic() < end and (w.step() or w.busy or len(destroyed_versions(
             w.registry)) < 2 or ledger.lifecycle.requests_with_status("applied")):

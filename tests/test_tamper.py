@@ -432,7 +432,8 @@ def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
         "records": [{"record_id": "n1", "features": [0.1, 0.2, 0.3, 0.4], "label": 1}]}}
                           ).status == "accepted"
     assert w.step()
-    w.config = replace(w.config, guard_after_idle_s=0.0)  # a pause: the check runs
+    # a pause: the check runs (the guard pass schedules it, by its own settings)
+    w.guard.config = replace(w.guard.config, guard_after_idle_s=0.0)
     end = time.monotonic() + 60
     while time.monotonic() < end and (w.step() or w.busy or not destroyed_versions(reg)
                                       or ledger.lifecycle.requests_with_status("applied")):
