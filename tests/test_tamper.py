@@ -19,14 +19,23 @@ from jobs.orchestration.consistency import verify_registry
 from jobs.orchestration.registry import POINTER, VERSIONS, Registry
 from jobs.orchestration.retention import destroyed_versions
 from jobs.orchestration.worker import Worker, WorkerConfig
-from ledger import audit, merkle
+from ledger import audit, merkle, subtree_store
 from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
 from ledger.heads import HeadSigner, parse_public_key, verify_head
 from ledger.intake import IncomingMessage
 from ledger.log_check import schema_sha256
 from ledger.models import DatasetSchema
 from ledger.store import Ledger
-from ledger.tables import CHECKPOINTS, EVENTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
+from ledger.tables import (
+    CHECKPOINTS,
+    EVENTS,
+    HEADS,
+    MERKLE_NODES,
+    OFFSETS,
+    PAYLOADS,
+    RECORDS,
+    REQUESTS,
+)
 from service.cli import main
 from tests.conftest import HMAC_KEY, seed
 
@@ -95,7 +104,8 @@ def append_forged(ledger: Ledger, kind: str, request_id: str | None, payload: di
 
 def rewrite_events(ledger: Ledger, edit, upto: int | None = None) -> None:
     """Edit events and re-hash the chain from there on, then recompute every checkpoint
-    (root and frontier): everything the ledger can recompute without the signing key."""
+    (root and frontier) and stored subtree: everything the ledger can recompute without
+    the signing key."""
     with ledger.engine.begin() as conn:
         rows = conn.execute(select(EVENTS).order_by(EVENTS.c.seq)).all()
         prev, frontier, roots = "0" * 64, merkle.MerkleFrontier(), {}
@@ -113,6 +123,8 @@ def rewrite_events(ledger: Ledger, edit, upto: int | None = None) -> None:
             root, state = roots[size]
             conn.execute(update(CHECKPOINTS).where(CHECKPOINTS.c.tree_size == size)
                          .values(root_hash=root, frontier=state))
+        conn.execute(sql_delete(MERKLE_NODES))  # and the stored subtrees, from event 1
+        subtree_store.catch_up(conn, len(rows))
 
 
 def retold(e) -> str:
