@@ -55,6 +55,9 @@ class LedgerSettings(EnvSettings):
     # minimum seconds between purge maintenance runs (unset: 0 on SQLite, 600 on PostgreSQL)
     purge_maintenance_s: float | None = None
     consumer_metrics_port: int = 9102  # `obliviate consume` serves its metrics here
+    # the signed head the last `ledger verify` passed on (`ledger.verified_head`): a file
+    # of the verifying machine, where the database's writers cannot reach it
+    verified_head_file: str = str(STATE_DIR / "verified-head.json")
 
     def topic_configs(self) -> dict[str, dict[str, str]]:
         """Retention settings of the requests and dead-letter topics, when created here."""

@@ -45,6 +45,9 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
     heads: int = 0  # signed tree heads
     notes: list[str] = field(default_factory=list)  # what verify could not check, and why
+    # the newest signed head this verify vouches for: where `--since-verified` starts next
+    verified_head: dict[str, Any] | None = None
+    since: int | None = None  # an incremental verify: the verified head it started from
 
     @property
     def first_bad_seq(self) -> int | None:
