@@ -80,8 +80,9 @@ class LedgerVerifier:
                 select(CHECKPOINTS).where(CHECKPOINTS.c.tree_size > size))}
             heads = {r.tree_size: r for r in conn.execute(
                 select(HEADS).where(HEADS.c.tree_size >= size))}
-            self._check_verified(conn, verified, heads.pop(size, None), problems)
+            stored = heads.pop(size, None)
             covered = max(size, self._check_heads(conn, heads, checkpoints, problems, notes))
+            self._check_verified(conn, verified, stored, problems)
             walk = resume(conn, verified, problems)
             if walk is None:
                 return VerifyResult(False, 0, 0, 0, problems, notes=notes, since=size)
@@ -97,10 +98,10 @@ class LedgerVerifier:
     def _check_verified(self, conn: Connection, verified: dict[str, Any], stored: Any,
                         problems: list[Problem]) -> None:
         """The verified head is this log's (signed by the key that signs its size), and
-        the database's head of that size, if it keeps one, is that head."""
+        the database's head of that size, if it keeps one, is that head. (After
+        `_check_heads`, which read the key rotations afresh and reported their problems.)"""
         where = f"verified head {verified['tree_size']}"
-        chain, why = self._heads.signing.chain(conn, fresh=True)
-        problems.extend(Problem("signing keys", w) for w in why)
+        chain, _ = self._heads.signing.chain(conn)
         if chain is None:
             problems.append(Problem(where, "no public key to check it with: set the ledger's "
                                     "signing key (or its public half)"))
