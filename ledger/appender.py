@@ -1,4 +1,8 @@
-"""Appending events to the hash chain, inside the transaction that makes the change."""
+"""Appending events to the hash chain, inside the transaction that makes the change.
+
+The same transaction stores the Merkle subtrees the new events complete
+(:mod:`ledger.subtree_store`), so proofs never wait for a rebuild. See docs/ledger.md.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from ledger import intake_metrics as metrics
-from ledger.chain import GENESIS_HASH, canonical_json, event_hash
+from ledger import subtree_store
+from ledger.chain import GENESIS_HASH, canonical_json, event_hash, event_leaf
 from ledger.db import insert_rows
 from ledger.tables import EVENTS
 
@@ -34,8 +39,13 @@ class ChainAppender:
         return self.seq
 
     def flush(self, conn: Connection) -> None:
+        """Insert the appended events and the Merkle subtrees they complete."""
         if self.rows:
+            first = self.rows[0]
+            frontier = subtree_store.catch_up(conn, first["seq"] - 1, first["prev_hash"])
             insert_rows(conn, EVENTS, self.rows)
+            if frontier is not None:
+                subtree_store.store(conn, frontier, (event_leaf(r["hash"]) for r in self.rows))
             for kind, n in Counter(r["kind"] for r in self.rows).items():
                 metrics.LEDGER_EVENTS.labels(kind=kind).inc(n)
             self.rows = []

@@ -66,6 +66,11 @@ def add_commands(sub: argparse._SubParsersAction, verify_checks: Sequence[Verify
 
     p = lsub.add_parser("verify", help="recompute the hash chain, checkpoints, signed heads "
                         "and fingerprints, and hold the tables to what the events say")
+    p.add_argument("--since-verified", action="store_true",
+                   help="check only the log after the signed head the last verify passed on "
+                   "(a consistency proof from it, the events after it); not the tables")
+    p.add_argument("--verified-head", metavar="FILE", help="where that head is kept "
+                   "(default: OBLIVIATE_VERIFIED_HEAD_FILE, .obliviate/verified-head.json)")
     p.set_defaults(func=cmd_verify, verify_checks=tuple(verify_checks))
 
     p = lsub.add_parser("show", help="a request's history: its events, each with an "
@@ -312,15 +317,42 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    ledger = open_ledger(args, sign=False)
-    result = ledger.verify()
-    for check in getattr(args, "verify_checks", ()):
-        result.problems.extend(check(ledger))
+    """`ledger verify`: everything, or (`--since-verified`) the log after the head the last
+    verify passed on; a verify that passes keeps its newest signed head for the next."""
+    from ledger import verified_head
+
+    settings = settings_from(args)
+    ledger = open_ledger(args, settings, sign=False)
+    path = Path(getattr(args, "verified_head", None) or settings.verified_head_file)
+    since = None
+    if getattr(args, "since_verified", False):
+        try:
+            since = verified_head.load(path)
+        except ValueError as exc:
+            print(f"obliviate: error: {exc}", file=sys.stderr)
+            return 1
+        if since is None:
+            print(f"note: no verified head in {path} yet: verifying everything",
+                  file=sys.stderr)
+    result = ledger.verify() if since is None else ledger.verifier.verify_since(since)
+    if since is None:
+        for check in getattr(args, "verify_checks", ()):
+            result.problems.extend(check(ledger))
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if not result.problems:
-        print(f"ledger OK: {result.events} events, {result.checkpoints} checkpoints, "
-              f"{result.heads} signed heads, {result.records} records verified")
+        if result.verified_head is not None:
+            try:
+                verified_head.save(path, result.verified_head)
+            except OSError as exc:
+                print(f"note: the verified head could not be kept at {path} ({exc.strerror}): "
+                      "the next --since-verified starts from an older one", file=sys.stderr)
+        if since is not None:
+            print(f"ledger OK: events {result.since + 1}..{result.events} and "
+                  f"{result.heads} signed heads verified since the head over {result.since}")
+        else:
+            print(f"ledger OK: {result.events} events, {result.checkpoints} checkpoints, "
+                  f"{result.heads} signed heads, {result.records} records verified")
         return 0
     first = result.problems[0]
     print(f"ledger FAILED verification: {len(result.problems)} problem(s); first: {first}",

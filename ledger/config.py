@@ -56,6 +56,9 @@ class LedgerSettings(EnvSettings):
     # where the worker's and the consumer's metrics listen: this machine only, unless a
     # deployment's Prometheus scrapes them from elsewhere (the deploy files: 0.0.0.0)
     metrics_host: str = "127.0.0.1"
+    # the signed head the last `ledger verify` passed on (`ledger.verified_head`): a file
+    # of the verifying machine, where the database's writers cannot reach it
+    verified_head_file: str = str(STATE_DIR / "verified-head.json")
 
     def topic_configs(self) -> dict[str, dict[str, str]]:
         """Retention settings of the requests and dead-letter topics, when created here."""

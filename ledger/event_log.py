@@ -17,9 +17,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select
 
-from ledger import merkle
+from ledger import subtree_store
 from ledger.appender import ChainAppender
-from ledger.chain import event_leaf, iso, utc_now
+from ledger.chain import iso, utc_now
 from ledger.db import writing
 from ledger.models import REQUEST_STATUSES
 from ledger.tables import EVENTS, REQUESTS
@@ -91,31 +91,29 @@ class EventLog:
 
     def inclusion_proofs(self, seqs: Sequence[int], tree_size: int) -> dict[int, list[str]]:
         """The inclusion proof of each of events `seqs` in the tree of the first
-        `tree_size` events (hex hashes)."""
+        `tree_size` events (hex hashes), each from O(log n) stored subtrees."""
         with self.engine.connect() as conn:
-            leaves = _leaves(conn, tree_size)
-        return {s: [p.hex() for p in merkle.inclusion_proof(leaves, s - 1)] for s in seqs}
+            return {s: [p.hex() for p in subtree_store.inclusion_proof(conn, s - 1, tree_size)]
+                    for s in seqs}
 
     def consistency(self, old_size: int, new_size: int) -> dict[str, Any]:
         """RFC 6962 consistency proof that events 1..old_size are a prefix of 1..new_size,
-        with both roots as the events give them now (an auditor compares those with the
-        signed heads it holds, never trusts them). ValueError for impossible sizes."""
+        with both roots as the stored subtrees give them now (an auditor compares those
+        with the signed heads it holds, never trusts them). ValueError for impossible
+        sizes."""
         last = self.last_seq()
         if not 0 <= old_size <= new_size <= last:
             raise ValueError(f"need 0 <= old <= new <= {last} (the log's size); "
                              f"got old={old_size}, new={new_size}")
         with self.engine.connect() as conn:
-            leaves = _leaves(conn, new_size)
-            if len(leaves) != new_size:
-                raise ValueError(f"events 1..{new_size} are not all there ({len(leaves)} "
-                                 "found)")
+            proof = subtree_store.consistency_proof(conn, old_size, new_size)
+            roots = subtree_store.root(conn, old_size), subtree_store.root(conn, new_size)
             _, rotations = self._heads.published_keys(conn, new_size)
             signing = self._heads.signing
             heads = (signing.head_at(conn, old_size), signing.head_at(conn, new_size))
         return {"old_size": old_size, "new_size": new_size,
-                "old_root": merkle.root(leaves[:old_size]).hex(),
-                "new_root": merkle.root(leaves).hex(),
-                "proof": [p.hex() for p in merkle.consistency_proof(leaves, old_size)],
+                "old_root": roots[0].hex(), "new_root": roots[1].hex(),
+                "proof": [p.hex() for p in proof],
                 "old_head": heads[0], "new_head": heads[1], "rotations": rotations}
 
     def receipt_token(self, request_id: str) -> str:
@@ -123,13 +121,6 @@ class EventLog:
         the request id under the deployment secret, so nothing is stored for it."""
         return hmac.new(self._key, b"obliviate receipt token\0" + request_id.encode(),
                         hashlib.sha256).hexdigest()
-
-
-def _leaves(conn: Connection, tree_size: int) -> list[bytes]:
-    """The Merkle leaves of events 1..tree_size (those that are there)."""
-    return [event_leaf(h) for h in conn.execution_options(yield_per=20_000).execute(
-        select(EVENTS.c.hash).where(EVENTS.c.seq <= tree_size)
-        .order_by(EVENTS.c.seq)).scalars()]
 
 
 def _event_dict(row: Any) -> dict[str, Any]:

@@ -1,39 +1,30 @@
 """`verify`: recompute everything the ledger claims and say what disagrees.
 
-The chain of event hashes, every checkpoint's and signed head's root, the heads'
-signatures (following the key rotations), the tail no head covers yet, every
-record's keyed fingerprint, and the working tables (requests, records, schema,
-Kafka offsets) held to what the events say happened. What is found is a list of
-problems, in log order, with notes on what could not be checked.
+The chain of event hashes, every checkpoint's, signed head's and stored subtree's
+root, the heads' signatures (following the key rotations), the tail no head covers
+yet, every record's keyed fingerprint, and the working tables (requests, records,
+schema, Kafka offsets) held to what the events say happened; or, incrementally, the
+log after a head verified before. What is found is a list of problems, in log order,
+with notes on what could not be checked. See docs/ledger.md#what-ledger-verify-holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Engine, select
 
-from ledger import merkle
-from ledger.chain import GENESIS_HASH, event_hash, event_leaf, parse_iso, record_fingerprint
+from ledger import merkle, subtree_store
+from ledger.chain import parse_iso, record_fingerprint
 from ledger.heads import log_id
 from ledger.keystore import LedgerKeys
 from ledger.log_check import LogFacts, Problem, VerifyResult
-from ledger.models import REQUEST_STATUSES, DatasetSchema
+from ledger.log_walk import LogWalk, resume, walk_events
+from ledger.models import DatasetSchema
 from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer
 from ledger.signing import head_dict
-from ledger.tables import CHECKPOINTS, EVENTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS, SEALED
+from ledger.tables import CHECKPOINTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS, SEALED
 from ledger.tree_heads import TreeHeads
-
-
-@dataclass
-class _EventWalk:
-    """What one pass over the events found besides problems."""
-
-    n_events: int = 0
-    last_kind: dict[str, str] = field(default_factory=dict)  # request id -> its last event
-    first_uncovered: str | None = None  # created_at of the first event no head covers
-    last_at: str | None = None
 
 
 class LedgerVerifier:
@@ -48,8 +39,9 @@ class LedgerVerifier:
         self._heads = heads
 
     def verify(self) -> VerifyResult:
-        """Recompute the chain, every checkpoint and signed head, every record fingerprint,
-        and hold the requests and records to what the events say happened to them."""
+        """Recompute the chain, every checkpoint and signed head, every stored subtree,
+        every record fingerprint, and hold the requests and records to what the events
+        say happened to them."""
         problems: list[Problem] = []
         notes: list[str] = []
         facts = LogFacts()
@@ -58,7 +50,7 @@ class LedgerVerifier:
             checkpoints = {r.tree_size: r.root_hash for r in conn.execute(select(CHECKPOINTS))}
             heads = {r.tree_size: r for r in conn.execute(select(HEADS))}
             covered = self._check_heads(conn, heads, checkpoints, problems, notes)
-            walk = _check_events(conn, checkpoints, heads, covered, facts, problems)
+            walk = walk_events(conn, LogWalk(), checkpoints, heads, covered, facts, problems)
             self._check_tail(covered, walk, bool(heads) or self._heads.public_key is not None,
                              problems, notes)
             status_of = _check_requests(conn, walk.last_kind, facts, problems)
@@ -69,7 +61,58 @@ class LedgerVerifier:
             problems.extend(facts.check_offsets(conn.execute(select(OFFSETS)).all()))
             problems.extend(_orphan_payloads(conn))
         return VerifyResult(not problems, walk.n_events, len(checkpoints), n_records, problems,
-                            heads=len(heads), notes=notes)
+                            heads=len(heads), notes=notes,
+                            verified_head=_good_head(heads, covered, problems)
+                            if self._heads.public_key is not None else None)
+
+    def verify_since(self, verified: dict[str, Any]) -> VerifyResult:
+        """The log after `verified`, a signed head a verify passed on before (kept where
+        the database's writers cannot reach it): its signature, that the stored subtrees
+        still give its root, the events after it (chain, roots of the heads and
+        checkpoints, stored subtrees) and an RFC 6962 consistency proof from it to the
+        newest head. The tables and the events before it are not read (`verify` does)."""
+        problems: list[Problem] = []
+        notes = ["only the log after the verified head was checked: the events before it "
+                 "are held by its root, the tables by a full `ledger verify`"]
+        size = verified["tree_size"]
+        with self.engine.connect() as conn:
+            checkpoints = {r.tree_size: r.root_hash for r in conn.execute(
+                select(CHECKPOINTS).where(CHECKPOINTS.c.tree_size > size))}
+            heads = {r.tree_size: r for r in conn.execute(
+                select(HEADS).where(HEADS.c.tree_size >= size))}
+            stored = heads.pop(size, None)
+            covered = max(size, self._check_heads(conn, heads, checkpoints, problems, notes))
+            self._check_verified(conn, verified, stored, problems)
+            walk = resume(conn, verified, problems)
+            if walk is None:
+                return VerifyResult(False, 0, 0, 0, problems, notes=notes, since=size)
+            walk = walk_events(conn, walk, checkpoints, heads, covered, None, problems)
+            self._check_tail(covered, walk, True, problems, notes)
+            if covered > size and covered in heads:
+                problems.extend(_consistent(conn, verified, heads[covered]))
+        good = _good_head(heads, covered, problems)
+        return VerifyResult(not problems, walk.n_events, len(checkpoints), 0, problems,
+                            heads=len(heads), notes=notes, since=size,
+                            verified_head=good if good is not None else verified)
+
+    def _check_verified(self, conn: Connection, verified: dict[str, Any], stored: Any,
+                        problems: list[Problem]) -> None:
+        """The verified head is this log's (signed by the key that signs its size), and
+        the database's head of that size, if it keeps one, is that head. (After
+        `_check_heads`, which read the key rotations afresh and reported their problems.)"""
+        where = f"verified head {verified['tree_size']}"
+        chain, _ = self._heads.signing.chain(conn)
+        if chain is None:
+            problems.append(Problem(where, "no public key to check it with: set the ledger's "
+                                    "signing key (or its public half)"))
+            return
+        why_not = chain.check_head(verified)
+        if why_not:
+            problems.append(Problem(where, why_not))
+        elif stored is not None and stored.root_hash != verified["root_hash"]:
+            problems.append(Problem(f"signed head {verified['tree_size']}", "is not the head "
+                                    "verified before: its root differs (the log was "
+                                    "rewritten and signed again)", verified["tree_size"]))
 
     def _check_heads(self, conn: Connection, heads: dict[int, Any],
                      checkpoints: dict[int, str], problems: list[Problem],
@@ -103,7 +146,7 @@ class LedgerVerifier:
                 good.append(size)
         return max(good, default=0)
 
-    def _check_tail(self, covered: int, walk: _EventWalk, signed: bool,
+    def _check_tail(self, covered: int, walk: LogWalk, signed: bool,
                     problems: list[Problem], notes: list[str]) -> None:
         """Events after the latest head: no one can check them yet, but none of them may
         be `head_interval_s` older than the newest event: every append takes a head once
@@ -168,51 +211,23 @@ class LedgerVerifier:
         return []
 
 
-def _check_events(conn: Connection, checkpoints: dict[int, str], heads: dict[int, Any],
-                  covered: int, facts: LogFacts, problems: list[Problem]) -> _EventWalk:
-    """The chain of hashes, the roots of the checkpoints and heads along it, and heads or
-    checkpoints over more events than there are."""
-    walk = _EventWalk()
-    frontier = merkle.MerkleFrontier()
-    prev, expected = GENESIS_HASH, 1
-    for e in conn.execution_options(yield_per=5000).execute(
-            select(EVENTS).order_by(EVENTS.c.seq)):
-        if e.seq != expected:
-            problems.append(Problem(f"event {expected}", "missing: the sequence jumps "
-                                    f"to {e.seq} (deleted row?)", expected))
-            expected = e.seq
-        if e.prev_hash != prev:
-            problems.append(Problem(f"event {e.seq}", "prev_hash does not match the "
-                                    "previous event's hash", e.seq))
-        if event_hash(e.seq, e.request_id, e.kind, e.payload, e.model_version,
-                      e.created_at, e.prev_hash) != e.hash:
-            problems.append(Problem(f"event {e.seq}", "content does not match its "
-                                    "hash (edited behind the ledger's back)", e.seq))
-        prev, expected = e.hash, expected + 1
-        frontier.append(event_leaf(e.hash))
-        root = checkpoints.get(frontier.size)
-        if root is not None and root != frontier.root().hex():
-            problems.append(Problem(f"checkpoint {frontier.size}", "Merkle root does not "
-                                    "match the events it covers", frontier.size))
-        head = heads.get(frontier.size)
-        if head is not None and head.root_hash != frontier.root().hex():
-            problems.append(Problem(f"signed head {frontier.size}", "Merkle root does "
-                                    "not match the events it covers (the log was "
-                                    "rewritten)", frontier.size))
-        if e.request_id and e.kind in REQUEST_STATUSES:
-            walk.last_kind[e.request_id] = e.kind
-        facts.see(e, problems)
-        if e.seq == covered + 1:
-            walk.first_uncovered = e.created_at
-        walk.last_at = e.created_at
-    n_events = walk.n_events = frontier.size
-    for size in sorted(s for s in checkpoints if s > n_events):
-        problems.append(Problem(f"checkpoint {size}", f"covers {size} events but the log "
-                                f"has {n_events} (events removed?)", n_events + 1))
-    for size in sorted(s for s in heads if s > n_events):
-        problems.append(Problem(f"signed head {size}", f"covers {size} events but the "
-                                f"log has {n_events} (events removed)", n_events + 1))
-    return walk
+def _good_head(heads: dict[int, Any], covered: int, problems: list[Problem]
+               ) -> dict[str, Any] | None:
+    """The newest signed head a verify that found nothing wrong vouches for (what
+    `--since-verified` starts from next time), or None."""
+    return None if problems or covered not in heads else head_dict(heads[covered])
+
+
+def _consistent(conn: Connection, old: dict[str, Any], new: Any) -> list[Problem]:
+    """An RFC 6962 consistency proof, from the stored subtrees, between two signed heads."""
+    proof = subtree_store.consistency_proof(conn, old["tree_size"], new.tree_size)
+    if merkle.verify_consistency(old["tree_size"], new.tree_size,
+                                 bytes.fromhex(old["root_hash"]), bytes.fromhex(new.root_hash),
+                                 proof):
+        return []
+    return [Problem(f"signed head {new.tree_size}", f"is not consistent with the verified "
+                    f"head {old['tree_size']}: the consistency proof from the stored subtree "
+                    "hashes fails", old["tree_size"])]
 
 
 def _check_requests(conn: Connection, last_kind: dict[str, str], facts: LogFacts,

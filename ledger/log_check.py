@@ -45,6 +45,9 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
     heads: int = 0  # signed tree heads
     notes: list[str] = field(default_factory=list)  # what verify could not check, and why
+    # the newest signed head this verify vouches for: where `--since-verified` starts next
+    verified_head: dict[str, Any] | None = None
+    since: int | None = None  # an incremental verify: the verified head it started from
 
     @property
     def first_bad_seq(self) -> int | None:
@@ -69,6 +72,13 @@ class LogFacts:
         self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
         # (topic, partition) -> (offset, seq) of the last message an event records from it
         self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        self._isos: dict[Any, str] = {}  # the records of a load share their time
+
+    def _iso(self, at: Any) -> str:
+        text = self._isos.get(at)
+        if text is None:
+            text = self._isos[at] = iso(at)
+        return text
 
     def see(self, e: Any, problems: list[Problem]) -> None:
         rid = e.request_id
@@ -140,7 +150,7 @@ class LogFacts:
             out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
                                       f"(event {by[0][2]}): its data was restored"))
         if rec.added_by is None:
-            key = "-" if rec.added_at is None else iso(rec.added_at)
+            key = "-" if rec.added_at is None else self._iso(rec.added_at)
             self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
             return out
         added = self.added.get(rec.record_id)

@@ -29,9 +29,13 @@ __all__ = [
     "HASH_SIZE",
     "MerkleFrontier",
     "consistency_proof",
+    "consistency_ranges",
+    "fold",
     "inclusion_proof",
+    "inclusion_ranges",
     "leaf_hash",
     "node_hash",
+    "perfect_subtrees",
     "root",
     "verify_consistency",
     "verify_inclusion",
@@ -102,64 +106,107 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-def inclusion_proof(leaf_hashes: Sequence[bytes], index: int) -> list[bytes]:
-    """PATH(m, D[n]) of RFC 6962 section 2.1.1, leaf-to-root order as RFC 9162 verifiers expect.
+def inclusion_ranges(index: int, tree_size: int) -> list[tuple[int, int]]:
+    """The leaf ranges [lo, hi) whose roots make PATH(index, D[tree_size]) of RFC 6962
+    section 2.1.1, leaf-to-root order as RFC 9162 verifiers expect.
 
-    Walks down from the root keeping the half that holds ``index`` and records the root of
-    the other half, so the cost is O(n) hashing and O(log n) stack, never O(n) recursion.
+    Walks down from the root keeping the half that holds ``index`` and records the other
+    half. Each range is a perfect subtree or a right edge of one, so its root folds from
+    O(log n) stored subtrees (:func:`perfect_subtrees`).
     """
-    n = len(leaf_hashes)
-    index = _check_int("index", index)
-    if n == 0:
+    index, n = _check_int("index", index), _check_int("tree_size", tree_size)
+    if n <= 0:
         raise ValueError("cannot build an inclusion proof in an empty tree")
     if not 0 <= index < n:
         raise ValueError(f"index {index} out of range for a tree of {n} leaves")
-    path: list[bytes] = []
+    ranges: list[tuple[int, int]] = []
     lo, hi = 0, n
     while hi - lo > 1:
         k = _split(hi - lo)
         if index < lo + k:
-            path.append(_subtree_root(leaf_hashes, lo + k, hi))
+            ranges.append((lo + k, hi))
             hi = lo + k
         else:
-            path.append(_subtree_root(leaf_hashes, lo, lo + k))
+            ranges.append((lo, lo + k))
             lo += k
-    path.reverse()
-    return path
+    ranges.reverse()
+    return ranges
 
 
-def consistency_proof(leaf_hashes: Sequence[bytes], old_size: int) -> list[bytes]:
-    """PROOF(m, D[n]) of RFC 6962 section 2.1.2, showing the first ``old_size`` leaves are kept.
+def consistency_ranges(old_size: int, tree_size: int) -> list[tuple[int, int]]:
+    """The leaf ranges [lo, hi) whose roots make PROOF(old_size, D[tree_size]) of RFC 6962
+    section 2.1.2, in the order RFC 9162 verifiers expect.
 
     ``old_size`` of 0 or of the full size needs no proof (RFC 9162 section 2.1.4) and
     gives an empty list, so a caller can ask for any checkpoint pair without special cases.
     """
-    n = len(leaf_hashes)
-    m = _check_int("old_size", old_size)
+    m, n = _check_int("old_size", old_size), _check_int("tree_size", tree_size)
     if m < 0:
         raise ValueError(f"old_size must be non-negative, got {m}")
     if m > n:
         raise ValueError(f"old_size {m} is larger than the tree ({n} leaves)")
     if m == 0 or m == n:
         return []
-    # Iterative SUBPROOF(m, D[lo:hi], b); items are collected root-first, then reversed.
-    proof: list[bytes] = []
+    # Iterative SUBPROOF(m, D[lo:hi], b); ranges are collected root-first, then reversed.
+    ranges: list[tuple[int, int]] = []
     lo, hi = 0, n
     complete = True  # RFC's b: whether D[lo:lo+m] is still the old tree's own root
     while m != hi - lo:
         k = _split(hi - lo)
         if m <= k:
-            proof.append(_subtree_root(leaf_hashes, lo + k, hi))
+            ranges.append((lo + k, hi))
             hi = lo + k
         else:
-            proof.append(_subtree_root(leaf_hashes, lo, lo + k))
+            ranges.append((lo, lo + k))
             lo += k
             m -= k
             complete = False
     if not complete:
-        proof.append(_subtree_root(leaf_hashes, lo, hi))
-    proof.reverse()
-    return proof
+        ranges.append((lo, hi))
+    ranges.reverse()
+    return ranges
+
+
+def perfect_subtrees(lo: int, hi: int) -> list[tuple[int, int]]:
+    """Leaves [lo, hi) as perfect subtrees (level, index), left to right (largest first):
+    the subtree (L, j) holds leaves [j * 2**L, (j + 1) * 2**L).
+
+    For every range of RFC 6962's tree (``lo`` a multiple of the power of two at or above
+    ``hi - lo``, as the split makes them) MTH(D[lo:hi]) is :func:`fold` of their roots.
+    """
+    out: list[tuple[int, int]] = []
+    while lo < hi:
+        level = (hi - lo).bit_length() - 1
+        if lo:
+            level = min(level, (lo & -lo).bit_length() - 1)
+        out.append((level, lo >> level))
+        lo += 1 << level
+    return out
+
+
+def fold(subtree_roots: Sequence[bytes]) -> bytes:
+    """The root over adjacent perfect subtrees given largest first: hashed right to left,
+    as RFC 6962 carries the right edge up (EMPTY_ROOT for none)."""
+    if not subtree_roots:
+        return EMPTY_ROOT
+    r = subtree_roots[-1]
+    for h in reversed(subtree_roots[:-1]):
+        r = node_hash(h, r)
+    return r
+
+
+def inclusion_proof(leaf_hashes: Sequence[bytes], index: int) -> list[bytes]:
+    """PATH(m, D[n]) of RFC 6962 section 2.1.1 over leaves in memory: O(n) hashing.
+    (The ledger's own proofs read stored subtrees instead: :mod:`ledger.subtree_store`.)"""
+    return [_subtree_root(leaf_hashes, lo, hi)
+            for lo, hi in inclusion_ranges(index, len(leaf_hashes))]
+
+
+def consistency_proof(leaf_hashes: Sequence[bytes], old_size: int) -> list[bytes]:
+    """PROOF(m, D[n]) of RFC 6962 section 2.1.2 over leaves in memory, showing the first
+    ``old_size`` leaves are kept; empty for ``old_size`` 0 or the full size."""
+    return [_subtree_root(leaf_hashes, lo, hi)
+            for lo, hi in consistency_ranges(old_size, len(leaf_hashes))]
 
 
 def _is_hash(value: object) -> bool:
@@ -285,28 +332,27 @@ class MerkleFrontier:
         """Number of leaves appended so far."""
         return self._size
 
-    def append(self, leaf_hash: bytes) -> None:
-        """Add the next leaf hash, merging equal-sized subtrees as a binary counter carries."""
+    def append(self, leaf_hash: bytes) -> list[bytes]:
+        """Add the next leaf hash, merging equal-sized subtrees as a binary counter carries.
+        Returns the roots of the subtrees this leaf completes, levels 1, 2, ... (what
+        :mod:`ledger.subtree_store` stores)."""
         if not _is_hash(leaf_hash):
             raise ValueError(f"leaf_hash must be {HASH_SIZE} bytes")
         h = bytes(leaf_hash)
         stack = self._stack
         n = self._size
+        completed = []
         while n & 1:
             h = node_hash(stack.pop(), h)
+            completed.append(h)
             n >>= 1
         stack.append(h)
         self._size += 1
+        return completed
 
     def root(self) -> bytes:
         """MTH of everything appended so far: fold the subtree roots right to left."""
-        stack = self._stack
-        if not stack:
-            return EMPTY_ROOT
-        r = stack[-1]
-        for h in reversed(stack[:-1]):
-            r = node_hash(h, r)
-        return r
+        return fold(self._stack)
 
     def state(self) -> tuple[int, list[bytes]]:
         """(size, subtree roots largest first): enough to resume appending later."""

@@ -150,6 +150,21 @@ class Checkpoint(SQLModel, table=True):
     frontier: list[str] = Field(sa_column=Column(JSON, nullable=False))
 
 
+class MerkleNode(SQLModel, table=True):
+    """The root of a perfect subtree of the events' Merkle tree (2**L events, L >= 1,
+    starting at a multiple of 2**L), stored as its last event is appended so that proofs
+    read O(log n) rows (`ledger.subtree_store`). Derived from the events: `verify`
+    recomputes every row."""
+
+    __tablename__ = "merkle_nodes"
+
+    # the order subtrees are completed in (`subtree_store.position`): appends only add to
+    # the end, and the rows over events 1..n are positions 0..n - popcount(n) - 1
+    position: int = Field(sa_type=BigInteger, primary_key=True,
+                          sa_column_kwargs={"autoincrement": False})
+    hash: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+
+
 class SignedHead(SQLModel, table=True):
     """A tree head signed with the ledger's Ed25519 key (`ledger.heads`), which is kept
     outside this database: published so that auditors can hold the log to it."""

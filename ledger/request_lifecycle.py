@@ -154,16 +154,26 @@ class RequestLifecycle:
                                 .order_by(REQUESTS.c.received_seq).limit(limit)).all()
         return [Request.model_validate(dict(r._mapping)) for r in rows]
 
-    def requests_of_subject(self, subject_id: str) -> list[dict[str, Any]]:
-        """Every request about a subject: by subject id, or naming any of its records."""
+    def requests_of_subject(self, subject_id: str, limit: int | None = None,
+                            after: int = 0) -> list[dict[str, Any]]:
+        """The requests about a subject (by subject id, or naming any of its records) in
+        the order they were received: the first `limit` received after event `after`
+        (the next page starts after the last `received_seq` of this one)."""
+        out: list[dict[str, Any]] = []
         with self.engine.connect() as conn:
             own = set(conn.execute(select(RECORDS.c.record_id)
                                    .where(RECORDS.c.subject_id == subject_id)).scalars())
-            rows = conn.execute(select(REQUESTS).order_by(REQUESTS.c.received_seq)).all()
-        return [{"request_id": r.request_id, "op": r.op, "status": r.status,
-                 "subject_id": r.subject_id, "record_ids": list(r.record_ids),
-                 "received_at": iso(r.received_at)}
-                for r in rows if r.subject_id == subject_id or own.intersection(r.record_ids)]
+            for r in conn.execute(select(REQUESTS).where(REQUESTS.c.received_seq > after)
+                                  .order_by(REQUESTS.c.received_seq)
+                                  .execution_options(yield_per=5000)):
+                if r.subject_id == subject_id or own.intersection(r.record_ids):
+                    out.append({"request_id": r.request_id, "op": r.op, "status": r.status,
+                                "subject_id": r.subject_id, "record_ids": list(r.record_ids),
+                                "received_at": iso(r.received_at),
+                                "received_seq": r.received_seq})
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
 
     def status_counts(self) -> dict[str, int]:
         """How many requests are in each lifecycle state."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ledger.models import (
     Checkpoint,
     Event,
+    MerkleNode,
     PurgeMaintenanceState,
     RecordPayload,
     Request,
@@ -23,5 +24,6 @@ SEALED = SealedPayload.__table__
 MAINTENANCE = PurgeMaintenanceState.__table__
 CHECKPOINTS = Checkpoint.__table__
 HEADS = SignedHead.__table__
+MERKLE_NODES = MerkleNode.__table__
 OFFSETS = SourceOffset.__table__
 LOOKUP_CHUNK = 500  # rows per IN (...) lookup, well under every backend's parameter limit

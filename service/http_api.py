@@ -196,9 +196,16 @@ async def deletion_receipt(ctx: AppContext, request: Request) -> Response:
 
 
 async def subject_requests(ctx: AppContext, request: Request) -> Response:
+    """A page of the requests about a subject, oldest first: `limit` of them received
+    after event `after`; `next_after` continues (null on the last page)."""
     sid = _path_id(request, "subject_id")
-    rows = await run_in_threadpool(ctx.ledger.lifecycle.requests_of_subject, sid)
-    return JSONResponse({"subject_id": sid, "requests": rows})
+    limit = _int_param(request, "limit", 100, 1, 1000)
+    after = _int_param(request, "after", 0, 0, _MAX_BIGINT)
+    rows = await run_in_threadpool(ctx.ledger.lifecycle.requests_of_subject, sid, limit + 1,
+                                   after)
+    more = len(rows) > limit
+    return JSONResponse({"subject_id": sid, "requests": rows[:limit],
+                         "next_after": rows[limit - 1]["received_seq"] if more else None})
 
 
 async def guard_usage(ctx: AppContext, request: Request) -> Response:
@@ -219,10 +226,15 @@ async def models(ctx: AppContext, request: Request) -> Response:
 
 
 async def lineage(ctx: AppContext, request: Request) -> Response:
+    """A page of the lineage, newest first: `limit` versions numbered below `before`;
+    `next_before` continues (null on the last page)."""
     limit = _int_param(request, "limit", 100, 1, 1000)
-    rows = await run_in_threadpool(ctx.registry.lineage, limit)
+    before = _int_param(request, "before", _MAX_BIGINT, 1, _MAX_BIGINT)
+    rows = await run_in_threadpool(ctx.registry.lineage, limit + 1, before)
     full = _is_admin(ctx, request)
-    return JSONResponse({"versions": [version_dict(v, full, ctx.private) for v in rows]})
+    more = len(rows) > limit
+    return JSONResponse({"versions": [version_dict(v, full, ctx.private) for v in rows[:limit]],
+                         "next_before": rows[limit - 1].seq if more else None})
 
 
 async def ledger_heads(ctx: AppContext, request: Request) -> Response:

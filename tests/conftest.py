@@ -21,6 +21,10 @@ os.environ.setdefault("BENTOML_HOME", tempfile.mkdtemp(prefix="obliviate-bentoml
 os.environ.setdefault("OBLIVIATE_MODEL_STORE", tempfile.mkdtemp(prefix="obliviate-models-"))
 # and its own key store (ledgers share it: each keeps its keys under its own identity)
 os.environ.setdefault("OBLIVIATE_KEY_STORE_DIR", tempfile.mkdtemp(prefix="obliviate-keys-"))
+# and the head `ledger verify` keeps for `--since-verified` goes in one of its own, not
+# into the checkout's .obliviate/
+os.environ.setdefault("OBLIVIATE_VERIFIED_HEAD_FILE", os.path.join(
+    tempfile.mkdtemp(prefix="obliviate-verified-"), "verified-head.json"))
 
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")

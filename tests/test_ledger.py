@@ -203,7 +203,9 @@ def test_verify_catches_rewritten_tail_through_the_checkpoint(seeded: Ledger) ->
                         e.created_at, e.prev_hash)
     tamper(seeded, "UPDATE events SET payload = :p, hash = :h WHERE seq = :n",
            p=forged_payload, h=forged, n=e.seq)
-    assert [p.where for p in seeded.verify().problems] == [f"checkpoint {cp.tree_size}"]
+    # and the subtree hash stored over it when it was appended no longer matches either
+    assert [p.where for p in seeded.verify().problems] == [f"checkpoint {cp.tree_size}",
+                                                          "stored subtree hashes"]
 
 
 def test_verify_names_edited_records_and_unpurged_data(seeded: Ledger) -> None:

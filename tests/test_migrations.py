@@ -23,7 +23,8 @@ import pytest
 from sqlalchemy import column, create_engine, inspect, table, text
 
 from jobs.orchestration.registry import Registry
-from ledger import migrations
+from ledger import merkle, migrations, subtree_store
+from ledger.chain import event_leaf
 from ledger.db import make_engine
 from ledger.store import Ledger
 from tests.conftest import HMAC_KEY
@@ -89,6 +90,10 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
         assert hashes == [r["hash"] for r in old["events"]]
         assert ids("requests", "request_id") == sorted(r["request_id"] for r in old["requests"])
         assert ids("checkpoints", "tree_size") == [r["tree_size"] for r in old["checkpoints"]]
+        # 0005 stored the subtrees of the events there: the proofs read them
+        n = len(old["events"])
+        assert ids("merkle_nodes", "position") == list(range(n - n.bit_count()))
+        assert subtree_store.root(conn, n) == merkle.root([event_leaf(h) for h in hashes])
         assert ids("training_records", "record_id") == [r["record_id"]
                                                         for r in old["training_records"]]
         assert ids("seed_lineages", "lineage") == ["v000001"]
@@ -144,9 +149,9 @@ def test_a_new_database_at_head_is_what_the_models_declare(db_url: str) -> None:
     # every table=True model of the sidecar is declared, and the database is just that
     assert {t.name for t in SQLModel.metadata.sorted_tables} == {
         "requests", "events", "training_records", "record_payloads", "purge_maintenance",
-        "checkpoints", "signed_heads", "source_offsets", "dataset_schema", "model_versions",
-        "model_pointer", "sealed_payloads", "model_version_counters", "seed_lineages",
-        "guard_usage"}
+        "checkpoints", "signed_heads", "merkle_nodes", "source_offsets", "dataset_schema",
+        "model_versions", "model_pointer", "sealed_payloads", "model_version_counters",
+        "seed_lineages", "guard_usage"}
     assert diff == [], diff
     led.close()
 

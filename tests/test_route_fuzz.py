@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
@@ -45,7 +47,7 @@ TOKEN = "route-fuzz-admin-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KNOWN = "d1"  # an applied deletion: its history must answer 200 after every request
 IDS = ["d1", "a1", "r001", "r002", "s00", "s01", "n1", "no-such-id"]
-QUERY_NAMES = ["limit", "since", "old", "new", "bucket_s", "x"]
+QUERY_NAMES = ["limit", "since", "old", "new", "bucket_s", "before", "after", "x"]
 
 
 @pytest.fixture
@@ -206,11 +208,9 @@ def test_registry_lineage_refuses_a_limit_under_one(ledger: Ledger) -> None:
     assert reg.lineage(1) == []
 
 
-def test_a_nul_id_leaves_the_keep_alive_connection_usable_over_a_real_socket(
-        app: Starlette) -> None:
-    """The red team's `GET /v1/requests/%00x` answered 500 on PostgreSQL and the next
-    request on that connection was reset: now 400, and the next is answered on the same
-    connection."""
+@contextmanager
+def served(app: Starlette) -> Iterator[httpx.Client]:
+    """`app` behind uvicorn on a free port, and a client (the admin's) over a real socket."""
     import uvicorn
 
     port = free_port()
@@ -222,14 +222,53 @@ def test_a_nul_id_leaves_the_keep_alive_connection_usable_over_a_real_socket(
         wait_for(lambda: server.started, 10, "the server to start", interval_s=0.02)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH,
                           timeout=10) as http:
-            answers = []
-            for path in ("/v1/requests/%00x", f"/v1/requests/{KNOWN}",
-                         "/v1/models/lineage?limit=-1", f"/v1/forgotten/{KNOWN}"):
-                r = http.get(path)
-                stream = r.extensions["network_stream"]
-                answers.append((r.status_code, stream.get_extra_info("client_addr")))
+            yield http
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_the_lineage_and_a_subjects_requests_paginate_over_http(app: Starlette,
+                                                                 ledger: Ledger) -> None:
+    for rid, records in (("d2", ["r000"]), ("d3", ["r002"]), ("d4", ["r004"])):
+        assert ledger.receive({"request_id": rid, "op": "delete",
+                               "record_ids": records}).status == "accepted"
+    with served(app) as http:
+        whole = http.get("/v1/models/lineage").json()
+        assert len(whole["versions"]) == 2 and whole["next_before"] is None
+        pages, before = [], None
+        while True:
+            page = http.get("/v1/models/lineage", params={"limit": 1} if before is None
+                            else {"limit": 1, "before": before}).json()
+            pages += page["versions"]
+            if page["next_before"] is None:
+                break
+            before = page["next_before"]
+        assert pages == whole["versions"] and len(pages) == 2
+        seen, after = [], None
+        while True:  # s00 owns r000..r002: d1, d2 and d3 name its records, d4 does not
+            page = http.get("/v1/subjects/s00/requests", params={"limit": 2} if after is None
+                            else {"limit": 2, "after": after}).json()
+            seen.append([r["request_id"] for r in page["requests"]])
+            if page["next_after"] is None:
+                break
+            after = page["next_after"]
+        assert seen == [["d1", "d2"], ["d3"]]
+        r = http.get("/v1/models/lineage", params={"before": 0})
+        assert r.status_code == 400 and "before must be an integer from 1" in r.json()["error"]
+
+
+def test_a_nul_id_leaves_the_keep_alive_connection_usable_over_a_real_socket(
+        app: Starlette) -> None:
+    """The red team's `GET /v1/requests/%00x` answered 500 on PostgreSQL and the next
+    request on that connection was reset: now 400, and the next is answered on the same
+    connection."""
+    with served(app) as http:
+        answers = []
+        for path in ("/v1/requests/%00x", f"/v1/requests/{KNOWN}",
+                     "/v1/models/lineage?limit=-1", f"/v1/forgotten/{KNOWN}"):
+            r = http.get(path)
+            stream = r.extensions["network_stream"]
+            answers.append((r.status_code, stream.get_extra_info("client_addr")))
     assert [status for status, _ in answers] == [400, 200, 400, 200], answers
     assert len({addr for _, addr in answers}) == 1, answers  # one keep-alive connection

@@ -19,14 +19,23 @@ from jobs.orchestration.consistency import verify_registry
 from jobs.orchestration.registry import POINTER, VERSIONS, Registry
 from jobs.orchestration.retention import destroyed_versions
 from jobs.orchestration.worker import Worker, WorkerConfig
-from ledger import audit, merkle
+from ledger import audit, merkle, subtree_store
 from ledger.chain import canonical_json, event_hash, event_leaf, iso, utc_now
 from ledger.heads import HeadSigner, parse_public_key, verify_head
 from ledger.intake import IncomingMessage
 from ledger.log_check import schema_sha256
 from ledger.models import DatasetSchema
 from ledger.store import Ledger
-from ledger.tables import CHECKPOINTS, EVENTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
+from ledger.tables import (
+    CHECKPOINTS,
+    EVENTS,
+    HEADS,
+    MERKLE_NODES,
+    OFFSETS,
+    PAYLOADS,
+    RECORDS,
+    REQUESTS,
+)
 from service.cli import main
 from tests.conftest import HMAC_KEY, SIGNING_KEY, seed
 from tests.conftest import delete_request as delete
@@ -83,7 +92,8 @@ def append_forged(ledger: Ledger, kind: str, request_id: str | None, payload: di
 
 def rewrite_events(ledger: Ledger, edit, upto: int | None = None) -> None:
     """Edit events and re-hash the chain from there on, then recompute every checkpoint
-    (root and frontier): everything the ledger can recompute without the signing key."""
+    (root and frontier) and stored subtree: everything the ledger can recompute without
+    the signing key."""
     with ledger.engine.begin() as conn:
         rows = conn.execute(select(EVENTS).order_by(EVENTS.c.seq)).all()
         prev, frontier, roots = "0" * 64, merkle.MerkleFrontier(), {}
@@ -101,6 +111,8 @@ def rewrite_events(ledger: Ledger, edit, upto: int | None = None) -> None:
             root, state = roots[size]
             conn.execute(update(CHECKPOINTS).where(CHECKPOINTS.c.tree_size == size)
                          .values(root_hash=root, frontier=state))
+        conn.execute(sql_delete(MERKLE_NODES))  # and the stored subtrees, from event 1
+        subtree_store.catch_up(conn, len(rows))
 
 
 def retold(e) -> str:
@@ -302,6 +314,116 @@ def test_the_signer_never_vouches_for_a_rewritten_log(signed: Ledger, caplog) ->
     assert "no longer give the root of the signed head" in caplog.text
     assert [h["tree_size"] for h in signed.heads.published()["heads"]][-1] == \
         head["tree_size"] + 1
+
+
+# ---------------------------------------------------------------------------- stored subtrees
+def test_an_edited_stored_subtree_is_caught_by_verify(signed: Ledger) -> None:
+    some_requests(signed, applied=False)
+    assert signed.verify().ok
+    tamper(signed, update(MERKLE_NODES).where(MERKLE_NODES.c.position ==
+                                              subtree_store.position(2, 1))
+           .values(hash=b"\x11" * 32))
+    assert problems(signed) == [
+        "stored subtree hashes: 1 do not match the events they cover (edited behind the "
+        "ledger's back): proofs served from them fail against the signed roots; the first "
+        "is the one over events 5..8"]
+    tamper(signed, sql_delete(MERKLE_NODES).where(MERKLE_NODES.c.position == 0))
+    assert problems(signed)[1].startswith("stored subtree hashes: 1 are missing (events "
+                                          "appended behind the ledger's back?)")
+
+
+# ---------------------------------------------------------------------------- incremental
+def test_verify_since_a_verified_head_checks_the_log_after_it(signed: Ledger) -> None:
+    some_requests(signed, applied=False)
+    first = signed.verify()
+    assert first.ok and first.verified_head.items() <= \
+        signed.heads.published()["heads"][-1].items()
+    some_requests(signed, 6, start=20, applied=False)
+    signed.heads.sign()
+    result = signed.verifier.verify_since(first.verified_head)
+    assert result.ok, result.problems
+    assert result.since == first.verified_head["tree_size"]
+    assert result.verified_head.items() <= signed.heads.published()["heads"][-1].items()
+    assert result.verified_head["tree_size"] == result.events > result.since
+
+
+def test_incremental_verify_catches_tampering_after_the_verified_head(signed: Ledger) -> None:
+    some_requests(signed, applied=False)
+    verified = signed.verify().verified_head
+    some_requests(signed, 6, start=20, applied=False)
+    signed.heads.sign()
+    later = verified["tree_size"] + 2
+    tamper(signed, update(EVENTS).where(EVENTS.c.seq == later).values(
+        payload=EVENTS.c.payload + " "))
+    found = [str(p) for p in signed.verifier.verify_since(verified).problems]
+    assert found == [f"event {later}: content does not match its hash (edited behind the "
+                     "ledger's back)"]
+    # rewritten and re-hashed from there on, subtrees and checkpoints too: the heads
+    # signed after the verified one no longer match
+    rewrite_events(signed, lambda e: retold(e) if e.seq > verified["tree_size"] else e.payload)
+    found = [str(p) for p in signed.verifier.verify_since(verified).problems]
+    assert found and all(p.startswith("signed head ") for p in found), found
+    assert any("is not consistent with the verified head" in p for p in found), found
+
+
+def test_incremental_verify_catches_a_rewrite_before_the_verified_head(signed: Ledger) -> None:
+    """The insider rewrites history before the verified head, recomputes every checkpoint
+    and stored subtree, drops the heads and has the ledger sign the rewritten log afresh:
+    a full verify finds nothing wrong, the head kept outside the database does."""
+    some_requests(signed, applied=False)
+    verified = signed.verify().verified_head
+    size = verified["tree_size"]
+    tamper(signed, sql_delete(HEADS))
+    rewrite_events(signed, retold)
+    assert signed.heads.sign() is not None and signed.verify().ok
+    assert [str(p) for p in signed.verifier.verify_since(verified).problems] == [
+        f"verified head {size}: events 1..{size} no longer give the root it signed (their "
+        "stored subtree hashes, or the chain, were rewritten since it was verified): run a "
+        "full `ledger verify`"]
+
+
+def test_what_incremental_verify_does_not_read(signed: Ledger) -> None:
+    """An event before the verified head edited without re-hashing keeps every hash and
+    root: only the full verify (and anyone who checks that event's proof) sees it; the
+    same goes for the working tables."""
+    some_requests(signed, applied=False)
+    verified = signed.verify().verified_head
+    tamper(signed, update(EVENTS).where(EVENTS.c.seq == 3).values(
+        payload=EVENTS.c.payload + " "),
+           update(REQUESTS).where(REQUESTS.c.request_id == "q1").values(status="verified"))
+    result = signed.verifier.verify_since(verified)
+    assert result.ok and any("the tables by a full `ledger verify`" in n for n in result.notes)
+    assert {"event 3: content does not match its hash (edited behind the ledger's back)",
+            "request q1: status 'verified' disagrees with its last event 'received'"} <= \
+        set(problems(signed))
+
+
+def test_cli_verify_keeps_the_verified_head_for_since_verified(cli_env: str, tmp_path,
+                                                               capsys) -> None:
+    kept = tmp_path / "state" / "verified.json"
+    assert run(capsys, "ledger", "init", "--dataset", "iris")[0] == 0
+    for i in range(7):
+        run(capsys, "submit", json.dumps(delete(f"q{i}", f"r{i:03d}")))
+    code, _, err = run(capsys, "ledger", "verify", "--since-verified", "--verified-head",
+                       str(kept))
+    assert code == 0 and f"note: no verified head in {kept} yet: verifying everything" in err
+    head = json.loads(kept.read_text())["head"]
+    assert kept.stat().st_mode & 0o777 == 0o600
+    for i in range(7, 14):
+        run(capsys, "submit", json.dumps(delete(f"q{i}", f"r{i:03d}")))
+    run(capsys, "ledger", "checkpoint")
+    code, out, err = run(capsys, "ledger", "verify", "--since-verified", "--verified-head",
+                         str(kept))
+    assert code == 0, err
+    assert out.startswith(f"ledger OK: events {head['tree_size'] + 1}..")
+    assert f"since the head over {head['tree_size']}" in out
+    assert json.loads(kept.read_text())["head"]["tree_size"] > head["tree_size"]
+    kept.write_text("{}")
+    code, _, err = run(capsys, "ledger", "verify", "--since-verified", "--verified-head",
+                       str(kept))
+    assert code == 1 and err.strip() == (
+        f"obliviate: error: {kept}: not a verified head (format obliviate-verified-head/v1 "
+        "with a signed head over at least one event expected)")
 
 
 # ---------------------------------------------------------------------------- what a query means

@@ -185,14 +185,18 @@ class Registry:
             raise KeyError(f"no published version {self.name}:{version}")
         return ModelVersion.model_validate(dict(row._mapping))
 
-    def lineage(self, limit: int = 100) -> list[ModelVersion]:
-        """The newest `limit` published versions, newest first (ValueError for a limit
-        under 1: SQLite reads LIMIT -1 as no limit, PostgreSQL refuses it)."""
+    def lineage(self, limit: int = 100, before: int | None = None) -> list[ModelVersion]:
+        """The newest `limit` published versions, newest first, of those numbered below
+        `before` if given (the next page starts before the last seq of this one).
+        ValueError for a limit under 1: SQLite reads LIMIT -1 as no limit, PostgreSQL
+        refuses it."""
         if limit < 1:
             raise ValueError(f"the lineage's limit must be at least 1, got {limit}")
+        q = select(VERSIONS).where(VERSIONS.c.name == self.name)
+        if before is not None:
+            q = q.where(VERSIONS.c.seq < before)
         with self.engine.connect() as conn:
-            rows = conn.execute(select(VERSIONS).where(VERSIONS.c.name == self.name)
-                                .order_by(VERSIONS.c.seq.desc()).limit(limit)).all()
+            rows = conn.execute(q.order_by(VERSIONS.c.seq.desc()).limit(limit)).all()
         return [ModelVersion.model_validate(dict(r._mapping)) for r in rows]
 
     def load(self, version: str) -> ServedModel:

@@ -203,7 +203,7 @@
       setMsg("search-message", problem(r, `request ${q}`), "error");
       return;
     }
-    const s = await api("v1/subjects/" + encodeURIComponent(q) + "/requests", true);
+    const s = await api(subjectPage(q, null), true);
     if (me !== lookups) return;
     if (s.status !== 200) {
       setMsg("search-message", problem(s, `the requests of subject ${q}`), "error");
@@ -215,7 +215,27 @@
       return;
     }
     setMsg("search-message", "", null);
-    renderSubject(s.body);
+    renderSubject(s.body, false);
+  }
+
+  const PAGE = 100;  // rows per page of the lists (the API's cap is 1,000)
+
+  function subjectPage(subject, after) {
+    return "v1/subjects/" + encodeURIComponent(subject) + "/requests?limit=" + PAGE +
+      (after === null ? "" : "&after=" + encodeURIComponent(after));
+  }
+
+  async function moreSubjectRequests() {
+    const button = $("subject-more"), me = lookups;
+    button.disabled = true;
+    const s = await api(subjectPage(button.dataset.subject, button.dataset.after), true);
+    if (me !== lookups) return;
+    button.disabled = false;
+    if (s.status !== 200) {
+      setMsg("search-message", problem(s, "more requests of this subject"), "error");
+      return;
+    }
+    renderSubject(s.body, true);
   }
 
   async function showRequest(rid) {
@@ -414,10 +434,11 @@
   }
 
   // ------------------------------------------------------------------ a subject
-  function renderSubject(data) {
+  /** A page of a subject's requests: the first replaces the rows, the next are appended. */
+  function renderSubject(data, append) {
     $("subject-id").textContent = data.subject_id;
     const body = $("subject-requests").tBodies[0];
-    body.replaceChildren();
+    if (!append) body.replaceChildren();
     for (const r of data.requests) {
       const open = (ev) => { ev.preventDefault(); showRequest(r.request_id); };
       body.append(el("tr", { "data-request-id": r.request_id, "data-testid": "subject-request",
@@ -429,6 +450,10 @@
         el("td", { text: (r.record_ids || []).join(", ") }),
         el("td", { text: fmtTime(r.received_at) })));
     }
+    const more = $("subject-more");
+    more.hidden = data.next_after === null || data.next_after === undefined;
+    more.dataset.subject = data.subject_id;
+    more.dataset.after = more.hidden ? "" : String(data.next_after);
     $("subject-section").hidden = false;
   }
 
@@ -445,23 +470,36 @@
   }
 
   let lineageLoads = 0;
+  let lineageCurrent = null;  // the version served when the first page was loaded
 
-  async function loadLineage() {
-    const me = ++lineageLoads;
+  /** The first page of the lineage (newest first), or with `older` the page after the
+   * rows shown, appended. */
+  async function loadLineage(older) {
+    older = older === true;
+    const me = older ? lineageLoads : ++lineageLoads;
+    const more = $("lineage-more");
+    const before = older ? "&before=" + encodeURIComponent(more.dataset.before) : "";
     setMsg("lineage-message", "Loading…", "info");
-    const [r, cur] = await Promise.all([api("v1/models/lineage?limit=1000", false),
-                                        api("v1/models", false)]);
+    more.disabled = true;
+    const [r, cur] = await Promise.all([api("v1/models/lineage?limit=" + PAGE + before, false),
+                                        older ? null : api("v1/models", false)]);
     if (me !== lineageLoads) return;
+    more.disabled = false;
     const body = $("lineage-table").tBodies[0];
     if (r.status !== 200) {
-      body.replaceChildren();
+      if (!older) body.replaceChildren();
       $("lineage-table").dataset.loads = me;
       setMsg("lineage-message", problem(r, "the model lineage"), "error");
       return;
     }
-    const current = cur.status === 200 && cur.body.current ? cur.body.current.version : null;
+    if (!older) {
+      lineageCurrent = cur.status === 200 && cur.body.current ? cur.body.current.version : null;
+      body.replaceChildren();
+    }
+    const current = lineageCurrent;
     const versions = r.body.versions || [];
-    body.replaceChildren();
+    more.hidden = r.body.next_before === null || r.body.next_before === undefined;
+    more.dataset.before = more.hidden ? "" : String(r.body.next_before);
     for (const v of versions) {
       const m = v.manifest || {};
       const g = m.guard || {};
@@ -487,9 +525,10 @@
           v.superseded_by_deletion ? "to destroy (held deleted records)" : "kept" })));
     }
     $("lineage-table").dataset.loads = me;  // lets a test wait for this render
-    if (versions.length) {
-      setMsg("lineage-message", `${versions.length} published version${versions.length === 1 ? "" : "s"}` +
-             (current ? `; serving ${current}.` : "."), null);
+    const shown = body.rows.length;
+    if (shown) {
+      setMsg("lineage-message", `${shown} ${more.hidden ? "" : "newest "}published ` +
+             `version${shown === 1 ? "" : "s"}` + (current ? `; serving ${current}.` : "."), null);
     } else {
       setMsg("lineage-message", "No model version is published yet: run `obliviate model train`.",
              "empty");
@@ -649,7 +688,9 @@
       ev.preventDefault();
       search($("search-input").value);
     });
-    $("lineage-refresh").addEventListener("click", loadLineage);
+    $("lineage-refresh").addEventListener("click", () => loadLineage(false));
+    $("lineage-more").addEventListener("click", () => loadLineage(true));
+    $("subject-more").addEventListener("click", moreSubjectRequests);
     $("usage-refresh").addEventListener("click", loadUsage);
     $("usage-bucket").addEventListener("change", loadUsage);
     checkToken();
