@@ -1,7 +1,8 @@
 """Appending events to the hash chain, inside the transaction that makes the change.
 
 The same transaction stores the Merkle subtrees the new events complete
-(:mod:`ledger.subtree_store`), so proofs never wait for a rebuild. See docs/ledger.md.
+(:mod:`ledger.subtree_store`), so proofs never wait for a rebuild.
+See docs/ledger.md (Stored subtree hashes).
 """
 
 from __future__ import annotations

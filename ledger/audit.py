@@ -1,23 +1,10 @@
 """An auditor's check of the ledger against signed heads saved earlier.
 
-`obliviate audit check --heads SAVED.json` runs this against the configured
-database; an auditor without the sidecar runs it on files, or against the
-service's public endpoints, with the standard library, `cryptography` and five
-files of this package (`chain.py`, `merkle.py`, `heads.py`, `receipt.py`, this one):
-
-    python -m ledger.audit --heads saved.json --current now.json --events export.jsonl
-    python -m ledger.audit --heads saved.json --url http://sidecar:3000 --events export.jsonl
-
-SAVED.json and now.json are what `obliviate ledger heads` (or GET /v1/ledger/heads)
-printed, earlier and now; export.jsonl is `obliviate ledger export` output from
-event 1. The check: every head's signature, by the key that signs its size (the
-public key given, else the one in the saved file, and the keys the log's key
-rotations hand over to: each rotation signed by the key it retires and covered by
-that key's last head); that every saved head is consistent with the newest current
-head (an RFC 6962 consistency proof: the log only grew); that the events rebuild the
-hash chain and every head's root, and hold the rotations the heads document lists.
-It names the first problem.
-"""
+`obliviate audit check --heads SAVED.json` runs it on the configured database;
+`python -m ledger.audit` runs it on files or the service's public endpoints with only
+the standard library, `cryptography` and five files of this package. It checks every
+head's signature (following key rotations), that the log only grew since the saved heads,
+and that the events rebuild the chain and every root. See docs/ledger.md (Signed tree heads)."""
 
 from __future__ import annotations
 

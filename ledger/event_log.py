@@ -1,10 +1,9 @@
 """The event log as its readers see it: exports, a request's history, proofs.
 
-Auditors export the events and check consistency proofs between the heads they
-saved; a request's subject gets its history with an inclusion proof of every
-event, fetched with a token derived from the deployment secret. Events that
+Auditors export the events and check consistency proofs between the heads they saved; a
+request's subject gets its history with an inclusion proof of every event. Events that
 belong to no request (a model published or destroyed) are appended here too.
-"""
+See docs/ledger.md (Checking an event without the rest of the log)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """Signed tree heads: what the ledger publishes so that a rewrite of its past shows.
 
-A head is (tree_size, root_hash, timestamp) signed with the ledger's Ed25519 key
-over a canonical encoding that also names the log: its log id, the SHA-256 of
-the raw public key. The key is kept OUTSIDE the database (a key file, or
-OBLIVIATE_LEDGER_SIGNING_KEY_HEX), so whoever can edit the database can neither
-sign a head of their own nor re-sign the heads of a rewritten log; an auditor
-who saved heads earlier checks the log against them (:mod:`ledger.audit`).
-
-One deployment signs with one key at a time. A new key comes in by a rotation,
-itself an event of the log: the `key_rotated` event names the new public key and
-is signed by the old key, which then signs a head over exactly that event and
-no more; the new key signs every head after it. Heads name the key that signed
-them by its log id, and :class:`KeyChain` follows the rotations to say which key
-signs which sizes.
-
-The checking half (head and rotation signatures, the key chain) lives in
-:mod:`ledger.receipt`, which runs on its own; this file adds the signer. An
-auditor needs this file, `receipt.py`, `chain.py`, `merkle.py` and `audit.py`:
-standard library and `cryptography`, no database.
-"""
+A head (tree size, root, time) is signed with an Ed25519 key kept outside the database,
+so whoever can edit the database can neither sign a head nor re-sign a rewritten log;
+a new key comes in by a rotation, itself an event. The checking half lives in
+:mod:`ledger.receipt` (it runs alone); this file adds the signer.
+See docs/ledger.md (Signed tree heads)."""
 
 from __future__ import annotations
 

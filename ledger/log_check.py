@@ -1,5 +1,5 @@
 """What `LedgerVerifier.verify` reports, and the facts it gathers from the log to hold the
-working tables to."""
+working tables to. See docs/ledger.md (What `ledger verify` holds)."""
 
 from __future__ import annotations
 

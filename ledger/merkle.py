@@ -1,23 +1,9 @@
 """RFC 6962 / RFC 9162 Merkle tree hashing, proofs and an incremental tree head.
 
-The ledger publishes checkpoints as Certificate-Transparency-style tree heads so that anyone
-holding the event log can recompute them with an off-the-shelf CT library, and so that
-auditors can be handed short inclusion and consistency proofs instead of the whole log.
-Interoperability is the point: the hash prefixes, the split rule (largest power of two
-strictly smaller than n) and the empty-tree hash are exactly the RFC's, nothing home-grown.
-
-Everything here works on *leaf hashes* (``leaf_hash(entry)``), never on raw entries, so the
-log can keep the 32-byte hashes in memory and stream the entries themselves.
-
-The proof builders raise ``ValueError`` on bad arguments, because that is a caller bug.
-The verifiers return ``False`` on anything malformed and never raise, because their
-inputs come from untrusted parties and "does not verify" is the only safe answer.
-
-Note that a root hash does not commit to the tree size: a proof for one size can verify
-against the same root under a different claimed size when the two trees have the same
-shape along the proof path. A checkpoint must therefore sign the size together with the
-root, and verifiers must take both from the same signed checkpoint.
-"""
+Exactly the RFC's hashing and split rule, so an off-the-shelf Certificate Transparency
+library checks the ledger's heads and proofs; everything works on leaf hashes so the log
+can stream its entries. Builders raise on a caller's bug; verifiers never raise (their
+inputs are untrusted). See docs/ledger.md (Checking an event without the rest of the log)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Tree heads: the checkpoints and signed heads that make a rewrite of the log show.
 
-Every transaction that appends events asks :meth:`TreeHeads.take_if_due` whether a
-head is due (`checkpoint_every` events, or events `head_interval_s` old, not
-covered yet), so no event stays uncovered for long while the log grows; an idle
-log gets its head from :meth:`TreeHeads.maybe_sign`, which every long-running
-process calls from its loop. A head is signed only where it extends this log's
-latest signed head over events that still give that head's root; without a
-signing key it is an unsigned checkpoint.
-"""
+Every appending transaction takes a head when one is due (`checkpoint_every` events, or
+events `head_interval_s` old); an idle log gets its head from the processes' loops. A
+head is signed only where it extends this log's latest signed head over events that
+still give that head's root. See docs/ledger.md (Signed tree heads)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Stored subtree hashes: ``merkle_nodes``, back-filled from the events.
 
-Proofs read O(log n) stored subtree roots instead of every event
-(:mod:`ledger.subtree_store`); every append stores the subtrees it completes. This
-revision creates the table and stores the subtrees of the events already there,
-streamed in batches (a ledger of 10^7 events is never held in memory). See
-docs/ledger.md#stored-subtree-hashes.
+Proofs read O(log n) stored subtree roots (:mod:`ledger.subtree_store`). This creates
+the table and stores the subtrees of the events already there, streamed in batches.
+See docs/ledger.md#stored-subtree-hashes.
 
 Revision ID: 0005_merkle_nodes
 Revises: 0004_key_store
