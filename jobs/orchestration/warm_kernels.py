@@ -33,6 +33,7 @@ def warm() -> float:
     model.learner.add(ids[-2:], X[-2:], y[-2:])
     model.update_guard(added=list(ids[-2:]))
     model.certain(X[:10])
+    _warm_wide_indices(rng)
     ServedModel.train("sisa", ids[:60], X[:60], y[:60],  # the compiled LOO schedule
                       {"n_shards": 1, "hidden": [4], "epochs_per_slice": 1})
     net = init_net(build_net("mlp", X.shape[1], 2, [4]), 0)  # and compiled Adam
@@ -40,6 +41,20 @@ def warm() -> float:
                 np.arange(60, dtype=np.uint64), seed=0, stage_key=(0,), epochs=1,
                 batch_size=16, lr=0.01)
     return time.perf_counter() - t0
+
+
+def _warm_wide_indices(rng: np.random.Generator) -> None:
+    """The same DaRE paths on a table past 65,535 records, where the kernels take int32
+    record indices instead of uint16 (another compiled variant): without it a sidecar's
+    first fit and first deletion above that size paid about a minute of compiling."""
+    n = 66_000
+    X = np.round(rng.random((n, 3)), 1)
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    ids = np.array([f"v{i}" for i in range(n)])
+    model = ServedModel.train("dare", ids[:-2], X[:-2], y[:-2],
+                              {"n_estimators": 1, "max_depth": 3, "random_state": 1})
+    model.learner.delete(ids[:2])
+    model.learner.add(ids[-2:], X[-2:], y[-2:])
 
 
 def main() -> None:
