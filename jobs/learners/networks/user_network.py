@@ -130,9 +130,9 @@ class UserNetwork:
         with self.training(0):
             try:
                 out = net(torch.zeros(2, n_features))
-            except NetworkError:
-                raise
             except Exception as exc:  # noqa: BLE001 - whatever the user's forward raises
+                if _NONDETERMINISTIC.search(str(exc)):
+                    raise  # named by training()
                 raise NetworkError(f"network {self.path!r}: a batch of shape (2, "
                                    f"{n_features}) fails: "
                                    f"{first_line(exc)}") from None
