@@ -193,3 +193,30 @@ def test_the_vote_rule_is_sound_for_a_cnn_against_brute_force_retrains() -> None
                                          record_ids=np.array(ids)[keep])
         moved = loo.predict(queries) != served.learner.classes_[winner]
         assert not (moved & certain).any(), f"a certain answer moved without {ids[i]}"
+
+
+@pytest.mark.processes
+def test_obliviate_trains_serves_and_forgets_with_a_user_network(tmp_path: Path) -> None:
+    """`obliviate model train` (OBLIVIATE_NETWORK, imported from the current directory),
+    `obliviate serve` answering and the worker verifying a deletion exact by retrain: both
+    run the version's copy of the module (`tests` is not importable in their processes)."""
+    from ledger import datasets
+    from tests.sidecar import Sidecar
+
+    with Sidecar(tmp_path, learner="sisa", dataset="digits", env={"OBLIVIATE_NETWORK": CNN},
+                 train_params='{"n_shards": 3, "epochs_per_slice": 5}') as sc:
+        first = sc.models()["current"]["manifest"]
+        source = hashlib.sha256(EXAMPLES.read_bytes()).hexdigest()
+        assert first["network"] == {"path": CNN, "sha256": source, "params": {}}
+        assert first["guard"]["rule"] == "sisa-vote" and first["guard"]["shard_bound"] == "inf"
+        digits = datasets.load("digits")
+        X = digits.X[:20]  # the model's input space
+        answer = sc.predict(X)
+        assert len(answer["labels"]) == 20 and answer["guard"] == "sound"
+        sc.start_worker()
+        assert sc.submit({"request_id": "d1", "op": "delete",
+                          "record_ids": [digits.record_ids[1]]}).status_code == 202
+        sc.wait_for_status(["d1"], "verified")
+        now = sc.models()["current"]["manifest"]
+        assert now["change"]["op"] != "train" and now["network"] == first["network"]
+        assert sc.predict(X)["model_version"] == sc.models()["current"]["version"]
