@@ -173,7 +173,7 @@ def test_the_sidecar_serves_it_under_the_vote_rule_and_holds_it_to_the_manifest(
         load_as_published(tmp_path / "v1", edited)
 
 
-@pytest.mark.slow  # 40 retrains of five CNN shards: about 25 s on two shared cores
+@pytest.mark.slow  # 40 retrains of five CNN shards: 13-25 s on two shared cores
 def test_the_vote_rule_is_sound_for_a_cnn_against_brute_force_retrains() -> None:
     """Every answer the served rule calls certain is the answer of the model retrained
     from scratch without any one record (no bound: every shard counts as fragile)."""
