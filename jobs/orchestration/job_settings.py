@@ -26,6 +26,8 @@ class JobSettings(EnvSettings):
     # model_store); "bentoml": $BENTOML_HOME/models, where they went before
     model_store: str = str(STATE_DIR / "models")
     learner: str = "dare"
+    # a SISA network of the user's, "package.module:build" (empty: the built-in networks)
+    network: str = ""
     guard: str = "on"  # "off" serves raw labels: a benchmark baseline, not private
     evaluate: str = "off"  # "on": the worker measures each deletion's privacy (jobs.eval)
     # "private": SISA answers by noisy vote, private in the shard seeds (jobs.adaptive)

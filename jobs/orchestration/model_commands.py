@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = msub.add_parser("train", help="train on the ledger's live records, publish v1")
     p.add_argument("--learner", choices=LEARNERS, default=None)
     p.add_argument("--params", default="{}", help="hyperparameters as a JSON object")
+    p.add_argument("--network", default=None, metavar="MODULE:FUNCTION",
+                   help="sisa: a network of your own, build(n_features, n_classes, **params) "
+                        "returning a torch.nn.Module, imported from the current directory or "
+                        "PYTHONPATH (env OBLIVIATE_NETWORK; its params: --params "
+                        "'{\"network_params\": {...}}')")
     p.set_defaults(func=cmd_train)
     p = msub.add_parser("show", help="the current version and its manifest")
     p.set_defaults(func=cmd_show)
@@ -95,9 +101,22 @@ def parse_params(text: str) -> dict[str, Any]:
     return params
 
 
+def with_network(learner: str, params: dict[str, Any], network: str | None) -> dict[str, Any]:
+    """`params` with the user's network (`--network` or OBLIVIATE_NETWORK), which is
+    imported as from the current directory, like `python -m`."""
+    if not network:
+        return params
+    if learner != "sisa":
+        raise ValueError(f"--network (OBLIVIATE_NETWORK) needs --learner sisa, not {learner!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return {**params, "network": network}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    params = parse_params(args.params)
-    learner = args.learner or JobSettings.from_env().learner
+    s = JobSettings.from_env()
+    learner = args.learner or s.learner
+    params = with_network(learner, parse_params(args.params), args.network or s.network)
     version = _worker(args).bootstrap(learner, params)
     print(f"current version: {version}")
     return 0
@@ -115,7 +134,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                      evaluate=args.evaluate or s.choice("evaluate", ("off", "on")) == "on")
     log.info("%s", worker.ledger.schema_upgrade.describe())
     if args.train:
-        worker.bootstrap(args.learner or s.learner)
+        learner = args.learner or s.learner
+        worker.bootstrap(learner, with_network(learner, {}, s.network))
     worker.run(max_seconds=args.max_seconds)
     return 0
 

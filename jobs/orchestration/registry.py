@@ -352,7 +352,7 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
              training_set: tuple[int, str], change: dict[str, Any]) -> dict[str, Any]:
     """What a version is and how it came to be: enough to rebuild and check it."""
     count, root = training_set
-    return {
+    out = {
         "learner": model.kind,
         "params": model.params(),
         "seed": model.learner.get_params().get("random_state"),
@@ -371,6 +371,11 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         "built_by": socket.gethostname(),
         "built_at": iso(utc_now()),
     }
+    if (network := model.network_record()) is not None:
+        # the user's network: its import path and the SHA-256 of its source, whose copy
+        # the version's files hold (docs/learners.md, "Your own network")
+        out["network"] = network
+    return out
 
 
 def first_line(exc: BaseException) -> str:

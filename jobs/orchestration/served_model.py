@@ -61,6 +61,10 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "mlp": {"hidden": [32], "epochs": 20, "batch_size": 32, "lr": 0.1},
     "game": {"hidden": [64], "epochs": 30},
 }
+# SISA with a network of the user's (`network`): Adam stages, no step floor; served under the
+# vote rule alone (no per-shard bounds: those need the built-in MLP's LOO schedule)
+NETWORK_PARAMS: dict[str, Any] = {"n_shards": 5, "n_slices": 1, "epochs_per_slice": 20,
+                                  "min_steps": 0, "batch_size": 32, "schedule": "adam"}
 
 
 # A LOO set is n + 1 networks. On the CPU the guard job trains one only where that is
@@ -115,7 +119,7 @@ class ServedModel(abc.ABC):
         if unknown:
             raise ValueError(f"unknown parameter(s) of the {kind} learner: "
                              f"{', '.join(map(repr, unknown))} (valid: {', '.join(sorted(valid))})")
-        merged = {**DEFAULT_PARAMS[kind], "random_state": fresh_seed(), **(params or {})}
+        merged = {**sub.defaults(params or {}), "random_state": fresh_seed(), **(params or {})}
         for key in ("hidden", "attack_hidden"):
             if key in merged:
                 merged[key] = tuple(merged[key])
@@ -124,9 +128,18 @@ class ServedModel(abc.ABC):
             model.refresh_guard()
         return model
 
+    @classmethod
+    def defaults(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The sidecar's hyperparameters under those given (`params` wins over them)."""
+        return DEFAULT_PARAMS[cls.kind]
+
     @property
     def classes(self) -> np.ndarray:
         return self.learner.classes_
+
+    def network_record(self) -> dict[str, Any] | None:
+        """The user network the learner trains (path, source hash, params); None: its own."""
+        return None
 
     @property
     def n_features(self) -> int:
@@ -305,6 +318,13 @@ class ShardVoteModel(ServedModel):
     kind = "sisa"
     learner_cls = SISAEnsemble
 
+    @classmethod
+    def defaults(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return NETWORK_PARAMS if params.get("network") else DEFAULT_PARAMS[cls.kind]
+
+    def network_record(self) -> dict[str, Any] | None:
+        return self.learner.network_
+
     def __init__(self, learner: SISAEnsemble) -> None:
         super().__init__(learner)
         S, C = len(learner.shard_sizes_), len(learner.classes_)
@@ -389,6 +409,10 @@ class ShardVoteModel(ServedModel):
     def guard_record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"rule": "sisa-vote", "ready": True,
                                "n_shards": int(self.learner.n_shards)}
+        if self.network_record() is not None:
+            return {**rec, "shard_bound": "inf",
+                    "why": "a network of the user's: no per-shard bounds (they need the "
+                           "built-in MLP's LOO schedule); the vote rule needs none"}
         if not self.boundable:
             return {**rec, "shard_bound": "inf"}
         shards = []
@@ -660,7 +684,10 @@ def load_as_published(path: str | Path, manifest: dict[str, Any]) -> ServedModel
                              "records one" if recorded is not None else
                              f"it holds a guard ({GUARD_DIR}/) its manifest does not record")
     model = ServedModel.load(p)
+    network = model.network_record()
     for what, got, want in (("learner", model.kind, manifest["learner"]),
+                            ("network's source", network and network["sha256"],
+                             manifest.get("network", {}).get("sha256")),
                             ("learner's content hash", model.learner.content_hash(),
                              manifest["content_hash"]),
                             ("guard's content hash", model.guard_hash(), recorded)):

@@ -30,6 +30,8 @@ _M63 = (1 << 63) - 1
 # how an MLP trains on the CPU: one compiled loop (jobs.learners.networks.mlp_kernels) or torch's
 # calls; a model records which, as its bits depend on it
 KERNELS = ("compiled", "torch")
+# the optimisers a training stage may use (a user's network chooses; the rest use Adam)
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
 # --------------------------------------------------------------------------- models
@@ -241,6 +243,7 @@ def train_stage(
     batch_size: int,
     lr: float,
     kernel: str = "compiled",
+    optimizer: str = "adam",
 ) -> None:
     """Train ``net`` in place for ``epochs`` epochs on rows (X, y) with keyed batches.
 
@@ -248,10 +251,11 @@ def train_stage(
     train_mlp` (the same update, other bits); ``"torch"``: torch's own loop everywhere
     (what models trained before the compiled kernel need to be reproduced).
 
-    A fresh Adam optimiser per call (so a stage's result depends only on the
-    starting weights and the rows, never on optimiser state from earlier
-    stages). ``stage_key`` (e.g. ``(shard, slice)``) and the epoch key the
-    batch assignment. Rows must be sorted by record id. No rows: no-op.
+    A fresh optimiser per call, Adam (or ``optimizer="sgd"``: plain SGD, for a network
+    of the user's), so a stage's result depends only on the starting weights and the
+    rows, never on optimiser state from earlier stages. ``stage_key`` (e.g. ``(shard,
+    slice)``) and the epoch key the batch assignment. Rows must be sorted by record id.
+    No rows: no-op.
     """
     n = int(X.shape[0])
     if n == 0 or epochs <= 0:
@@ -260,11 +264,14 @@ def train_stage(
     device = X.device
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "compiled" and device.type == "cpu" and isinstance(net, MLP):
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
+    if (kernel == "compiled" and device.type == "cpu" and isinstance(net, MLP)
+            and optimizer == "adam"):
         _train_mlp_compiled(net, X, y, record_keys, seed, stage_key, epochs, B, lr)
         return
     net.train()
-    opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
+    opt = OPTIMIZERS[optimizer](net.parameters(), lr=lr, foreach=False)
     with deterministic():
         for epoch in range(epochs):
             salt = prf_u64(seed, "epoch", *stage_key, epoch)

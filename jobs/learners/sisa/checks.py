@@ -31,6 +31,8 @@ def _header(spec: EnsembleSpec) -> bytes:
     }
     if cfg.get("sampling", "partition") != "partition":
         head.update(sampling=cfg["sampling"], shard_prob=cfg["shard_prob"])
+    if "network" in cfg:  # the user's network: its import path, source hash and params
+        head.update(network=cfg["network"])
     return json.dumps(head, sort_keys=True).encode()
 
 

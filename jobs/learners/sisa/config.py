@@ -20,19 +20,28 @@ SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def resolve_config(params: dict[str, Any]) -> dict[str, Any]:
     """``config_`` of an ensemble with these (validated) constructor parameters; refuses
-    the one combination no single constraint catches (``schedule="loo"`` needs an MLP)."""
+    the combinations no single constraint catches (``schedule="loo"`` needs the built-in
+    MLP; ``optimizer`` other than Adam needs a network of the user's). A user network's
+    record (path, source hash) is added by ``fit``, once it is resolved."""
     schedule = params["schedule"]
+    own = params.get("network") is not None
     if schedule == "auto":
-        schedule = "loo" if params["model"] == "mlp" and params["n_slices"] == 1 else "adam"
-    if schedule == "loo" and params["model"] != "mlp":
-        raise ValueError("schedule='loo' needs model='mlp'")
+        schedule = ("loo" if params["model"] == "mlp" and params["n_slices"] == 1 and not own
+                    else "adam")
+    if schedule == "loo" and (params["model"] != "mlp" or own):
+        raise ValueError("schedule='loo' needs model='mlp'" + (
+            " (a network of your own trains with schedule='adam')" if own else ""))
+    optimizer = params.get("optimizer", "adam")
+    if optimizer != "adam" and not own:
+        raise ValueError(f"optimizer={optimizer!r} needs a network of your own (network=...): "
+                         "the built-in networks train with Adam or the LOO schedule's SGD")
     dflt = SCHEDULE_DEFAULTS[schedule]
 
     def given(name: str) -> Any:
         return dflt[name] if params[name] is None else params[name]
 
     threads = params["cpu_threads"]
-    return {
+    config = {
         "n_shards": int(params["n_shards"]),
         "n_slices": int(params["n_slices"]),
         "model": params["model"],
@@ -52,3 +61,6 @@ def resolve_config(params: dict[str, Any]) -> dict[str, Any]:
         # what the bits depend on, so recorded (bundles from before the compiled one: "torch")
         "kernel": "compiled",
     }
+    if own:  # only then: a built-in network's config (and hash) stays what it was
+        config.update(model="network", optimizer=optimizer)
+    return config

@@ -34,6 +34,7 @@ from jobs.learners.networks.torch_nets import (
     resolve_device,
     state_to_cpu,
 )
+from jobs.learners.networks.user_network import UserNetwork
 from jobs.learners.sisa import bundle, checks, updates
 from jobs.learners.sisa.config import resolve_config
 from jobs.learners.sisa.placement import Placement
@@ -108,6 +109,19 @@ class SISAEnsemble(SpecClassifier):
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ...
     random_state : int or None
         The seed of every keyed choice; ``None`` draws one at fit (kept in ``seed_``).
+    network : str or None
+        A network of your own: the import path ``"package.module:build"`` of a function
+        ``build(n_features, n_classes, **network_params)`` returning a ``torch.nn.Module``
+        that maps (n, n_features) float32 rows to (n, n_classes) logits. Replaces
+        ``model`` and ``hidden``; trains with ``schedule="adam"`` (``lr``,
+        ``epochs_per_slice``, ``batch_size``, ``optimizer``; cross-entropy). Its module's
+        source is hashed into the model and saved with it (docs/learners.md, "Your own
+        network"). ``None``: the built-in networks.
+    network_params : dict or None
+        Keyword arguments of ``build`` (JSON values).
+    optimizer : {"adam", "sgd"}
+        The optimiser of a user network's stages (built-in networks: Adam, or the LOO
+        schedule's SGD).
     """
 
     guarantee = "exact"
@@ -131,6 +145,9 @@ class SISAEnsemble(SpecClassifier):
         "cpu_threads": [count(1), None],
         "device": [str, torch.device],
         "random_state": [SEED, None],
+        "network": [str, None],
+        "network_params": [dict, None],
+        "optimizer": [StrOptions({"adam", "sgd"})],
     }
 
     def __init__(
@@ -154,6 +171,9 @@ class SISAEnsemble(SpecClassifier):
         cpu_threads: int | None = 1,
         device: str = "auto",
         random_state: int | None = 0,
+        network: str | None = None,
+        network_params: dict[str, Any] | None = None,
+        optimizer: str = "adam",
     ) -> None:
         self.n_shards = n_shards
         self.n_slices = n_slices
@@ -173,6 +193,9 @@ class SISAEnsemble(SpecClassifier):
         self.cpu_threads = cpu_threads
         self.device = device
         self.random_state = random_state
+        self.network = network
+        self.network_params = network_params
+        self.optimizer = optimizer
 
     # ------------------------------------------------------------------ fit / update
 
@@ -182,12 +205,17 @@ class SISAEnsemble(SpecClassifier):
         ``record_ids`` default to the row numbers."""
         config = resolve_config(self.get_params(deep=False))
         rids, Xa, y = self._training_data(X, y, record_ids)
-        if config["model"] == "cnn":
-            build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
         classes = self._label_set(y, min_classes=1)
+        network = None
+        if self.network is not None:  # resolved and checked before any shard trains
+            network = UserNetwork.resolve(self.network, self.network_params)
+            network.check(int(Xa.shape[1]), len(classes))
+            config["network"] = network.record()
+        elif config["model"] == "cnn":
+            build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
         rs = self.random_state
         spec = EnsembleSpec(config, secrets.randbits(63) if rs is None else int(rs), classes,
-                            int(Xa.shape[1]), resolve_device(self.device))
+                            int(Xa.shape[1]), resolve_device(self.device), network)
         records = Placement.of(spec).records(rids, Xa, encode_labels(y, classes, len(rids)),
                                              np.zeros(len(rids), dtype=bool))
         self.classes_ = classes
@@ -221,6 +249,12 @@ class SISAEnsemble(SpecClassifier):
     # ------------------------------------------------------------------ fitted state
 
     state_: EnsembleState
+
+    @property
+    def network_(self) -> dict[str, Any] | None:
+        """The user network it trains (import path, SHA-256 of its source, params); None
+        for a built-in network."""
+        return self._fitted().spec.config.get("network")
 
     @property
     def slice_of_(self) -> np.ndarray:

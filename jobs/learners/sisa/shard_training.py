@@ -4,12 +4,14 @@ See docs/learners.md (SISA's training function)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from jobs.learners.keyed import prf_u64
 from jobs.learners.networks.loo_training import MLPParams, train_single
 from jobs.learners.networks.torch_nets import (
     build_net,
@@ -35,11 +37,15 @@ class ShardTrainer:
 
     spec: EnsembleSpec
 
-    def new_net(self) -> torch.nn.Module:
-        """An untrained shard network of the ensemble's architecture."""
+    def new_net(self, seed: int | None = None) -> torch.nn.Module:
+        """An untrained shard network of the ensemble's architecture, initialised from
+        ``seed`` (None: left as built, for a state to be loaded into)."""
         spec = self.spec
-        return build_net(spec.config["model"], spec.n_features, spec.n_classes,
-                         spec.config["hidden"])
+        if spec.network is not None:  # the user's: its own initialisation, seeded
+            return spec.network.build(spec.n_features, spec.n_classes, seed)
+        net = build_net(spec.config["model"], spec.n_features, spec.n_classes,
+                        spec.config["hidden"])
+        return net if seed is None else init_net(net, seed)
 
     def serving_net(self, state: State) -> torch.nn.Module:
         """A frozen network holding ``state``, on the ensemble's device."""
@@ -66,11 +72,11 @@ class ShardTrainer:
     def _train_adam(self, s: int, records: Records, from_slice: int,
                     start: State | None) -> list[State]:
         spec, cfg, device = self.spec, self.spec.config, self.spec.device
-        net = self.new_net()
         if from_slice == 0:
-            init_net(net, Placement.of(spec).init_seed(s))
+            net = self.new_net(Placement.of(spec).init_seed(s))
         else:
             assert start is not None
+            net = self.new_net()
             net.load_state_dict(start)
         net.to(device)
         rows = records.of_shard(s)
@@ -84,12 +90,23 @@ class ShardTrainer:
                 sel = np.flatnonzero(slices <= r)
                 if len(sel):
                     idx = torch.from_numpy(sel).to(device)
-                    train_stage(net, Xs.index_select(0, idx), ys.index_select(0, idx),
-                                keys[sel], seed=spec.seed, stage_key=(s, r),
-                                epochs=self.epochs(len(sel)), batch_size=cfg["batch_size"],
-                                lr=cfg["lr"], kernel=cfg["kernel"])
+                    with self._user_training(s, r):
+                        train_stage(net, Xs.index_select(0, idx), ys.index_select(0, idx),
+                                    keys[sel], seed=spec.seed, stage_key=(s, r),
+                                    epochs=self.epochs(len(sel)),
+                                    batch_size=cfg["batch_size"], lr=cfg["lr"],
+                                    kernel=cfg["kernel"],
+                                    optimizer=cfg.get("optimizer", "adam"))
                 out.append(state_to_cpu(net))
         return out
+
+    def _user_training(self, s: int, r: int) -> Any:
+        """A user network's stage: deterministic kernels (an operation without one is
+        refused by name) and torch's random draws (dropout) keyed by (seed, shard, stage)."""
+        network = self.spec.network
+        if network is None:
+            return contextlib.nullcontext()
+        return network.training(prf_u64(self.spec.seed, "user-rng", s, r))
 
     def _train_loo(self, s: int, records: Records, tombstones: Tombstones, from_slice: int,
                    start: State | None) -> list[State]:
