@@ -86,28 +86,42 @@ MISSING = "?"
 _MISSING_FRACTION = {"workclass": 0.05, "native_country": 0.02}
 
 
+def census_columns(n: int = 32_560, seed: int = 0, rows_per_person: int = 2,
+                   numeric_missing: float = 0.0) -> dict[str, np.ndarray]:
+    """:func:`census_export` as numpy arrays, built without a Python loop over rows (10^6
+    rows in seconds): text columns are string arrays, numbers int64 (strings when
+    `numeric_missing` puts `?` among them)."""
+    X, y = census_like(n, seed)
+    rng = np.random.default_rng(seed + 1)
+    width = len(str(max(n - 1, 1)))
+    index = np.char.zfill(np.arange(n).astype(str), width)
+    person = np.char.zfill((np.arange(n) // rows_per_person).astype(str), width)
+    out: dict[str, np.ndarray] = {"record_id": np.char.add("a", index),
+                                  "person": np.char.add("p", person)}
+    for j, name in enumerate(FEATURES):
+        codes = X[:, j].astype(np.int64)
+        names = CATEGORY_NAMES.get(name)
+        out[name] = np.array(names)[codes] if names else codes
+    for name, fraction in _MISSING_FRACTION.items():
+        missing = rng.random(n) < fraction
+        out[name] = np.where(missing, MISSING, out[name])
+        if name == "workclass":
+            out["occupation"] = np.where(missing, MISSING, out["occupation"])
+    missing = rng.random(n) < numeric_missing
+    if missing.any():
+        out["hours_per_week"] = np.where(missing, MISSING, out["hours_per_week"].astype(str))
+    out["income"] = np.array(LABEL_NAMES)[y]
+    return out
+
+
 def census_export(n: int = 32_560, seed: int = 0, rows_per_person: int = 2,
                   numeric_missing: float = 0.0) -> dict[str, list[Any]]:
     """:func:`census_like` as exported, column by column: `record_id`, `person` (the
     subject: `rows_per_person` rows each), the features with text categories and `?`
     where the download has missing values (`numeric_missing`: that fraction of
     `hours_per_week` too), and the text label `income`."""
-    X, y = census_like(n, seed)
-    rng = np.random.default_rng(seed + 1)
-    width = len(str(max(n - 1, 1)))
-    out: dict[str, list[Any]] = {
-        "record_id": [f"a{i:0{width}d}" for i in range(n)],
-        "person": [f"p{i // rows_per_person:0{width}d}" for i in range(n)]}
-    for j, name in enumerate(FEATURES):
-        codes = X[:, j].astype(np.int64).tolist()
-        names = CATEGORY_NAMES.get(name)
-        out[name] = [names[c] for c in codes] if names else codes
-    for name, fraction in _MISSING_FRACTION.items():
-        for i in np.flatnonzero(rng.random(n) < fraction).tolist():
-            out[name][i] = MISSING
-            if name == "workclass":
-                out["occupation"][i] = MISSING
-    for i in np.flatnonzero(rng.random(n) < numeric_missing).tolist():
-        out["hours_per_week"][i] = MISSING
-    out["income"] = [LABEL_NAMES[v] for v in y.tolist()]
+    out = {k: v.tolist() for k, v in
+           census_columns(n, seed, rows_per_person, numeric_missing).items()}
+    if numeric_missing > 0:
+        out["hours_per_week"] = [v if v == MISSING else int(v) for v in out["hours_per_week"]]
     return out

@@ -31,3 +31,18 @@ def write_parquet(path: Path, columns: Mapping[str, Sequence[Any]]) -> Path:
         data[name] = values
     pq.write_table(pa.table(data), path)
     return path
+
+
+def write_arrays_csv(path: Path, columns: Mapping[str, Any]) -> Path:
+    """Numpy columns (e.g. :func:`ledger.census.census_columns`) as the rows
+    :func:`write_csv` writes (with ``\\n`` line ends), through pyarrow's writer: 10^6
+    rows in seconds, with no Python object per cell."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    table = pa.table({name: pa.array(values) for name, values in columns.items()})
+    with path.open("wb") as fh:
+        fh.write((",".join(columns) + "\n").encode())
+        pcsv.write_csv(table, fh, pcsv.WriteOptions(include_header=False,
+                                                    quoting_style="none"))
+    return path

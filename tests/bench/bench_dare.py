@@ -79,23 +79,23 @@ def load(name: str, quick: bool) -> tuple[np.ndarray, np.ndarray]:
     return classification(4000 if quick else 20000, quantise=name == "quantised")
 
 
-def run(name: str, d_rmax: int, quick: bool) -> dict:
-    trees, n_del, batch = (20, 30, 1000) if quick else (100, 100, 1000)
-    X, y = load(name, quick)
-    cut = int(0.8 * len(X))
-    Xtr, ytr, Xte, yte = X[:cut], y[:cut], X[cut:], y[cut:]
-    tag = f"[{name} d_rmax={d_rmax}]"
-    log(f"== {tag} {cut} training rows x {X.shape[1]} features, "
-        f"{len(np.unique(Xtr, axis=None))} distinct values in all; {trees} trees, depth 10")
+def measure_forest(Xtr: np.ndarray, ytr: np.ndarray, Xte: np.ndarray, yte: np.ndarray,
+                   params: dict, n_del: int, batch: int, tag: str) -> dict:
+    """scikit-learn's retrain, then the DaRE forest of `params` on the same rows: training,
+    `n_del` single deletions, one batch of `batch`, verify. bench_scale.py uses it too."""
+    cut = len(Xtr)
+    log(f"== {tag} {cut} training rows x {Xtr.shape[1]} features, "
+        f"{len(np.unique(Xtr, axis=None))} distinct values in all; "
+        f"{params['n_estimators']} trees, depth {params['max_depth']}")
     t0 = time.perf_counter()
-    rf = RandomForestClassifier(n_estimators=trees, max_depth=10, random_state=0, n_jobs=1)
+    rf = RandomForestClassifier(n_estimators=params["n_estimators"],
+                                max_depth=params["max_depth"], random_state=0, n_jobs=1)
     rf.fit(Xtr, ytr)
     sk_s = time.perf_counter() - t0
     sk_acc = float((rf.predict(Xte) == yte).mean())
     del rf
     log(f"   scikit-learn RandomForestClassifier(n_jobs=1) retrain: {sk_s:.2f} s, "
         f"accuracy {sk_acc:.4f}")
-    params = dict(n_estimators=trees, max_depth=10, k=25, d_rmax=d_rmax, random_state=0)
     # a throw-away fit and deletion first, so that loading the compiled kernels from
     # numba's cache is not timed (the service pays it once per process)
     warm = DaREForest(**params).fit(Xtr[:200], ytr[:200], record_ids=np.arange(200))
@@ -118,7 +118,8 @@ def run(name: str, d_rmax: int, quick: bool) -> dict:
     mean_ms = float(lat_ms.mean())
     log(f"   {n_del} single deletions: p50 {np.median(lat_ms):.2f} ms, mean {mean_ms:.2f} ms, "
         f"p99 {np.percentile(lat_ms, 99):.2f} ms, max {lat_ms.max():.1f} ms; records "
-        f"retrained per deletion {np.mean(retrained):.0f} (of {cut * trees} in the forest)")
+        f"retrained per deletion {np.mean(retrained):.0f} (of {cut * params['n_estimators']} "
+        "in the forest)")
     t0 = time.perf_counter()
     rep = m.delete(rest)
     batch_s = time.perf_counter() - t0
@@ -129,17 +130,32 @@ def run(name: str, d_rmax: int, quick: bool) -> dict:
     v = m.verify()
     log(f"   after the deletions: accuracy {(m.predict(Xte) == yte).mean():.4f}; verify: "
         f"exact={v.exact} in {v.seconds:.1f} s")
-    speedup = sk_s / (mean_ms / 1e3)
+    return {"sk_s": sk_s, "sk_acc": sk_acc, "train_s": train_s, "acc": acc,
+            "p50": float(np.median(lat_ms)), "mean_ms": mean_ms,
+            "p95": float(np.percentile(lat_ms, 95)), "p99": float(np.percentile(lat_ms, 99)),
+            "retrained_mean": float(np.mean(retrained)), "batch_s": batch_s,
+            "batch_mode": r["mode"], "exact": bool(v.exact), "verify_s": v.seconds,
+            "speedup": sk_s / (mean_ms / 1e3)}
+
+
+def run(name: str, d_rmax: int, quick: bool) -> dict:
+    trees, n_del, batch = (20, 30, 1000) if quick else (100, 100, 1000)
+    X, y = load(name, quick)
+    cut = int(0.8 * len(X))
+    params = dict(n_estimators=trees, max_depth=10, k=25, d_rmax=d_rmax, random_state=0)
+    f = measure_forest(X[:cut], y[:cut], X[cut:], y[cut:], params, n_del, batch,
+                       f"[{name} d_rmax={d_rmax}]")
     return {
         "line": (
-            f"RESULT data={name} d_rmax={d_rmax} train_s={train_s:.2f} "
-            f"delete_p50_ms={np.median(lat_ms):.2f} delete_mean_ms={mean_ms:.2f} "
-            f"delete_p99_ms={np.percentile(lat_ms, 99):.2f} batch1000_s={batch_s:.2f} "
-            f"retrained_mean={np.mean(retrained):.0f} retrain_speedup={speedup:.0f} "
-            f"acc={acc:.4f} exact={'true' if v.exact else 'false'}"
+            f"RESULT data={name} d_rmax={d_rmax} train_s={f['train_s']:.2f} "
+            f"delete_p50_ms={f['p50']:.2f} delete_mean_ms={f['mean_ms']:.2f} "
+            f"delete_p99_ms={f['p99']:.2f} batch1000_s={f['batch_s']:.2f} "
+            f"retrained_mean={f['retrained_mean']:.0f} retrain_speedup={f['speedup']:.0f} "
+            f"acc={f['acc']:.4f} exact={'true' if f['exact'] else 'false'}"
         ),
-        "data": name, "d_rmax": d_rmax, "p50": float(np.median(lat_ms)), "speedup": speedup,
-        "exact": bool(v.exact), "sk_s": sk_s, "batch_s": batch_s, "train_s": train_s,
+        "data": name, "d_rmax": d_rmax, "p50": f["p50"], "speedup": f["speedup"],
+        "exact": f["exact"], "sk_s": f["sk_s"], "batch_s": f["batch_s"],
+        "train_s": f["train_s"],
     }  # fmt: skip
 
 
