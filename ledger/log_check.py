@@ -59,6 +59,10 @@ class LogFacts:
     """What the events say happened to requests and records, gathered in `verify`'s one
     pass over the log, to hold the working tables to it."""
 
+    # the kinds `see` reads: the lifecycle's and those whose payload it parses
+    KINDS = frozenset(REQUEST_STATUSES) | {"received", "applied", "records_loaded", "rejected",
+                                           "duplicate"}
+
     def __init__(self) -> None:
         self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
         self.first: dict[str, int] = {}  # request -> seq of its first lifecycle event
@@ -67,7 +71,7 @@ class LogFacts:
         self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
         self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
         self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
-        self.seen: set[str] = set()  # records in training_records
+        self.seen: set[str] = set()  # records in training_records (all a deletion lists)
         # each `records_loaded` event: (seq, schema digest or None, n_features, classes)
         self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
         # (topic, partition) -> (offset, seq) of the last message an event records from it
@@ -131,10 +135,15 @@ class LogFacts:
                 if rid not in rows]
 
     def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
+        by = self.purged.get(rec.record_id)
+        if by is None and rec.state != "purged" and rec.added_by is None:  # most records
+            key = "-" if rec.added_at is None else self._iso(rec.added_at)
+            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
+            return []
         where = f"record {rec.record_id}"
         out = []
         self.seen.add(rec.record_id)
-        by = self.purged.get(rec.record_id, [])
+        by = by or []
         if rec.state == "purged":
             if not by:
                 out.append(Problem(where, "is purged, but no applied deletion lists it (a "

@@ -20,6 +20,10 @@ from ledger.models import REQUEST_STATUSES
 from ledger.tables import EVENTS, MERKLE_NODES
 
 _COMPARE_EVERY = 4096  # stored subtree hashes read per comparison
+_BATCH = 20_000  # events per fetch
+_EVENT_COLUMNS = (EVENTS.c.seq, EVENTS.c.request_id, EVENTS.c.kind, EVENTS.c.payload,
+                  EVENTS.c.model_version, EVENTS.c.created_at, EVENTS.c.prev_hash,
+                  EVENTS.c.hash)
 
 
 @dataclass
@@ -70,29 +74,37 @@ def walk_events(conn: Connection, walk: LogWalk, checkpoints: dict[int, str],
     than there are. `facts` (a full pass only) gathers what the events say happened."""
     frontier, prev, expected = walk.frontier, walk.prev, walk.start + 1
     stored = _StoredSubtrees(conn, frontier.size)
-    for e in conn.execute(select(EVENTS).where(EVENTS.c.seq > walk.start)
-                          .order_by(EVENTS.c.seq).execution_options(yield_per=5000)):
-        if e.seq != expected:
+    last_kind, append, lifecycle = walk.last_kind, frontier.append, REQUEST_STATUSES
+    told = LogFacts.KINDS if facts is not None else frozenset()
+    at = None
+    for e in conn.execution_options(yield_per=_BATCH).execute(
+            select(*_EVENT_COLUMNS).where(EVENTS.c.seq > walk.start).order_by(EVENTS.c.seq)):
+        seq, rid, kind, payload, model_version, at, prev_hash, h = e
+        if seq != expected:
             problems.append(Problem(f"event {expected}", "missing: the sequence jumps "
-                                    f"to {e.seq} (deleted row?)", expected))
-            expected = e.seq
-        if e.prev_hash != prev:
-            problems.append(Problem(f"event {e.seq}", "prev_hash does not match the "
-                                    "previous event's hash", e.seq))
-        if event_hash(e.seq, e.request_id, e.kind, e.payload, e.model_version,
-                      e.created_at, e.prev_hash) != e.hash:
-            problems.append(Problem(f"event {e.seq}", "content does not match its "
-                                    "hash (edited behind the ledger's back)", e.seq))
-        prev, expected = e.hash, expected + 1
-        stored.see(frontier.size + 1, frontier.append(event_leaf(e.hash)))
-        _check_roots(frontier, checkpoints, heads, problems)
-        if facts is not None:
-            if e.request_id and e.kind in REQUEST_STATUSES:
-                walk.last_kind[e.request_id] = e.kind
-            facts.see(e, problems)
-        if e.seq == covered + 1:
-            walk.first_uncovered = e.created_at
-        walk.last_at = e.created_at
+                                    f"to {seq} (deleted row?)", expected))
+            expected = seq
+        if prev_hash != prev:
+            problems.append(Problem(f"event {seq}", "prev_hash does not match the "
+                                    "previous event's hash", seq))
+        if event_hash(seq, rid, kind, payload, model_version, at, prev_hash) != h:
+            problems.append(Problem(f"event {seq}", "content does not match its "
+                                    "hash (edited behind the ledger's back)", seq))
+        prev, expected = h, expected + 1
+        completed = append(event_leaf(h))
+        size = frontier.size
+        if completed:
+            stored.see(size, completed)
+        if size in checkpoints or size in heads:
+            _check_roots(frontier, checkpoints, heads, problems)
+        if kind in told:
+            if rid and kind in lifecycle:
+                last_kind[rid] = kind
+            facts.see(e, problems)  # type: ignore[union-attr]
+        if seq == covered + 1:
+            walk.first_uncovered = at
+    if at is not None:
+        walk.last_at = at
     n_events = walk.n_events = frontier.size
     problems.extend(stored.finish(n_events))
     for size in sorted(s for s in checkpoints if s > n_events):
