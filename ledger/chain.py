@@ -58,11 +58,11 @@ def event_entry(seq: int, request_id: str | None, kind: str, payload: str,
     third of the cost. Anything but text, None and an int seq goes through the encoder."""
     if type(seq) is int:
         try:
-            return (f'{{"created_at":{_text(created_at)},"kind":{_text(kind)},'
-                    f'"model_version":{_text(model_version)},"payload":{_text(payload)},'
-                    f'"prev_hash":{_text(prev_hash)},"request_id":{_text(request_id)},'
+            return (f'{{"created_at":{_TEXT(created_at)},"kind":{_TEXT(kind)},'
+                    f'"model_version":{_text(model_version)},"payload":{_TEXT(payload)},'
+                    f'"prev_hash":{_TEXT(prev_hash)},"request_id":{_text(request_id)},'
                     f'"seq":{seq}}}').encode()
-        except TypeError:  # a field that is not text: the encoder spells it
+        except TypeError:  # a field that is not text (or None): the encoder spells it
             pass
     return canonical_json({
         "seq": seq, "request_id": request_id, "kind": kind, "payload": payload,

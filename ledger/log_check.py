@@ -71,18 +71,12 @@ class LogFacts:
         self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
         self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
         self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
-        self.seen: set[str] = set()  # records in training_records (all a deletion lists)
+        self.seen: set[str] = set()  # records in training_records (those a deletion lists)
         # each `records_loaded` event: (seq, schema digest or None, n_features, classes)
         self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
         # (topic, partition) -> (offset, seq) of the last message an event records from it
         self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
-        self._isos: dict[Any, str] = {}  # the records of a load share their time
-
-    def _iso(self, at: Any) -> str:
-        text = self._isos.get(at)
-        if text is None:
-            text = self._isos[at] = iso(at)
-        return text
+        self._loaded_at: dict[Any, list[bytes]] = {}  # loaded_fps by the stored time
 
     def see(self, e: Any, problems: list[Problem]) -> None:
         rid = e.request_id
@@ -134,16 +128,21 @@ class LogFacts:
                 for rid, seq in sorted(self.first.items(), key=lambda kv: kv[1])
                 if rid not in rows]
 
+    def loaded_record(self, added_at: Any, record_hash: str) -> None:
+        """A record `ledger init` loaded at `added_at` (no request added it): its
+        fingerprint, for the root of its `records_loaded` event (`check_loaded`)."""
+        fps = self._loaded_at.get(added_at)
+        if fps is None:
+            key = "-" if added_at is None else iso(added_at)
+            fps = self._loaded_at[added_at] = self.loaded_fps.setdefault(key, [])
+        fps.append(bytes.fromhex(record_hash))
+
     def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
-        by = self.purged.get(rec.record_id)
-        if by is None and rec.state != "purged" and rec.added_by is None:  # most records
-            key = "-" if rec.added_at is None else self._iso(rec.added_at)
-            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
-            return []
+        """A record's state, purge and addition against what the events say."""
         where = f"record {rec.record_id}"
         out = []
         self.seen.add(rec.record_id)
-        by = by or []
+        by = self.purged.get(rec.record_id, [])
         if rec.state == "purged":
             if not by:
                 out.append(Problem(where, "is purged, but no applied deletion lists it (a "
@@ -159,8 +158,7 @@ class LogFacts:
             out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
                                       f"(event {by[0][2]}): its data was restored"))
         if rec.added_by is None:
-            key = "-" if rec.added_at is None else self._iso(rec.added_at)
-            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
+            self.loaded_record(rec.added_at, rec.record_hash)
             return out
         added = self.added.get(rec.record_id)
         if added is None or added[0] != rec.added_by:

@@ -8,7 +8,9 @@ root the stored subtrees must still give. See docs/ledger.md#what-ledger-verify-
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import Any
 
 from sqlalchemy import Connection, func, select
@@ -77,8 +79,9 @@ def walk_events(conn: Connection, walk: LogWalk, checkpoints: dict[int, str],
     last_kind, append, lifecycle = walk.last_kind, frontier.append, REQUEST_STATUSES
     told = LogFacts.KINDS if facts is not None else frozenset()
     at = None
-    for e in conn.execution_options(yield_per=_BATCH).execute(
-            select(*_EVENT_COLUMNS).where(EVENTS.c.seq > walk.start).order_by(EVENTS.c.seq)):
+    events = conn.execution_options(yield_per=_BATCH).execute(
+        select(*_EVENT_COLUMNS).where(EVENTS.c.seq > walk.start).order_by(EVENTS.c.seq))
+    for e in chain.from_iterable(events.partitions()):
         seq, rid, kind, payload, model_version, at, prev_hash, h = e
         if seq != expected:
             problems.append(Problem(f"event {expected}", "missing: the sequence jumps "
@@ -134,33 +137,38 @@ class _StoredSubtrees:
 
     def __init__(self, conn: Connection, size: int) -> None:
         self._conn = conn
-        self._next = subtree_store.stored_count(size)
-        self._pending: list[tuple[int, int, int, bytes]] = []  # position, level, index, hash
+        self._next = subtree_store.stored_count(size)  # position of the first pending hash
+        self._after = size  # the pending hashes are those the events after this completed
+        self._pending: list[bytes] = []
         self._edited: list[tuple[int, int]] = []  # level, index
         self._missing: list[tuple[int, int]] = []
 
     def see(self, size: int, completed: list[bytes]) -> None:
         """The subtrees the `size`-th event completed (levels 1, 2, ...)."""
-        for level, h in enumerate(completed, start=1):
-            self._pending.append((self._next, level, (size >> level) - 1, h))
-            self._next += 1
+        if not self._pending:
+            self._after = size - 1
+        self._pending += completed
         if len(self._pending) >= _COMPARE_EVERY:
             self._compare()
 
     def _compare(self) -> None:
-        if not self._pending:
+        pending, start = self._pending, self._next
+        if not pending:
             return
-        rows = dict(self._conn.execute(
-            select(MERKLE_NODES.c.position, MERKLE_NODES.c.hash)
-            .where(MERKLE_NODES.c.position >= self._pending[0][0],
-                   MERKLE_NODES.c.position <= self._pending[-1][0])).all())
-        for pos, level, index, h in self._pending:
+        self._pending, self._next = [], start + len(pending)
+        span = MERKLE_NODES.c.position.between(start, self._next - 1)
+        if self._conn.execute(select(MERKLE_NODES.c.hash).where(span)
+                              .order_by(MERKLE_NODES.c.position)).scalars().all() == pending:
+            return  # all there, all equal (positions are unique)
+        rows = dict(self._conn.execute(select(MERKLE_NODES.c.position, MERKLE_NODES.c.hash)
+                                       .where(span)).all())
+        for pos, (level, index), h in zip(range(start, self._next), islice(
+                _completed_after(self._after), len(pending)), pending, strict=True):
             got = rows.get(pos)
             if got is None:
                 self._missing.append((level, index))
             elif bytes(got) != h:
                 self._edited.append((level, index))
-        self._pending = []
 
     def finish(self, n_events: int) -> list[Problem]:
         self._compare()
@@ -176,6 +184,14 @@ class _StoredSubtrees:
                                f"{self._next} that events 1..{n_events} complete (events "
                                "removed?)", n_events + 1))
         return out
+
+
+def _completed_after(size: int) -> Iterator[tuple[int, int]]:
+    """(level, index) of the subtrees the events after the `size`-th complete, in order."""
+    while True:
+        size += 1
+        for level in range(1, (size & -size).bit_length()):
+            yield level, (size >> level) - 1
 
 
 def _subtree_problem(found: list[tuple[int, int]], what: str) -> Problem:

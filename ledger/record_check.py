@@ -41,14 +41,18 @@ class RecordCheck:
                  .select_from(RECORDS.outerjoin(PAYLOADS,
                                                 PAYLOADS.c.record_id == RECORDS.c.record_id)
                               .outerjoin(SEALED, SEALED.c.record_id == RECORDS.c.record_id)))
-        key = self._key
-        for rec in conn.execution_options(yield_per=_BATCH).execute(query):
-            n_records += 1
-            if rec.state == "purged" or rec.features is None or stored_record_fingerprint(
-                    key, rec.record_id, rec.subject_id, rec.features,
-                    rec.label) != rec.record_hash:
-                problems.extend(self._check_data(rec))
-            problems.extend(facts.check_record(rec, status_of))
+        key, purged, loaded = self._key, facts.purged, facts.loaded_record
+        for batch in conn.execution_options(yield_per=_BATCH).execute(query).partitions():
+            for rec in batch:
+                rid, subject, fp, state, added_by, added_at, _, features, label, _, _ = rec
+                if state == "purged" or features is None or stored_record_fingerprint(
+                        key, rid, subject, features, label) != fp:
+                    problems.extend(self._check_data(rec))
+                if added_by is None and state != "purged" and rid not in purged:
+                    loaded(added_at, fp)  # most records: loaded, live, never deleted
+                else:
+                    problems.extend(facts.check_record(rec, status_of))
+            n_records += len(batch)
         return n_records
 
     def _check_data(self, rec: Any) -> list[Problem]:
