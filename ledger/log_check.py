@@ -71,7 +71,7 @@ class LogFacts:
         self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
         self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
         self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
-        self.seen: set[str] = set()  # records in training_records (those a deletion lists)
+        self.seen: set[str] = set()  # records check_record saw (each one a deletion lists)
         # each `records_loaded` event: (seq, schema digest or None, n_features, classes)
         self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
         # (topic, partition) -> (offset, seq) of the last message an event records from it
