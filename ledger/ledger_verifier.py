@@ -15,13 +15,14 @@ from typing import Any
 from sqlalchemy import Connection, Engine, select
 
 from ledger import merkle, subtree_store
-from ledger.chain import parse_iso, record_fingerprint
+from ledger.chain import parse_iso
 from ledger.heads import log_id
 from ledger.keystore import LedgerKeys
 from ledger.log_check import LogFacts, Problem, VerifyResult
 from ledger.log_walk import LogWalk, resume, walk_events
 from ledger.models import DatasetSchema
-from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer
+from ledger.record_check import RecordCheck
+from ledger.sealed_payloads import PayloadSealer
 from ledger.signing import head_dict
 from ledger.tables import CHECKPOINTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS, SEALED
 from ledger.tree_heads import TreeHeads
@@ -33,8 +34,7 @@ class LedgerVerifier:
     def __init__(self, engine: Engine, hmac_key: bytes, sealer: PayloadSealer,
                  keys: LedgerKeys, heads: TreeHeads) -> None:
         self.engine = engine
-        self._key = hmac_key
-        self._sealer = sealer
+        self._records = RecordCheck(hmac_key, sealer)
         self._keys = keys
         self._heads = heads
 
@@ -54,7 +54,7 @@ class LedgerVerifier:
             self._check_tail(covered, walk, bool(heads) or self._heads.public_key is not None,
                              problems, notes)
             status_of = _check_requests(conn, walk.last_kind, facts, problems)
-            n_records = self._check_records(conn, status_of, facts, problems)
+            n_records = self._records.run(conn, status_of, facts, problems)
             problems.extend(facts.check_loaded())
             problems.extend(facts.check_schema(
                 conn.execute(select(DatasetSchema.__table__)).first(), notes))
@@ -171,44 +171,6 @@ class LedgerVerifier:
         else:
             notes.append(f"events {covered + 1}..{n_events} ({n}) come after the latest {what}: "
                          "nothing can check an unsigned tail until the next head covers it")
-
-    def _check_records(self, conn: Connection, status_of: dict[str, str], facts: LogFacts,
-                       problems: list[Problem]) -> int:
-        """Every record against its fingerprint and the events; returns how many there are."""
-        n_records = 0
-        for rec in conn.execution_options(yield_per=5000).execute(
-                select(RECORDS, PAYLOADS.c.features, PAYLOADS.c.label,
-                       PAYLOADS.c.record_id.label("payload_of"), SEALED.c.sealed)
-                .select_from(RECORDS.outerjoin(PAYLOADS,
-                                               PAYLOADS.c.record_id == RECORDS.c.record_id)
-                             .outerjoin(SEALED, SEALED.c.record_id == RECORDS.c.record_id))):
-            n_records += 1
-            problems.extend(self._check_record(rec))
-            problems.extend(facts.check_record(rec, status_of))
-        return n_records
-
-    def _check_record(self, rec: Any) -> list[Problem]:
-        where = f"record {rec.record_id}"
-        if rec.state == "purged":
-            if rec.payload_of is not None or rec.sealed is not None:
-                return [Problem(where, "is purged but still holds raw features or label "
-                                       "(a row in record_payloads or sealed_payloads)")]
-            if rec.added_by is not None and self._sealer.has_key(rec.record_id):
-                return [Problem(where, "is purged but its payload key is still in the key "
-                                       "store (copies of its sealed row would open)")]
-            return []
-        features, label = rec.features, rec.label
-        if features is None and rec.sealed is not None:
-            try:
-                features, label = self._sealer.open(rec.record_id, bytes(rec.sealed))
-            except (PayloadKeyMissing, ValueError) as exc:
-                return [Problem(where, f"is {rec.state} but its data cannot be read: {exc}")]
-        if features is None or label is None:
-            return [Problem(where, f"is {rec.state} but has no features or label")]
-        if record_fingerprint(self._key, rec.record_id, rec.subject_id, features,
-                              label) != rec.record_hash:
-            return [Problem(where, "features or label do not match its keyed fingerprint")]
-        return []
 
 
 def _good_head(heads: dict[int, Any], covered: int, problems: list[Problem]

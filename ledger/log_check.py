@@ -59,6 +59,10 @@ class LogFacts:
     """What the events say happened to requests and records, gathered in `verify`'s one
     pass over the log, to hold the working tables to it."""
 
+    # the kinds `see` reads: the lifecycle's and those whose payload it parses
+    KINDS = frozenset(REQUEST_STATUSES) | {"received", "applied", "records_loaded", "rejected",
+                                           "duplicate"}
+
     def __init__(self) -> None:
         self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
         self.first: dict[str, int] = {}  # request -> seq of its first lifecycle event
@@ -67,18 +71,12 @@ class LogFacts:
         self.added: dict[str, tuple[str, str, int]] = {}  # record -> (request, fp, seq)
         self.loaded: dict[str, tuple[int, str, int]] = {}  # created_at -> (count, root, seq)
         self.loaded_fps: dict[str, list[bytes]] = {}  # added_at -> fingerprints (records)
-        self.seen: set[str] = set()  # records in training_records
+        self.seen: set[str] = set()  # records check_record saw (each one a deletion lists)
         # each `records_loaded` event: (seq, schema digest or None, n_features, classes)
         self.loads: list[tuple[int, str | None, int | None, list[int]]] = []
         # (topic, partition) -> (offset, seq) of the last message an event records from it
         self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
-        self._isos: dict[Any, str] = {}  # the records of a load share their time
-
-    def _iso(self, at: Any) -> str:
-        text = self._isos.get(at)
-        if text is None:
-            text = self._isos[at] = iso(at)
-        return text
+        self._loaded_at: dict[Any, list[bytes]] = {}  # loaded_fps by the stored time
 
     def see(self, e: Any, problems: list[Problem]) -> None:
         rid = e.request_id
@@ -130,7 +128,17 @@ class LogFacts:
                 for rid, seq in sorted(self.first.items(), key=lambda kv: kv[1])
                 if rid not in rows]
 
+    def loaded_record(self, added_at: Any, record_hash: str) -> None:
+        """A record `ledger init` loaded at `added_at` (no request added it): its
+        fingerprint, for the root of its `records_loaded` event (`check_loaded`)."""
+        fps = self._loaded_at.get(added_at)
+        if fps is None:
+            key = "-" if added_at is None else iso(added_at)
+            fps = self._loaded_at[added_at] = self.loaded_fps.setdefault(key, [])
+        fps.append(bytes.fromhex(record_hash))
+
     def check_record(self, rec: Any, status_of: dict[str, str]) -> list[Problem]:
+        """A record's state, purge and addition against what the events say."""
         where = f"record {rec.record_id}"
         out = []
         self.seen.add(rec.record_id)
@@ -150,8 +158,7 @@ class LogFacts:
             out.append(Problem(where, f"is {rec.state}, but the deletion {by[0][0]} purged it "
                                       f"(event {by[0][2]}): its data was restored"))
         if rec.added_by is None:
-            key = "-" if rec.added_at is None else self._iso(rec.added_at)
-            self.loaded_fps.setdefault(key, []).append(bytes.fromhex(rec.record_hash))
+            self.loaded_record(rec.added_at, rec.record_hash)
             return out
         added = self.added.get(rec.record_id)
         if added is None or added[0] != rec.added_by:

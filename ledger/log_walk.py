@@ -8,7 +8,9 @@ root the stored subtrees must still give. See docs/ledger.md#what-ledger-verify-
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import Any
 
 from sqlalchemy import Connection, func, select
@@ -20,6 +22,10 @@ from ledger.models import REQUEST_STATUSES
 from ledger.tables import EVENTS, MERKLE_NODES
 
 _COMPARE_EVERY = 4096  # stored subtree hashes read per comparison
+_BATCH = 20_000  # events per fetch
+_EVENT_COLUMNS = (EVENTS.c.seq, EVENTS.c.request_id, EVENTS.c.kind, EVENTS.c.payload,
+                  EVENTS.c.model_version, EVENTS.c.created_at, EVENTS.c.prev_hash,
+                  EVENTS.c.hash)
 
 
 @dataclass
@@ -70,29 +76,38 @@ def walk_events(conn: Connection, walk: LogWalk, checkpoints: dict[int, str],
     than there are. `facts` (a full pass only) gathers what the events say happened."""
     frontier, prev, expected = walk.frontier, walk.prev, walk.start + 1
     stored = _StoredSubtrees(conn, frontier.size)
-    for e in conn.execute(select(EVENTS).where(EVENTS.c.seq > walk.start)
-                          .order_by(EVENTS.c.seq).execution_options(yield_per=5000)):
-        if e.seq != expected:
+    last_kind, append, lifecycle = walk.last_kind, frontier.append, REQUEST_STATUSES
+    told = LogFacts.KINDS if facts is not None else frozenset()
+    at = None
+    events = conn.execution_options(yield_per=_BATCH).execute(
+        select(*_EVENT_COLUMNS).where(EVENTS.c.seq > walk.start).order_by(EVENTS.c.seq))
+    for e in chain.from_iterable(events.partitions()):
+        seq, rid, kind, payload, model_version, at, prev_hash, h = e
+        if seq != expected:
             problems.append(Problem(f"event {expected}", "missing: the sequence jumps "
-                                    f"to {e.seq} (deleted row?)", expected))
-            expected = e.seq
-        if e.prev_hash != prev:
-            problems.append(Problem(f"event {e.seq}", "prev_hash does not match the "
-                                    "previous event's hash", e.seq))
-        if event_hash(e.seq, e.request_id, e.kind, e.payload, e.model_version,
-                      e.created_at, e.prev_hash) != e.hash:
-            problems.append(Problem(f"event {e.seq}", "content does not match its "
-                                    "hash (edited behind the ledger's back)", e.seq))
-        prev, expected = e.hash, expected + 1
-        stored.see(frontier.size + 1, frontier.append(event_leaf(e.hash)))
-        _check_roots(frontier, checkpoints, heads, problems)
-        if facts is not None:
-            if e.request_id and e.kind in REQUEST_STATUSES:
-                walk.last_kind[e.request_id] = e.kind
-            facts.see(e, problems)
-        if e.seq == covered + 1:
-            walk.first_uncovered = e.created_at
-        walk.last_at = e.created_at
+                                    f"to {seq} (deleted row?)", expected))
+            expected = seq
+        if prev_hash != prev:
+            problems.append(Problem(f"event {seq}", "prev_hash does not match the "
+                                    "previous event's hash", seq))
+        if event_hash(seq, rid, kind, payload, model_version, at, prev_hash) != h:
+            problems.append(Problem(f"event {seq}", "content does not match its "
+                                    "hash (edited behind the ledger's back)", seq))
+        prev, expected = h, expected + 1
+        completed = append(event_leaf(h))
+        size = frontier.size
+        if completed:
+            stored.see(size, completed)
+        if size in checkpoints or size in heads:
+            _check_roots(frontier, checkpoints, heads, problems)
+        if kind in told:
+            if rid and kind in lifecycle:
+                last_kind[rid] = kind
+            facts.see(e, problems)  # type: ignore[union-attr]
+        if seq == covered + 1:
+            walk.first_uncovered = at
+    if at is not None:
+        walk.last_at = at
     n_events = walk.n_events = frontier.size
     problems.extend(stored.finish(n_events))
     for size in sorted(s for s in checkpoints if s > n_events):
@@ -122,33 +137,38 @@ class _StoredSubtrees:
 
     def __init__(self, conn: Connection, size: int) -> None:
         self._conn = conn
-        self._next = subtree_store.stored_count(size)
-        self._pending: list[tuple[int, int, int, bytes]] = []  # position, level, index, hash
+        self._next = subtree_store.stored_count(size)  # position of the first pending hash
+        self._after = size  # the pending hashes are those the events after this completed
+        self._pending: list[bytes] = []
         self._edited: list[tuple[int, int]] = []  # level, index
         self._missing: list[tuple[int, int]] = []
 
     def see(self, size: int, completed: list[bytes]) -> None:
         """The subtrees the `size`-th event completed (levels 1, 2, ...)."""
-        for level, h in enumerate(completed, start=1):
-            self._pending.append((self._next, level, (size >> level) - 1, h))
-            self._next += 1
+        if not self._pending:
+            self._after = size - 1
+        self._pending += completed
         if len(self._pending) >= _COMPARE_EVERY:
             self._compare()
 
     def _compare(self) -> None:
-        if not self._pending:
+        pending, start = self._pending, self._next
+        if not pending:
             return
-        rows = dict(self._conn.execute(
-            select(MERKLE_NODES.c.position, MERKLE_NODES.c.hash)
-            .where(MERKLE_NODES.c.position >= self._pending[0][0],
-                   MERKLE_NODES.c.position <= self._pending[-1][0])).all())
-        for pos, level, index, h in self._pending:
+        self._pending, self._next = [], start + len(pending)
+        span = MERKLE_NODES.c.position.between(start, self._next - 1)
+        if self._conn.execute(select(MERKLE_NODES.c.hash).where(span)
+                              .order_by(MERKLE_NODES.c.position)).scalars().all() == pending:
+            return  # all there, all equal (positions are unique)
+        rows = dict(self._conn.execute(select(MERKLE_NODES.c.position, MERKLE_NODES.c.hash)
+                                       .where(span)).all())
+        for pos, (level, index), h in zip(range(start, self._next), islice(
+                _completed_after(self._after), len(pending)), pending, strict=True):
             got = rows.get(pos)
             if got is None:
                 self._missing.append((level, index))
             elif bytes(got) != h:
                 self._edited.append((level, index))
-        self._pending = []
 
     def finish(self, n_events: int) -> list[Problem]:
         self._compare()
@@ -164,6 +184,14 @@ class _StoredSubtrees:
                                f"{self._next} that events 1..{n_events} complete (events "
                                "removed?)", n_events + 1))
         return out
+
+
+def _completed_after(size: int) -> Iterator[tuple[int, int]]:
+    """(level, index) of the subtrees the events after the `size`-th complete, in order."""
+    while True:
+        size += 1
+        for level in range(1, (size & -size).bit_length()):
+            yield level, (size >> level) - 1
 
 
 def _subtree_problem(found: list[tuple[int, int]], what: str) -> Problem:

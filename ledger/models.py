@@ -11,13 +11,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, LargeBinary, Text
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, Text, text
 from sqlmodel import Field, SQLModel
 
+from ledger.heads import ROTATION_KIND
 from ledger.transform import InputTransform
 
 # A request's status is the kind of its latest lifecycle event.
 REQUEST_STATUSES = frozenset({"received", "claimed", "applied", "verified", "failed"})
+# The predicate of the partial index over the key rotations; a query must spell it out (a
+# bound parameter does not select a partial index on SQLite).
+ROTATION_ONLY = f"kind = '{ROTATION_KIND}'"
 
 
 class Request(SQLModel, table=True):
@@ -47,11 +51,14 @@ class Request(SQLModel, table=True):
 class Event(SQLModel, table=True):
     """An append-only, hash-chained ledger entry. Never updated, never deleted.
 
-    Indexed by seq and request_id only: every other index would be paid for on the
-    intake hot path, and exports scan in seq order anyway.
+    Indexed by seq and request_id, and the key rotations by a partial index (so that
+    following them reads those rows only, not the log): any other index would be paid
+    for on the intake hot path, and exports scan in seq order anyway.
     """
 
     __tablename__ = "events"
+    __table_args__ = (Index("ix_events_key_rotations", "seq", sqlite_where=text(ROTATION_ONLY),
+                            postgresql_where=text(ROTATION_ONLY)),)
 
     seq: int = Field(sa_type=BigInteger, primary_key=True,
                      sa_column_kwargs={"autoincrement": False})

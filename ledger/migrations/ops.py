@@ -21,6 +21,10 @@ def columns(table: str) -> set[str]:
     return {c["name"] for c in sa.inspect(op.get_bind()).get_columns(table)}
 
 
+def indexes(table: str) -> set[str]:
+    return {i["name"] for i in sa.inspect(op.get_bind()).get_indexes(table)}
+
+
 def create_table(name: str, *cols: sa.Column,
                  indexes: Sequence[tuple[str, bool]] = ()) -> bool:
     """CREATE TABLE `name` (and `ix_<name>_<column>` for each (column, unique) of
