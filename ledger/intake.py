@@ -22,6 +22,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from ledger.appender import ChainAppender
 from ledger.chain import canonical_json, record_fingerprint
 from ledger.db import among, insert_rows
+from ledger.error_text import first_line
 from ledger.models import DatasetSchema
 from ledger.sealed_payloads import PayloadSealer
 from ledger.tables import LOOKUP_CHUNK, OFFSETS, RECORDS, REQUESTS, SEALED
@@ -266,13 +267,6 @@ def caused_by_input(exc: BaseException, dbapi: Any) -> bool:
         return isinstance(exc, dbapi.DataError | dbapi.IntegrityError)
     return isinstance(exc, StatementError | ValueError | TypeError | ArithmeticError
                       | RecursionError)
-
-
-def first_line(exc: BaseException) -> str:
-    """The class and first line of an error: no DETAIL or CONTEXT, which quote values."""
-    inner = getattr(exc, "orig", None) or exc
-    text = (str(inner).strip().splitlines() or [""])[0][:200]
-    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def few(ids: Sequence[str], n: int = 5) -> str:

@@ -16,6 +16,7 @@ from sqlalchemy import Engine, func, select
 from ledger import intake_metrics as metrics
 from ledger.chain import iso, utc_now
 from ledger.db import writing
+from ledger.error_text import first_line
 from ledger.intake import (
     BatchIntake,
     IncomingMessage,
@@ -23,7 +24,6 @@ from ledger.intake import (
     RejectHook,
     Unstorable,
     caused_by_input,
-    first_line,
     message_bytes,
     parse_message,
 )

@@ -11,7 +11,8 @@ import logging
 import time
 
 from jobs.orchestration import worker_metrics as metrics
-from jobs.orchestration.registry import VersionRefused, first_line
+from jobs.orchestration.registry import VersionRefused
+from ledger.error_text import first_line
 
 log = logging.getLogger("obliviate.worker")
 

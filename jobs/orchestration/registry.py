@@ -35,6 +35,7 @@ from jobs.orchestration.model_store import VersionStore
 from ledger import migrations
 from ledger.chain import canonical_json, iso, utc_now
 from ledger.db import upsert
+from ledger.error_text import first_line
 from ledger.keystore import LedgerKeys
 from ledger.tables import EVENTS
 
@@ -376,12 +377,6 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         # the version's files hold (docs/learners.md, "Your own network")
         out["network"] = network
     return out
-
-
-def first_line(exc: BaseException) -> str:
-    """An error in one line, for a reason or a log line (never a traceback)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def manifest_sha256(manifest: dict[str, Any]) -> str:

@@ -24,9 +24,9 @@ from jobs.orchestration import worker_metrics as metrics
 from jobs.orchestration.guard_pass import GuardPass
 from jobs.orchestration.loaded_version import LoadedVersion
 from jobs.orchestration.publisher import Publish, Publisher
-from jobs.orchestration.registry import first_line
 from jobs.orchestration.served_model import ServedModel
 from ledger.chain import as_utc, utc_now
+from ledger.error_text import first_line
 from ledger.models import Request
 from ledger.store import Ledger
 

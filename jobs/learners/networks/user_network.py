@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from jobs.learners.networks.torch_nets import deterministic
-from ledger.intake import first_line
+from ledger.error_text import first_line
 
 SOURCE_FILE = "network.py"  # the copy of the module's source a saved model keeps
 _NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
