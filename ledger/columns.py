@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -109,10 +110,12 @@ class ColumnCoding:
         else:
             raise CellError(f"{show_cell(value)} is not a category: send its name as text")
         out = [0.0] * self.width
-        out[self._codes().get(text, len(self.categories))] = 1.0
+        out[self._codes.get(text, len(self.categories))] = 1.0
         return out
 
+    @cached_property
     def _codes(self) -> dict[str | None, int]:
+        """Category name -> code, built once (every categorical cell looks it up)."""
         return {c: i for i, c in enumerate(self.categories)}
 
     # ------------------------------------------------------------------ a table's column
@@ -132,7 +135,7 @@ class ColumnCoding:
                     raise CellError(f"{show_cell(c)} is not a boolean (true/false, yes/no, 1/0)", i)
                 out[i, 0] = flag
             return out
-        codes = self._codes()
+        codes = self._codes
         other = len(self.categories)
         at = np.fromiter((codes.get(self.missing if m else _text(c), other)
                           for c, m in zip(cells, miss, strict=True)), np.int64, len(cells))

@@ -22,11 +22,11 @@ def encode_row(transform: InputTransform, row: Any, where: str) -> list[float]:
     """One raw row -> its encoded (not yet scaled) features, or RowError saying why not."""
     columns = transform.raw_columns
     if isinstance(row, dict):
-        names = [c.name for c in columns]
-        unknown = [k for k in row if k not in set(names)]
+        names = transform.raw_column_names
+        unknown = [k for k in row if k not in names]
         if unknown:
             raise RowError(f"{where}: unknown column {show_cell(unknown[0])} (GET /v1/schema "
-                           f"lists the columns: {_list(names)})")
+                           f"lists the columns: {_list(list(names))})")
         absent = [n for n in names if n not in row]
         if absent:
             raise RowError(f"{where}: missing column {show_cell(absent[0])} (send null for a "

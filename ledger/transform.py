@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,15 @@ class InputTransform:
         return cls(tuple(names), tuple(b[0] for b in bounds), tuple(b[1] for b in bounds),
                    columns=tuple(columns), labels=tuple(labels), na=na)
 
-    @property
+    @cached_property
     def raw_columns(self) -> tuple[ColumnCoding, ...]:
-        """The raw columns a row holds: the stored codings, or one number per feature."""
+        """The raw columns a row holds: the stored codings, or one number per feature
+        (built once: every row of a request is encoded by them)."""
         return self.columns or tuple(ColumnCoding(n) for n in self.names)
+
+    @cached_property
+    def raw_column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.raw_columns)
 
     def label_name(self, code: int) -> str:
         return self.labels[code] if self.labels else str(code)

@@ -91,10 +91,7 @@ def parse_instances(instances: Any, n_features: int, transform: InputTransform |
     X = np.asarray(rows, dtype=np.float64)
     if scaled or transform is None:
         return X
-    with np.errstate(over="ignore", invalid="ignore"):
-        Z = transform.scale(X)
-    Z[np.isnan(Z)] = 0.0  # unreachable for finite input; never hand NaN to the guard
-    return np.clip(Z, 0.0, 1.0)  # the guard's box (GuardedAnswers.answer clips it so too)
+    return _into_the_box(transform, X)
 
 
 def _encoded_rows(rows: list[Any], transform: InputTransform) -> np.ndarray:
@@ -105,9 +102,15 @@ def _encoded_rows(rows: list[Any], transform: InputTransform) -> np.ndarray:
                        dtype=np.float64)
     except RowError as exc:
         raise InvalidArgument(str(exc)) from None
+    return _into_the_box(transform, E)
+
+
+def _into_the_box(transform: InputTransform, X: np.ndarray) -> np.ndarray:
+    """Raw (encoded) rows scaled by the stored transform and clipped to [0, 1], the
+    guard's box (GuardedAnswers.answer clips so too)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        Z = transform.scale(E)
-    Z[np.isnan(Z)] = 0.0
+        Z = transform.scale(X)
+    Z[np.isnan(Z)] = 0.0  # unreachable for finite input; never hand NaN to the guard
     return np.clip(Z, 0.0, 1.0)
 
 
