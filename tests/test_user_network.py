@@ -6,14 +6,16 @@ See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits, make_classification
+from sklearn.datasets import load_digits, make_classification, make_moons
 
+from jobs.guard.label_guard import sisa_certain
 from jobs.learners.networks.user_network import SOURCE_FILE, NetworkError
 from jobs.learners.sisa.ensemble import SISAEnsemble
 from jobs.orchestration.model_commands import with_network
@@ -27,6 +29,11 @@ from jobs.orchestration.served_model import (
 
 CNN = "tests.user_networks:digits_cnn"
 MLP = "tests.user_networks:dropout_mlp"
+RELU = "tests.user_networks:relu_mlp"
+# a small table's ensemble of a user's ReLU MLP, as tests/idp/test_sisa_bounds.py's
+RELU_KW = {"n_shards": 3, "network": RELU, "network_params": {"hidden": [8]},
+           "epochs_per_slice": 30, "min_steps": 0, "batch_size": 4, "lr": 0.1,
+           "device": "cpu", "random_state": 0}
 EXAMPLES = Path(__file__).with_name("user_networks.py")
 
 
@@ -38,6 +45,12 @@ def _digits(classes: tuple[int, ...] = tuple(range(10))) -> tuple[np.ndarray, np
 
 def _ids(n: int, prefix: str = "r") -> list[str]:
     return [f"{prefix}{i:04d}" for i in range(n)]
+
+
+def _moons(n: int = 48) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    X, y = make_moons(n, noise=0.25, random_state=1)
+    X = (X - X.min(0)) / (X.max(0) - X.min(0))
+    return X.astype(np.float32), y, _ids(n)
 
 
 def _table(n: int = 120) -> tuple[np.ndarray, np.ndarray]:
@@ -144,10 +157,97 @@ def test_a_network_that_cannot_serve_is_refused_at_train_time(network: str,
 
 def test_settings_a_user_network_cannot_take() -> None:
     X, y = _table(30)
-    with pytest.raises(ValueError, match="a network of your own trains with schedule='adam'"):
+    with pytest.raises(ValueError, match=r"schedule='loo' cannot train network "
+                       r"'tests.user_networks:dropout_mlp': its layer 2 is a Dropout"):
         SISAEnsemble(network=MLP, schedule="loo").fit(X, y)
+    with pytest.raises(ValueError, match=r"cannot train network .*relu_mlp.*: "
+                       r"optimizer='adam' \(the schedule is plain SGD\)"):
+        SISAEnsemble(network=RELU, schedule="loo", optimizer="adam").fit(X, y)
+    with pytest.raises(ValueError, match=r"loss=0.1 \(the schedule's kernels take "
+                       r"cross-entropy only\)"):
+        SISAEnsemble(network=RELU, schedule="loo", loss=0.1).fit(X, y)
     with pytest.raises(ValueError, match="optimizer='sgd' needs a network of your own"):
         SISAEnsemble(optimizer="sgd").fit(X, y)
+    with pytest.raises(ValueError, match="loss='nll' needs a network of your own"):
+        SISAEnsemble(loss="nll").fit(X, y)
+    for bad in ("mse", 1.0, -0.1, True):
+        with pytest.raises(ValueError, match=r"The 'loss' parameter of SISAEnsemble must be "
+                           r"a str among \{.*'cross_entropy'.*\} or a label-smoothing "
+                           r"value \(a float in \[0, 1\)\)\. Got"):
+            SISAEnsemble(network=MLP, loss=bad).fit(X, y)
+
+
+@pytest.mark.parametrize("loss", ["nll", 0.1])
+def test_the_loss_is_a_parameter_and_stays_exact(loss: str | float) -> None:
+    """Label smoothing and NLL (the network gives log-probabilities) train, change the
+    bits, and a deletion is still a retrain from scratch."""
+    X, y = _table()
+    ids = _ids(100)
+    net = "tests.user_networks:log_softmax_mlp" if loss == "nll" else MLP
+    kw = {"n_shards": 2, "network": net, "epochs_per_slice": 20, "lr": 0.05,
+          "random_state": 3}
+    model = SISAEnsemble(**kw, loss=loss).fit(X[:100], y[:100], record_ids=ids)
+    assert model.config_["loss"] == loss and model.config_["schedule"] == "adam"
+    assert "hidden" not in model.config_ and "weight_decay" not in model.config_
+    plain = SISAEnsemble(**kw).fit(X[:100], y[:100], record_ids=ids)
+    assert plain.config_["loss"] == "cross_entropy"
+    assert plain.content_hash() != model.content_hash()
+    assert (model.predict(X[:100]) == y[:100]).mean() > 0.55  # it learns (chance: 1/3)
+    model.delete(ids[:3])
+    assert model.verify().exact
+
+
+def test_a_user_relu_mlp_trains_with_the_masked_schedule_from_its_own_weights() -> None:
+    """A flat Linear/ReLU Sequential takes the built-in MLP's road: the masked LOO
+    schedule from the module's own seeded initial weights; the LOO set the guard rebuilds
+    for a shard holds the served shard and, for each record, the shard after deleting it,
+    bit for bit."""
+    from jobs.guard.lucid.shard_bounds import ensemble_loo_set
+    from jobs.learners.networks.user_network import UserNetwork
+
+    X, y, ids = _moons()
+    model = SISAEnsemble(**RELU_KW).fit(X, y, record_ids=ids)
+    cfg = model.config_
+    assert (cfg["schedule"], cfg["hidden"], cfg["optimizer"]) == ("loo", [8], "sgd")
+    assert model.bound_obstacle_ is None
+    assert list(model.shard_state(0)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # the schedule starts from the module's own initialisation, not the built-in one's
+    args = model.shard_training_args(0)
+    own = UserNetwork.resolve(RELU, {"hidden": [8]}).build(2, 2, seed=args["seed"])
+    assert np.array_equal(args["init"].weights[0], own[0].weight.detach().numpy())
+    for s in range(3):
+        loo = ensemble_loo_set(model, s)  # checks its base against the served shard
+        assert loo is not None and loo.full().equal(model.shard_params(s))
+        rid = loo.record_ids[len(loo.record_ids) // 2]
+        after = copy.deepcopy(model)
+        after.delete([rid])
+        assert loo.loo(rid).equal(after.shard_params(s)), (s, rid)
+    assert model.verify().exact
+
+
+@pytest.mark.slow  # 48 retrains of three small shards and their bounds: about 20 s
+def test_bound_answers_for_a_user_relu_mlp_hold_against_brute_force_retrains() -> None:
+    """Every answer the served rule with per-shard bounds calls certain is the answer of
+    the ensemble retrained from scratch without any one record; the bounds certify more
+    than the vote rule alone."""
+    X, y, ids = _moons()
+    served = ShardVoteModel(SISAEnsemble(**RELU_KW).fit(X, y, record_ids=ids))
+    while not served.guard_complete:
+        served.refresh_guard(5.0)
+    rec = served.guard_record()
+    assert rec["serves"] == "bounds" and rec["bound"]["complete"]
+    grid = np.stack(np.meshgrid(np.linspace(0, 1, 12), np.linspace(0, 1, 12)), -1)
+    queries = np.concatenate([X, grid.reshape(-1, 2)]).astype(np.float32)
+    winner, certain = served.certain(queries)
+    ens = served.learner
+    _, vote_only = sisa_certain(ens.shard_logits(queries), np.full((3, 2), np.inf),
+                                ens.active_shards_)
+    assert certain.sum() > vote_only.sum(), (certain.sum(), vote_only.sum())
+    for i in range(len(ids)):
+        keep = np.arange(len(ids)) != i
+        loo = SISAEnsemble(**RELU_KW).fit(X[keep], y[keep], record_ids=np.array(ids)[keep])
+        moved = loo.predict(queries) != ens.classes_[winner]
+        assert not (moved & certain).any(), f"a certain answer moved without {ids[i]}"
     with pytest.raises(ValueError, match="--network .* needs --learner sisa, not 'dare'"):
         with_network("dare", {}, MLP)
     assert with_network("sisa", {"n_shards": 3}, MLP) == {"n_shards": 3, "network": MLP}
@@ -162,8 +262,14 @@ def test_the_sidecar_serves_it_under_the_vote_rule_and_holds_it_to_the_manifest(
     man = manifest(model, seq=1, parent=None, ledger_seq=0, training_set=(90, "root"),
                    change={"op": "train"})
     assert man["network"]["path"] == CNN and man["params"]["network"] == CNN
-    assert man["guard"]["rule"] == "sisa-vote" and man["guard"]["shard_bound"] == "inf"
-    assert "no per-shard bounds" in man["guard"]["why"]
+    assert man["guard"]["rule"] == "sisa-vote" and man["guard"]["serves"] == "vote"
+    assert man["guard"]["why"] == (
+        f"no per-shard bounds: network {CNN!r} trains with schedule='adam': its module is a "
+        "DigitsCNN, not a torch.nn.Sequential of Linear and ReLU layers; the vote rule "
+        "needs none")
+    # the hyperparameters it trained under, none it ignores
+    assert {"hidden", "model", "weight_decay"}.isdisjoint(man["params"])
+    assert {"lr", "optimizer", "loss", "epochs_per_slice"} <= set(man["params"])
     model.save(tmp_path / "v1")
     served = load_as_published(tmp_path / "v1", man)
     assert (served.certain(X[90:120])[0] == model.certain(X[90:120])[0]).all()
@@ -171,6 +277,20 @@ def test_the_sidecar_serves_it_under_the_vote_rule_and_holds_it_to_the_manifest(
     edited["network"]["sha256"] = "0" * 64
     with pytest.raises(NotAsPublished, match="its network's source is"):
         load_as_published(tmp_path / "v1", edited)
+
+
+def test_the_sidecar_serves_a_user_relu_mlp_with_per_shard_bounds() -> None:
+    X, y, ids = _moons()
+    model = ServedModel.train("sisa", np.array(ids, dtype=object), X, y,
+                              {"network": RELU, "n_shards": 2})
+    model.refresh_guard(2.0)
+    man = manifest(model, seq=1, parent=None, ledger_seq=0, training_set=(48, "root"),
+                   change={"op": "train"})
+    guard = man["guard"]
+    assert guard["serves"] == "bounds" and guard["shard_bound"] == "per-shard"
+    assert any(row["current"] for row in guard["bound"]["shards"])
+    assert {"hidden", "model", "optimizer", "loss"}.isdisjoint(man["params"])
+    assert model.learner.config_["hidden"] == [16]  # the module's width, in the config
 
 
 @pytest.mark.slow  # 40 retrains of five CNN shards: 13-25 s on two shared cores

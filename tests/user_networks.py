@@ -67,3 +67,19 @@ class _Scatter(nn.Module):
 
 def nondeterministic(n_features: int, n_classes: int) -> nn.Module:
     return _Scatter(n_features, n_classes)
+
+
+def relu_mlp(n_features: int, n_classes: int, hidden: tuple[int, ...] = (16,)) -> nn.Module:
+    """A plain Linear/ReLU sequence: trained with the masked LOO schedule, bounded per shard."""
+    layers: list[nn.Module] = []
+    width = n_features
+    for h in hidden:
+        layers += [nn.Linear(width, int(h)), nn.ReLU()]
+        width = int(h)
+    return nn.Sequential(*layers, nn.Linear(width, n_classes))
+
+
+def log_softmax_mlp(n_features: int, n_classes: int, hidden: int = 16) -> nn.Module:
+    """An MLP that outputs log-probabilities (for `loss="nll"`)."""
+    return nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(),
+                         nn.Linear(hidden, n_classes), nn.LogSoftmax(dim=1))
