@@ -18,7 +18,8 @@ from sklearn.datasets import load_digits, make_classification, make_moons
 from jobs.guard.label_guard import sisa_certain
 from jobs.learners.networks.user_network import SOURCE_FILE, NetworkError
 from jobs.learners.sisa.ensemble import SISAEnsemble
-from jobs.orchestration.model_commands import with_network
+from jobs.orchestration.job_settings import JobSettings
+from jobs.orchestration.model_commands import training_params, with_network
 from jobs.orchestration.registry import manifest
 from jobs.orchestration.served_model import (
     NotAsPublished,
@@ -27,14 +28,16 @@ from jobs.orchestration.served_model import (
     load_as_published,
 )
 
-CNN = "tests.user_networks:digits_cnn"
+CNN = "jobs.learners.networks.examples.digits:build"
 MLP = "tests.user_networks:dropout_mlp"
 RELU = "tests.user_networks:relu_mlp"
+TABLES = "jobs.learners.networks.examples.tables:build"
 # a small table's ensemble of a user's ReLU MLP, as tests/idp/test_sisa_bounds.py's
 RELU_KW = {"n_shards": 3, "network": RELU, "network_params": {"hidden": [8]},
            "epochs_per_slice": 30, "min_steps": 0, "batch_size": 4, "lr": 0.1,
            "device": "cpu", "random_state": 0}
 EXAMPLES = Path(__file__).with_name("user_networks.py")
+CNN_SOURCE = Path(__file__).parent.parent / "jobs/learners/networks/examples/digits.py"
 
 
 def _digits(classes: tuple[int, ...] = tuple(range(10))) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +70,7 @@ def test_a_user_cnn_trains_deletes_and_adds_exactly() -> None:
               "epochs_per_slice": 12, "lr": 0.05, "random_state": 7}
     model = SISAEnsemble(**params).fit(X[:240], y[:240], record_ids=ids)
     assert model.network_ == {"path": CNN, "sha256": hashlib.sha256(
-        EXAMPLES.read_bytes()).hexdigest(), "params": {"channels": 4}}
+        CNN_SOURCE.read_bytes()).hexdigest(), "params": {"channels": 4}}
     assert model.config_["schedule"] == "adam" and model.config_["model"] == "network"
     assert (model.predict(X[1000:1200]) == y[1000:1200]).mean() > 0.4  # it learns (chance: 0.1)
     model.delete(ids[:4])
@@ -144,8 +147,7 @@ def test_a_changed_source_is_never_run_under_the_recorded_hash(
     ("tests.user_networks:no_such_function", r"has no function 'no_such_function'"),
     ("no_such_package.models:build", r"cannot import 'no_such_package.models'"),
     ("tests.user_networks", r"expected an import path 'package.module:function'"),
-    ("tests.user_networks:digits_cnn", r"build\(6, 3, \*\*\{\}\) raised ValueError: "
-                                       r"6 features are not a square image"),
+    (CNN, r"build\(6, 3, \*\*\{\}\) raised ValueError: 6 features are not a square image"),
 ])
 def test_a_network_that_cannot_serve_is_refused_at_train_time(network: str,
                                                               message: str) -> None:
@@ -293,6 +295,98 @@ def test_the_sidecar_serves_a_user_relu_mlp_with_per_shard_bounds() -> None:
     assert model.learner.config_["hidden"] == [16]  # the module's width, in the config
 
 
+def test_the_device_settings_are_checked_and_reach_shard_training_and_loo_sets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OBLIVIATE_DEVICE picks where new models train (their retrains and LOO sets follow
+    the model); unset it is `auto`, the CPU path as before. Mistakes are one line each."""
+    import torch
+
+    assert JobSettings().training_device() == "auto"
+    assert training_params("sisa", {}, None, JobSettings()) == {"device": "auto"}
+    monkeypatch.setenv("OBLIVIATE_DEVICE", "cpu")
+    monkeypatch.setenv("OBLIVIATE_CUDA_MEMORY_FRACTION", "0.5")  # no CUDA: nothing to cap
+    s = JobSettings.from_env()
+    params = training_params("sisa", {"n_shards": 2}, RELU, s)
+    assert params == {"n_shards": 2, "network": RELU, "device": "cpu"}
+    assert training_params("dare", {}, None, s) == {}  # no torch network to place
+    assert training_params("mlp", {"device": "cuda"}, None, s) == {"device": "cuda"}
+    X, y, ids = _moons()
+    model = ServedModel.train("sisa", np.array(ids, dtype=object), X, y, params, False)
+    assert model.device == "cpu" and model.learner.get_params()["device"] == "cpu"
+    assert model.learner.shard_training_args(0)["device"] == torch.device("cpu")
+    for name, value, message in [
+            ("DEVICE", "gpu", r"OBLIVIATE_DEVICE must be auto, cpu, cuda or cuda:N; got 'gpu'"),
+            ("DEVICE", "cuda:x", r"must be auto, cpu, cuda or cuda:N; got 'cuda:x'"),
+            ("CUDA_MEMORY_FRACTION", "0", r"OBLIVIATE_CUDA_MEMORY_FRACTION must be in \(0, 1\]"),
+            ("CUDA_MEMORY_FRACTION", "1.5", r"must be in \(0, 1\]; got 1.5")]:
+        with monkeypatch.context() as m:
+            m.setenv(f"OBLIVIATE_{name}", value)
+            with pytest.raises(ValueError, match=message):
+                JobSettings.from_env().training_device()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="OBLIVIATE_DEVICE=cuda:1, but torch sees no CUDA"):
+            JobSettings(device="cuda:1").training_device()
+
+
+def _category_table(path: Path, n: int = 150) -> Path:
+    """A CSV with text categories whose label follows one category and one number."""
+    rng = np.random.default_rng(5)
+    city = rng.choice(["Lyon", "Oslo", "Pune", "Quito"], n)
+    plan = rng.choice(["basic", "plus", "pro"], n)
+    age = rng.integers(18, 80, n)
+    churn = np.where((city == "Oslo") | ((plan == "basic") & (age > 50)), "yes", "no")
+    rows = ["id,city,age,plan,churn", *(
+        f"r{i:03d},{c},{a},{p},{y}"
+        for i, (c, a, p, y) in enumerate(zip(city, age, plan, churn, strict=True)))]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_the_shipped_table_example_embeds_each_category_block(tmp_path: Path) -> None:
+    """The installed example reads the ledger's one-hot blocks, found from the encoded
+    feature names, through bias-free Linear layers (its embeddings), learns and forgets
+    exactly; a block outside the row is refused at train time."""
+    from jobs.learners.networks.examples.tables import category_blocks
+    from ledger import datasets
+
+    ds = datasets.load_csv(_category_table(tmp_path / "churn.csv"), "churn",
+                           id_column="id", options=datasets.TableOptions(min_frequency=1))
+    blocks = category_blocks(ds.feature_names)
+    assert [ds.feature_names[s].split("=")[0] for s, _ in blocks] == ["city", "plan"]
+    assert [w for _, w in blocks] == [5, 4]  # four cities and three plans, each + "other"
+    params = {"n_shards": 2, "network": TABLES, "epochs_per_slice": 30, "lr": 0.05,
+              "network_params": {"blocks": blocks, "dim": 3}, "random_state": 4}
+    model = SISAEnsemble(**params).fit(ds.X, ds.y, record_ids=ds.record_ids)
+    net = model.shard_networks_[0]
+    assert [(e.in_features, e.out_features, e.bias) for e in net.embed] == [
+        (5, 3, None), (4, 3, None)]
+    assert model.bound_obstacle_.endswith("is a CategoryEmbeddingMLP, not a torch.nn."
+                                          "Sequential of Linear and ReLU layers")
+    assert (model.predict(ds.X) == ds.y).mean() > 0.8
+    model.delete(ds.record_ids[:5])
+    assert model.verify().exact
+    with pytest.raises(NetworkError, match=r"block \[10, 4\] is outside the 10 features"):
+        SISAEnsemble(**{**params, "network_params": {"blocks": [[10, 4]]}}).fit(ds.X, ds.y)
+
+
+def test_the_demo_takes_a_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`obliviate demo --network` goes the way of `model train --network`: SISA only, and
+    the device settings checked, before the demo makes anything (a whole demo with the
+    shipped CNN takes minutes: docs/learners.md shows its command)."""
+    from service.cli import main
+
+    work = tmp_path / "demo"
+    assert main(["demo", "--learner", "dare", "--network", CNN, "--workdir", str(work)]) == 2
+    assert "--network (OBLIVIATE_NETWORK) needs --learner sisa, not 'dare'" in (
+        capsys.readouterr().err)
+    monkeypatch.setenv("OBLIVIATE_DEVICE", "gpu")
+    assert main(["demo", "--learner", "sisa", "--network", CNN, "--dataset", "digits",
+                 "--workdir", str(work)]) == 2
+    assert "OBLIVIATE_DEVICE must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert not work.exists()
+
+
 @pytest.mark.slow  # 40 retrains of five CNN shards: 13-25 s on two shared cores
 def test_the_vote_rule_is_sound_for_a_cnn_against_brute_force_retrains() -> None:
     """Every answer the served rule calls certain is the answer of the model retrained
@@ -326,7 +420,7 @@ def test_obliviate_trains_serves_and_forgets_with_a_user_network(tmp_path: Path)
     with Sidecar(tmp_path, learner="sisa", dataset="digits", env={"OBLIVIATE_NETWORK": CNN},
                  train_params='{"n_shards": 3, "epochs_per_slice": 5}') as sc:
         first = sc.models()["current"]["manifest"]
-        source = hashlib.sha256(EXAMPLES.read_bytes()).hexdigest()
+        source = hashlib.sha256(CNN_SOURCE.read_bytes()).hexdigest()
         assert first["network"] == {"path": CNN, "sha256": source, "params": {}}
         assert first["guard"]["rule"] == "sisa-vote" and first["guard"]["shard_bound"] == "inf"
         digits = datasets.load("digits")

@@ -25,9 +25,10 @@ Last lines:
     RESULT learner=sisa device=cuda fit_s=... delete_s=... cpu_delete_s=... exact=true
     RESULT learner=sisa network=digits_cnn device=cuda fit_s=... cpu_fit_s=... exact=true
 
-The last row is a user's own module (issue 30: ``tests/user_networks.py``'s CNN on
-scikit-learn's digits, 5 shards): trained, one record deleted and verified exact by a
-retrain from scratch on the same device, against the same on the CPU.
+The last row is a user's own module (issue 30: the shipped example CNN,
+``jobs/learners/networks/examples/digits.py``, on scikit-learn's digits, 5 shards): trained,
+one record deleted and verified exact by a retrain from scratch on the same device, against
+the same on the CPU.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def user_network_row() -> str:
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
     ids = [f"d{i:04d}" for i in range(len(X))]
-    params = {"n_shards": 5, "network": "tests.user_networks:digits_cnn",
+    params = {"n_shards": 5, "network": "jobs.learners.networks.examples.digits:build",
               "network_params": {"channels": 8, "hidden": 64}, "epochs_per_slice": 20,
               "lr": 0.01, "random_state": 3}
     out = {}
