@@ -199,22 +199,25 @@ def test_the_loss_is_a_parameter_and_stays_exact(loss: str | float) -> None:
     assert model.verify().exact
 
 
-def test_a_user_relu_mlp_trains_with_the_masked_schedule_from_its_own_weights() -> None:
+@pytest.mark.parametrize("n_slices", [1, 2])
+def test_a_user_relu_mlp_trains_with_the_masked_schedule_from_its_own_weights(
+        n_slices: int) -> None:
     """A flat Linear/ReLU Sequential takes the built-in MLP's road: the masked LOO
-    schedule from the module's own seeded initial weights; the LOO set the guard rebuilds
-    for a shard holds the served shard and, for each record, the shard after deleting it,
-    bit for bit."""
+    schedule (sliced too, when asked for) from the module's own seeded initial weights;
+    the LOO set the guard rebuilds for a shard holds the served shard and, for a record,
+    the shard after deleting it, bit for bit."""
     from jobs.guard.lucid.shard_bounds import ensemble_loo_set
     from jobs.learners.networks.user_network import UserNetwork
 
     X, y, ids = _moons()
-    model = SISAEnsemble(**RELU_KW).fit(X, y, record_ids=ids)
+    sliced = {"n_slices": 2, "schedule": "loo"} if n_slices > 1 else {}
+    model = SISAEnsemble(**RELU_KW, **sliced).fit(X, y, record_ids=ids)
     cfg = model.config_
     assert (cfg["schedule"], cfg["hidden"], cfg["optimizer"]) == ("loo", [8], "sgd")
     assert model.bound_obstacle_ is None
     assert list(model.shard_state(0)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     # the schedule starts from the module's own initialisation, not the built-in one's
-    args = model.shard_training_args(0)
+    args = model.shard_training_args(0, stage=0)
     own = UserNetwork.resolve(RELU, {"hidden": [8]}).build(2, 2, seed=args["seed"])
     assert np.array_equal(args["init"].weights[0], own[0].weight.detach().numpy())
     for s in range(3):

@@ -2,7 +2,8 @@
 import path (``"pkg.module:build"``), resolved in one place, checked before any training
 (it loads, returns a module, gives one logit per class, runs under deterministic kernels)
 and pinned by the SHA-256 of its module's source file. A saved model keeps a copy of that
-source and loads from it, so a version always runs the code it was trained with.
+source and loads from it, so a version always runs the code it was trained with. A plain
+Linear/ReLU one (:class:`ReluMLP`) moves to and from the LUCID encoder's form.
 See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
