@@ -168,6 +168,9 @@ def test_settings_a_user_network_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"loss=0.1 \(the schedule's kernels take "
                        r"cross-entropy only\)"):
         SISAEnsemble(network=RELU, schedule="loo", loss=0.1).fit(X, y)
+    with pytest.raises(ValueError, match=r"cannot train network .*hooked_relu_mlp.*: it has "
+                       r"forward hooks"):
+        SISAEnsemble(network="tests.user_networks:hooked_relu_mlp", schedule="loo").fit(X, y)
     with pytest.raises(ValueError, match="optimizer='sgd' needs a network of your own"):
         SISAEnsemble(optimizer="sgd").fit(X, y)
     with pytest.raises(ValueError, match="loss='nll' needs a network of your own"):

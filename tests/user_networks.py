@@ -57,3 +57,11 @@ def log_softmax_mlp(n_features: int, n_classes: int, hidden: int = 16) -> nn.Mod
     """An MLP that outputs log-probabilities (for `loss="nll"`)."""
     return nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(),
                          nn.Linear(hidden, n_classes), nn.LogSoftmax(dim=1))
+
+
+def hooked_relu_mlp(n_features: int, n_classes: int) -> nn.Module:
+    """A Linear/ReLU sequence whose output a forward hook changes: not what its weights say,
+    so not a network the LUCID encoder may bound."""
+    net = relu_mlp(n_features, n_classes)
+    net[0].register_forward_hook(lambda _m, _i, out: 2 * out)
+    return net

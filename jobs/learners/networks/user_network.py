@@ -186,6 +186,9 @@ class ReluMLP:
         if type(net) is not nn.Sequential:
             return (f"its module is a {type(net).__name__}, not a torch.nn.Sequential of "
                     "Linear and ReLU layers")
+        # a hook may change the function in a way its weights (all the encoder sees) do not
+        if any(m._forward_hooks or m._forward_pre_hooks for m in net.modules()):  # noqa: SLF001
+            return "it has forward hooks"
         kids = list(net.named_children())
         for i, (name, m) in enumerate(kids):
             want = nn.Linear if i % 2 == 0 else nn.ReLU
