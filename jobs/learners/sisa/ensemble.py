@@ -295,9 +295,11 @@ class SISAEnsemble(SpecClassifier):
         relu = ShardTrainer(state.spec).relu_mlp
         if relu is None:
             return "the shards train with schedule='adam'"
-        why = loo_obstacle(self.get_params(deep=False), relu)
-        return f"network {config['network']['path']!r} trains with schedule='adam'" + (
-            f": {why}" if why else f" ({config['n_slices']} slices)")
+        params = self.get_params(deep=False)
+        why = loo_obstacle(params, relu) or (
+            "it was asked for" if params["schedule"] == "adam" else
+            f"{config['n_slices']} slices (schedule='auto' takes the LOO schedule for one)")
+        return f"network {config['network']['path']!r} trains with schedule='adam': {why}"
 
     @property
     def slice_of_(self) -> np.ndarray:
