@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="{}",
                    help='the learner\'s hyperparameters as a JSON object (e.g. sliced SISA '
                         'shards: \'{"n_slices": 3}\')')
+    p.add_argument("--network", default=None, metavar="MODULE:FUNCTION",
+                   help="sisa: a network of your own, e.g. the shipped "
+                        "jobs.learners.networks.examples.digits:build (with --dataset digits)")
     p.set_defaults(func=_demo, own_connections=True)
     _connection_options_everywhere(parser)
     return parser
@@ -118,10 +121,12 @@ def _demo(args: argparse.Namespace) -> int:
     if given:
         raise ValueError(f"the demo runs its own ledger and broker in --workdir: "
                          f"{', '.join(given)} is not used; leave it out")
+    from jobs.orchestration.job_settings import JobSettings
     from service.demo.walkthrough import run_demo
 
-    return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate,
-                    jobs_cli.parse_params(args.params))
+    params = jobs_cli.training_params(args.learner, jobs_cli.parse_params(args.params),
+                                      args.network, JobSettings.from_env())
+    return run_demo(args.workdir, args.dataset, args.requests, args.learner, args.rate, params)
 
 
 def database_error(exc: BaseException, url: str | None) -> str | None:

@@ -26,9 +26,11 @@ BEFORE_THE_SPLIT = {f"OBLIVIATE_{n}" for n in (
     "ADMIN_TOKEN_FILE", "EPSILON", "EPSILON_BUDGET", "MEMO_SIZE", "REGISTRY_POLL_S",
     "DESTROY_GRACE_S", "WORKER_METRICS_PORT", "CONSUMER_METRICS_PORT")}
 # added since (issue 28: the model store in the state dir, metrics on localhost by default;
-# issue 29: the head the last verify passed on; issue 30: a SISA network of the user's)
+# issue 29: the head the last verify passed on; issue 30: a SISA network of the user's, the
+# device and its memory cap)
 ADDED_SINCE = {"OBLIVIATE_MODEL_STORE", "OBLIVIATE_METRICS_HOST",
-               "OBLIVIATE_VERIFIED_HEAD_FILE", "OBLIVIATE_NETWORK"}
+               "OBLIVIATE_VERIFIED_HEAD_FILE", "OBLIVIATE_NETWORK", "OBLIVIATE_DEVICE",
+               "OBLIVIATE_CUDA_MEMORY_FRACTION"}
 
 
 def _readme_sections() -> dict[str, set[str]]:

@@ -1,40 +1,14 @@
 """Networks of a user's own, for SISA's `network="tests.user_networks:<build>"` (and
 `obliviate model train --network`): each `build(n_features, n_classes, **params)` returns
-a torch module mapping (n, n_features) float32 rows to (n, n_classes) logits. Two that
-work (a CNN for 8x8 images, an MLP with dropout) and the mistakes SISA must refuse.
+a torch module mapping (n, n_features) float32 rows to (n, n_classes) logits. Some that
+work (an MLP with dropout, a plain ReLU MLP, one giving log-probabilities) and the mistakes
+SISA must refuse; the shipped examples are in jobs/learners/networks/examples/.
 See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
-
-
-class DigitsCNN(nn.Module):
-    """A small CNN for square one-channel images given as flat rows (8x8 digits)."""
-
-    def __init__(self, n_features: int, n_classes: int, channels: int, hidden: int) -> None:
-        super().__init__()
-        self.side = math.isqrt(n_features)
-        self.features = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        width = 2 * channels * (self.side // 4) ** 2
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(width, hidden), nn.ReLU(),
-                                  nn.Linear(hidden, n_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x.reshape(-1, 1, self.side, self.side)))
-
-
-def digits_cnn(n_features: int, n_classes: int, channels: int = 4,
-               hidden: int = 32) -> nn.Module:
-    """The CNN for `n_features` = side x side pixels."""
-    if math.isqrt(n_features) ** 2 != n_features:
-        raise ValueError(f"{n_features} features are not a square image")
-    return DigitsCNN(n_features, n_classes, channels, hidden)
 
 
 def dropout_mlp(n_features: int, n_classes: int, hidden: int = 32,
@@ -67,3 +41,27 @@ class _Scatter(nn.Module):
 
 def nondeterministic(n_features: int, n_classes: int) -> nn.Module:
     return _Scatter(n_features, n_classes)
+
+
+def relu_mlp(n_features: int, n_classes: int, hidden: tuple[int, ...] = (16,)) -> nn.Module:
+    """A plain Linear/ReLU sequence: trained with the masked LOO schedule, bounded per shard."""
+    layers: list[nn.Module] = []
+    width = n_features
+    for h in hidden:
+        layers += [nn.Linear(width, int(h)), nn.ReLU()]
+        width = int(h)
+    return nn.Sequential(*layers, nn.Linear(width, n_classes))
+
+
+def log_softmax_mlp(n_features: int, n_classes: int, hidden: int = 16) -> nn.Module:
+    """An MLP that outputs log-probabilities (for `loss="nll"`)."""
+    return nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(),
+                         nn.Linear(hidden, n_classes), nn.LogSoftmax(dim=1))
+
+
+def hooked_relu_mlp(n_features: int, n_classes: int) -> nn.Module:
+    """A Linear/ReLU sequence whose output a forward hook changes: not what its weights say,
+    so not a network the LUCID encoder may bound."""
+    net = relu_mlp(n_features, n_classes)
+    net[0].register_forward_hook(lambda _m, _i, out: 2 * out)
+    return net

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import sealing
+from jobs.orchestration.job_settings import JobSettings
 from jobs.orchestration.leftovers import make_dir, remove_abandoned
 from jobs.orchestration.served_model import load_as_published
 
@@ -75,6 +76,7 @@ def _serve_jobs(conn: Connection, worker: int) -> None:
     Each job comes with its directory's lock, held until the job is done (so the
     directory stays held while this process writes to it, even if the worker is gone)."""
     os.nice(19)  # updates come first: this only takes CPU the worker leaves idle
+    JobSettings.from_env().training_device()  # the CUDA memory cap holds for LOO sets too
     threading.Thread(target=_exit_with_parent, args=(worker,), daemon=True).start()
     while True:
         try:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the command
 
 # jobs.orchestration.served_model.KINDS, without importing the learners to build the parser
 LEARNERS = ("dare", "game", "mlp", "sisa")
+# the learners whose shard training, retrains and LOO sets run where OBLIVIATE_DEVICE says
+DEVICE_LEARNERS = ("mlp", "sisa")
 log = logging.getLogger("obliviate")
 
 
@@ -82,6 +84,7 @@ def _worker(args: argparse.Namespace, **config: Any) -> Worker:
     from jobs.orchestration.worker import Worker, WorkerConfig
 
     s = JobSettings.from_env()
+    s.training_device()  # checked, and the CUDA memory cap set, before any training
     # opening the ledger applies the database migrations (ledger.migrations) before the
     # worker touches a table; said on stderr when they changed something
     ledger = open_ledger(args)
@@ -113,10 +116,20 @@ def with_network(learner: str, params: dict[str, Any], network: str | None) -> d
     return {**params, "network": network}
 
 
+def training_params(learner: str, params: dict[str, Any], network: str | None,
+                    settings: JobSettings) -> dict[str, Any]:
+    """`params` with the user's network (:func:`with_network`) and, for the learners that
+    train torch networks and unless `params` names one, OBLIVIATE_DEVICE's device."""
+    params = with_network(learner, params, network)
+    if learner in DEVICE_LEARNERS and "device" not in params:
+        params = {**params, "device": settings.training_device()}
+    return params
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     s = JobSettings.from_env()
     learner = args.learner or s.learner
-    params = with_network(learner, parse_params(args.params), args.network or s.network)
+    params = training_params(learner, parse_params(args.params), args.network or s.network, s)
     version = _worker(args).bootstrap(learner, params)
     print(f"current version: {version}")
     return 0
@@ -135,7 +148,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log.info("%s", worker.ledger.schema_upgrade.describe())
     if args.train:
         learner = args.learner or s.learner
-        worker.bootstrap(learner, with_network(learner, {}, s.network))
+        worker.bootstrap(learner, training_params(learner, {}, s.network, s))
     worker.run(max_seconds=args.max_seconds)
     return 0
 

@@ -35,6 +35,7 @@ from jobs.learners.dare.forest import DaREForest
 from jobs.learners.game.stackelberg import GameUnlearningNet
 from jobs.learners.mlp.leave_one_out import LeaveOneOutMLP
 from jobs.learners.networks.loo_training import LOOSet, loo_work
+from jobs.learners.sisa.config import unused_params
 from jobs.learners.sisa.ensemble import SISAEnsemble
 
 log = logging.getLogger("obliviate.served_model")
@@ -61,10 +62,11 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "mlp": {"hidden": [32], "epochs": 20, "batch_size": 32, "lr": 0.1},
     "game": {"hidden": [64], "epochs": 30},
 }
-# SISA with a network of the user's (`network`): Adam stages, no step floor; served under the
-# vote rule alone (no per-shard bounds: those need the built-in MLP's LOO schedule)
+# SISA with a network of the user's (`network`), no step floor: a plain Linear/ReLU MLP
+# trains with the masked LOO schedule (per-shard bounds, as for the sidecar's own network),
+# any other with Adam stages, served under the vote rule alone (docs/learners.md)
 NETWORK_PARAMS: dict[str, Any] = {"n_shards": 5, "n_slices": 1, "epochs_per_slice": 20,
-                                  "min_steps": 0, "batch_size": 32, "schedule": "adam"}
+                                  "min_steps": 0, "batch_size": 32, "schedule": "auto"}
 
 
 # A LOO set is n + 1 networks. On the CPU the guard job trains one only where that is
@@ -325,6 +327,10 @@ class ShardVoteModel(ServedModel):
     def network_record(self) -> dict[str, Any] | None:
         return self.learner.network_
 
+    def params(self) -> dict[str, Any]:
+        unused = unused_params(self.learner.config_)
+        return {k: v for k, v in super().params().items() if k not in unused}
+
     def __init__(self, learner: SISAEnsemble) -> None:
         super().__init__(learner)
         S, C = len(learner.shard_sizes_), len(learner.classes_)
@@ -409,12 +415,12 @@ class ShardVoteModel(ServedModel):
     def guard_record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"rule": "sisa-vote", "ready": True,
                                "n_shards": int(self.learner.n_shards)}
-        if self.network_record() is not None:
-            return {**rec, "shard_bound": "inf",
-                    "why": "a network of the user's: no per-shard bounds (they need the "
-                           "built-in MLP's LOO schedule); the vote rule needs none"}
-        if not self.boundable:
-            return {**rec, "shard_bound": "inf"}
+        if not self.boundable:  # "serves": which rule decides certainty (vote / bounds)
+            rec.update(serves="vote", shard_bound="inf")
+            if self.network_record() is not None:
+                rec["why"] = (f"no per-shard bounds: {self.learner.bound_obstacle_}; "
+                              "the vote rule needs none")
+            return rec
         shards = []
         for s, ok in enumerate(self._served()[0].tolist()):
             row = {"shard": s, "current": ok,
@@ -424,7 +430,7 @@ class ShardVoteModel(ServedModel):
             elif (why := self._too_large(s)) is not None:
                 row["skipped"] = why
             shards.append(row)
-        return {**rec, "shard_bound": "per-shard",
+        return {**rec, "serves": "bounds", "shard_bound": "per-shard",
                 "bound": {"complete": self.guard_complete, "shards": shards}}
 
     def _guard_state(self) -> dict[str, Any]:

@@ -228,7 +228,8 @@ def _await_shard_bounds(registry: Registry, base_url: str, timeout_s: float = 30
         cur = registry.current()
         bound = cur.manifest["guard"].get("bound") if cur else None
         if bound is None:
-            print("  the ensemble has no per-shard bounds (not the LOO schedule)")
+            why = cur.manifest["guard"].get("why") if cur else None
+            print(f"  the vote rule serves: {why or 'no per-shard bounds (not the LOO schedule)'}")
             return
         done = sum(row["current"] for row in bound["shards"])
         if (cur.version, done) != seen:

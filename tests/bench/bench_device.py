@@ -24,10 +24,14 @@ Last lines:
     RESULT learner=mlp device=cuda fit_s=... loo_s=... swap_ms=... exact=true
     RESULT learner=sisa device=cuda fit_s=... delete_s=... cpu_delete_s=... exact=true
     RESULT learner=sisa network=digits_cnn device=cuda fit_s=... cpu_fit_s=... exact=true
+    RESULT learner=sisa network=relu_mlp device=cuda schedule=loo ... exact=true
+    RESULT setting=cuda_memory_fraction value=0.25 capped=true
 
-The last row is a user's own module (issue 30: ``tests/user_networks.py``'s CNN on
-scikit-learn's digits, 5 shards): trained, one record deleted and verified exact by a
-retrain from scratch on the same device, against the same on the CPU.
+The last row is a user's own module (issue 30: the shipped example CNN,
+``jobs/learners/networks/examples/digits.py``, on scikit-learn's digits, 5 shards): trained,
+one record deleted and verified exact by a retrain from scratch on the same device, against
+the same on the CPU. Then a user's ReLU MLP on the masked LOO schedule (its LOO sets equal
+its deletions bit for bit) with the shipped table example, and the CUDA memory cap.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def user_network_row() -> str:
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
     ids = [f"d{i:04d}" for i in range(len(X))]
-    params = {"n_shards": 5, "network": "tests.user_networks:digits_cnn",
+    params = {"n_shards": 5, "network": "jobs.learners.networks.examples.digits:build",
               "network_params": {"channels": 8, "hidden": 64}, "epochs_per_slice": 20,
               "lr": 0.01, "random_state": 3}
     out = {}
@@ -145,6 +149,65 @@ def user_network_row() -> str:
     return (f"RESULT learner=sisa network=digits_cnn device=cuda n={len(X)} fit_s={fit_s:.2f} "
             f"cpu_fit_s={cpu_fit:.2f} delete_s={del_s:.3f} cpu_delete_s={cpu_del:.3f} "
             f"train_accuracy={acc:.3f} exact={str(exact and cpu_exact).lower()}")
+
+
+def user_relu_row(device: str = "cuda") -> str:
+    """A user's plain ReLU MLP (the masked LOO schedule) and the shipped table example on
+    CUDA: each shard's rebuilt LOO set holds the served shard (checked) and, for a record,
+    the shard after deleting it, bit for bit; both verify exact after deletions."""
+    import copy
+
+    from sklearn.datasets import make_moons
+
+    from jobs.guard.lucid.shard_bounds import ensemble_loo_set
+
+    X, y = make_moons(400, noise=0.25, random_state=1)
+    X = MinMaxScaler().fit_transform(X).astype(np.float32)
+    ids = [f"r{i:04d}" for i in range(len(X))]
+    t0 = time.perf_counter()
+    ens = SISAEnsemble(n_shards=5, network="tests.user_networks:relu_mlp", epochs_per_slice=20,
+                       min_steps=0, device=device, random_state=0).fit(X, y, record_ids=ids)
+    fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    same = []
+    for s in range(5):
+        loo = ensemble_loo_set(ens, s)
+        after = copy.deepcopy(ens)
+        after.delete([loo.record_ids[0]])
+        same.append(loo.loo(loo.record_ids[0]).equal(after.shard_params(s)))
+    loo_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    Xt = np.zeros((600, 9), np.float32)  # one number, a 5- and a 3-category one-hot block
+    Xt[:, 0] = rng.random(600)
+    Xt[np.arange(600), 1 + rng.integers(0, 5, 600)] = 1
+    Xt[np.arange(600), 6 + rng.integers(0, 3, 600)] = 1
+    yt = ((Xt[:, 2] + (Xt[:, 0] > 0.5)) % 2).astype(int)
+    tids = [f"t{i:04d}" for i in range(600)]
+    tab = SISAEnsemble(n_shards=3, network="jobs.learners.networks.examples.tables:build",
+                       network_params={"blocks": [[1, 5], [6, 3]]}, epochs_per_slice=10,
+                       lr=0.05, device=device, random_state=2).fit(Xt, yt, record_ids=tids)
+    tab.delete(tids[:4])
+    ens.delete(ids[:3])
+    exact = all(same) and ens.verify().exact and tab.verify().exact
+    return (f"RESULT learner=sisa network=relu_mlp device={device} n={len(X)} "
+            f"schedule={ens.config_['schedule']} fit_s={fit_s:.2f} loo_sets_s={loo_s:.2f} "
+            f"tables_example=true exact={str(exact).lower()}")
+
+
+def memory_cap_row() -> str:
+    """OBLIVIATE_CUDA_MEMORY_FRACTION=0.25 refuses an allocation of 40% of the card."""
+    from jobs.orchestration.job_settings import JobSettings
+
+    JobSettings(device="cuda", cuda_memory_fraction=0.25).training_device()
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        big = torch.empty(int(total * 0.4) // 4, dtype=torch.float32, device="cuda")
+        del big
+        capped = False
+    except torch.OutOfMemoryError:
+        capped = True
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return f"RESULT setting=cuda_memory_fraction value=0.25 capped={str(capped).lower()}"
 
 
 def main() -> int:
@@ -164,7 +227,7 @@ def main() -> int:
     for n in sizes:
         rows.append(loo_row(n, args.cpu_networks))
         print(rows[-1], flush=True)
-    for row in (mlp_row, sisa_row, user_network_row):
+    for row in (mlp_row, sisa_row, user_network_row, user_relu_row, memory_cap_row):
         rows.append(row())
         print(rows[-1], flush=True)
     ok = all("=false" not in r for r in rows)

@@ -26,7 +26,6 @@ from jobs.learners.networks.loo_training import (
     train_single,
     train_slots,
 )
-from jobs.learners.networks.torch_nets import mlp_state, states_equal
 
 if TYPE_CHECKING:
     from jobs.learners.sisa.ensemble import SISAEnsemble
@@ -169,12 +168,10 @@ def ensemble_loo_set(ensemble: SISAEnsemble, s: int, *, chunk_size: int = 512,
         loo = _sliced_loo_set(ensemble, s, ids, X, y, chunk_size)
     else:
         loo = _one_slice_loo_set(ensemble, s, ids, X, y, chunk_size)
-    if check:
-        full = loo.full()
-        if not states_equal(mlp_state(full.weights, full.biases), ensemble.shard_state(s)):
-            raise ShardMismatchError(
-                f"shard {s}: the rebuilt LOO base network differs from the served shard "
-                "network (different platform, thread count or torch build?)")
+    if check and not loo.full().equal(ensemble.shard_params(s)):
+        raise ShardMismatchError(
+            f"shard {s}: the rebuilt LOO base network differs from the served shard "
+            "network (different platform, thread count or torch build?)")
     return loo
 
 
@@ -195,7 +192,7 @@ def shard_loo_work(ensemble: SISAEnsemble, s: int) -> float:
 def _one_slice_loo_set(ensemble: SISAEnsemble, s: int, ids: list[str], X: np.ndarray,
                        y: np.ndarray, chunk_size: int) -> LOOSet:
     kw = ensemble.shard_training_args(s)
-    kw_loo = ensemble.shard_training_args(s, len(ids) - 1)
+    kw_loo = ensemble.shard_training_args(s, len(ids) - 1)  # ``init`` as kw's
     classes = ensemble.classes_
     if kw["n_batches"] == kw_loo["n_batches"]:
         loo = train_loo(X, y, ids, chunk_size=chunk_size, classes=classes, **kw)
@@ -223,16 +220,18 @@ def _sliced_loo_set(ensemble: SISAEnsemble, s: int, ids: list[str], X: np.ndarra
     slices = ensemble.shard_slices(s)
     R = ensemble.config_["n_slices"]
     rid = np.asarray(ids)
-    base: MLPParams | None = None
+    base: MLPParams | None = None  # None: the schedule's seeded start (a user's: ``init``)
     own: list[MLPParams | None] = [None] * len(ids)  # None: still the base network
     for r in range(R):
         sel = np.flatnonzero(slices <= r)
         kw = ensemble.shard_training_args(s, len(sel), stage=r)
+        base = kw.pop("init", base)
+        kw_loo = ensemble.shard_training_args(s, len(sel) - 1, stage=r)
+        kw_loo.pop("init", None)
         if len(sel):
             Ws, bs = train_slots(X[sel], y[sel], rid[sel].tolist(), rid[sel].tolist(),
                                  init=[own[j] if slices[j] < r else base for j in sel],
-                                 chunk_size=chunk_size,
-                                 **ensemble.shard_training_args(s, len(sel) - 1, stage=r))
+                                 chunk_size=chunk_size, **kw_loo)
             for i, j in enumerate(sel):
                 own[j] = MLPParams([W[i] for W in Ws], [b[i] for b in bs])
         base = train_single(X[sel], y[sel], rid[sel].tolist(), init=base, **kw)

@@ -34,6 +34,16 @@ def number(low: float | None, high: float | None, closed: str) -> Strict:
 SEED = Strict(Integral, None, None, closed="neither")
 
 
+class LabelSmoothing(Strict):
+    """A loss given as its label-smoothing value, a float in [0, 1): named so in errors."""
+
+    def __init__(self) -> None:
+        super().__init__(Real, 0, 1, closed="left")
+
+    def __str__(self) -> str:
+        return "a label-smoothing value (a float in [0, 1))"
+
+
 class Widths(Options):
     """Hidden layer widths: a sequence (possibly empty) of positive ints, not a string."""
 

@@ -411,6 +411,7 @@ def train_loo(
     kernel: str = "compiled",
     classes: Sequence[object] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    init: MLPParams | None = None,
 ) -> LOOSet:
     """Train N = T(D) and every N_{-x} = T(D \\ {x}) for x in D, batched.
 
@@ -422,7 +423,8 @@ def train_loo(
     (what sets trained before the compiled kernel need; CUDA always uses torch's).
     ``chunk_size`` networks train at a time on the CPU (memory bound; on CUDA
     always ``CUDA_SLOTS``); the result does not depend on it. ``progress(done,
-    total)`` is called after each chunk.
+    total)`` is called after each chunk. ``init``: every network's starting weights
+    (default: the seed's), e.g. a user module's own initialisation.
     """
     ids_arr = np.asarray(list(ids))
     Xs, ys, keys, src, cfg = _prepared(
@@ -440,11 +442,13 @@ def train_loo(
     excl[1:, 0] = live
     excl[:, 1:] = tomb_rows[None, :]
     schedule = _schedule(keys, cfg.seed, cfg.epochs, cfg.n_batches)
+    layout = _layout(cfg)
+    start = None if init is None else np.broadcast_to(
+        layout.pack(init.weights, init.biases), (len(excl), layout.P))
     t0 = time.perf_counter()
     flat = _run(cfg, Xs, ys, excl, schedule, device=device, chunk_size=max(1, int(chunk_size)),
-                kernel=kernel, progress=progress)
+                kernel=kernel, progress=progress, init=start)
     elapsed = time.perf_counter() - t0
-    layout = _layout(cfg)
     Ws, bs = layout.unpack(flat)
     dev = resolve_device(device)
     meta = {

@@ -9,10 +9,11 @@ See docs/DESIGN.md (Training as a function of the SET of records)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +33,11 @@ _M63 = (1 << 63) - 1
 KERNELS = ("compiled", "torch")
 # the optimisers a training stage may use (a user's network chooses; the rest use Adam)
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+# the losses a stage may minimise: cross-entropy on logits (everyone's), a label-smoothing
+# value in [0, 1) (cross-entropy towards smoothed targets), or "nll" (the network outputs
+# log-probabilities); the last two for a network of the user's
+CROSS_ENTROPY = "cross_entropy"
+LOSSES = (CROSS_ENTROPY, "nll")
 
 
 # --------------------------------------------------------------------------- models
@@ -231,6 +237,19 @@ def epoch_batches(record_keys: np.ndarray, salt: int, n_batch: int) -> list[np.n
     return [part for part in np.split(order, bounds) if len(part)]
 
 
+def loss_function(loss: str | float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The batch loss ``loss`` names (see LOSSES); ValueError, in one line, for another."""
+    if loss == CROSS_ENTROPY:
+        return F.cross_entropy
+    if loss == "nll":
+        return F.nll_loss
+    if (isinstance(loss, int | float) and not isinstance(loss, bool)
+            and 0.0 <= float(loss) < 1.0):
+        return functools.partial(F.cross_entropy, label_smoothing=float(loss))
+    raise ValueError(f"loss must be {CROSS_ENTROPY!r}, 'nll' or a label-smoothing value in "
+                     f"[0, 1), got {loss!r}")
+
+
 def train_stage(
     net: nn.Module,
     X: torch.Tensor,
@@ -244,6 +263,7 @@ def train_stage(
     lr: float,
     kernel: str = "compiled",
     optimizer: str = "adam",
+    loss: str | float = CROSS_ENTROPY,
 ) -> None:
     """Train ``net`` in place for ``epochs`` epochs on rows (X, y) with keyed batches.
 
@@ -255,7 +275,7 @@ def train_stage(
     of the user's), so a stage's result depends only on the starting weights and the
     rows, never on optimiser state from earlier stages. ``stage_key`` (e.g. ``(shard,
     slice)``) and the epoch key the batch assignment. Rows must be sorted by record id.
-    No rows: no-op.
+    ``loss``: :func:`loss_function`'s. No rows: no-op.
     """
     n = int(X.shape[0])
     if n == 0 or epochs <= 0:
@@ -266,8 +286,9 @@ def train_stage(
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
+    batch_loss = loss_function(loss)
     if (kernel == "compiled" and device.type == "cpu" and isinstance(net, MLP)
-            and optimizer == "adam"):
+            and optimizer == "adam" and loss == CROSS_ENTROPY):
         _train_mlp_compiled(net, X, y, record_keys, seed, stage_key, epochs, B, lr)
         return
     net.train()
@@ -280,8 +301,7 @@ def train_stage(
                 xb = X.index_select(0, idx)
                 yb = y.index_select(0, idx)
                 opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(net(xb), yb)
-                loss.backward()
+                batch_loss(net(xb), yb).backward()
                 opt.step()
     net.eval()
 

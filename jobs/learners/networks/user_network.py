@@ -2,7 +2,8 @@
 import path (``"pkg.module:build"``), resolved in one place, checked before any training
 (it loads, returns a module, gives one logit per class, runs under deterministic kernels)
 and pinned by the SHA-256 of its module's source file. A saved model keeps a copy of that
-source and loads from it, so a version always runs the code it was trained with.
+source and loads from it, so a version always runs the code it was trained with. A plain
+Linear/ReLU one (:class:`ReluMLP`) moves to and from the LUCID encoder's form.
 See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from jobs.learners.networks.loo_training import MLPParams
 from jobs.learners.networks.torch_nets import deterministic
 from ledger.error_text import first_line
 
 SOURCE_FILE = "network.py"  # the copy of the module's source a saved model keeps
 _NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
+
+
+State = dict[str, torch.Tensor]
 
 
 class NetworkError(ValueError):
@@ -143,6 +149,11 @@ class UserNetwork:
                                    f"classes, so it must output (2, {n_classes})")
             F.cross_entropy(out, torch.zeros(2, dtype=torch.long)).backward()
 
+    def relu_mlp(self, n_features: int, n_classes: int) -> ReluMLP | str:
+        """The module as the masked LOO schedule and the LUCID encoder take it, or why
+        they cannot (one phrase)."""
+        return ReluMLP.of(self.build(n_features, n_classes, seed=0))
+
     @contextlib.contextmanager
     def training(self, seed: int) -> Iterator[None]:
         """Train under deterministic kernels with torch's random draws (dropout) seeded; an
@@ -157,6 +168,53 @@ class UserNetwork:
                                "deterministic implementation: SISA trains only under "
                                "torch's deterministic algorithms (exact deletions need the "
                                "same bits every time)") from None
+
+
+@dataclass(frozen=True)
+class ReluMLP:
+    """A user module that is a flat ``nn.Sequential`` of biased ``Linear`` layers with one
+    ``ReLU`` between each two: what the masked LOO schedule trains and LUCID's encoder
+    bounds. Keeps its hidden widths and its Linear layers' state-dict names, to move
+    weights between the module's state and the encoder's form (:class:`MLPParams`)."""
+
+    hidden: tuple[int, ...]
+    layers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, net: nn.Module) -> ReluMLP | str:
+        """``net`` as a ReluMLP, or why it is not one."""
+        if type(net) is not nn.Sequential:
+            return (f"its module is a {type(net).__name__}, not a torch.nn.Sequential of "
+                    "Linear and ReLU layers")
+        # a hook may change the function in a way its weights (all the encoder sees) do not
+        if any(m._forward_hooks or m._forward_pre_hooks for m in net.modules()):  # noqa: SLF001
+            return "it has forward hooks"
+        kids = list(net.named_children())
+        for i, (name, m) in enumerate(kids):
+            want = nn.Linear if i % 2 == 0 else nn.ReLU
+            if type(m) is not want:
+                return (f"its layer {name} is a {type(m).__name__} where the Linear/ReLU "
+                        f"sequence needs a {want.__name__}")
+            if want is nn.Linear and m.bias is None:
+                return f"its Linear layer {name} has no bias"
+        if len(kids) % 2 == 0:
+            return "it does not end with a Linear layer"
+        return cls(tuple(int(m.out_features) for _, m in kids[:-1:2]),
+                   tuple(name for name, _ in kids[::2]))
+
+    def params(self, state: State) -> MLPParams:
+        """The encoder's form of a state of the module (copies, bit for bit)."""
+        return MLPParams(
+            [state[f"{n}.weight"].detach().cpu().numpy().copy() for n in self.layers],
+            [state[f"{n}.bias"].detach().cpu().numpy().copy() for n in self.layers])
+
+    def state(self, params: MLPParams) -> State:
+        """The module's state holding ``params`` (copies, bit for bit)."""
+        out: State = {}
+        for n, W, b in zip(self.layers, params.weights, params.biases, strict=True):
+            out[f"{n}.weight"] = torch.from_numpy(np.array(W, dtype=np.float32, copy=True))
+            out[f"{n}.bias"] = torch.from_numpy(np.array(b, dtype=np.float32, copy=True))
+        return out
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ def _header(spec: EnsembleSpec) -> bytes:
         "classes": [str(c) for c in spec.classes.tolist()],
         "n_features": spec.n_features,
         "model": cfg["model"],
-        "hidden": cfg["hidden"],
+        "hidden": cfg.get("hidden"),  # absent: a user network under Adam
         "aggregation": cfg["aggregation"],
         "n_shards": spec.n_shards,
     }

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.learners.networks.torch_nets import CROSS_ENTROPY
+from jobs.learners.networks.user_network import ReluMLP
+
 # Defaults per schedule (``None`` in the constructor). Plain SGD on inputs in [0, 1]^d needs
 # a rate about 20-50x Adam's: with 0.01 small shards stayed at the majority class on
 # census-like tables. The "loo" defaults are a network for tables: two hidden layers of 64,
@@ -18,23 +21,16 @@ SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_config(params: dict[str, Any]) -> dict[str, Any]:
+def resolve_config(params: dict[str, Any],
+                   relu_mlp: ReluMLP | str | None = None) -> dict[str, Any]:
     """``config_`` of an ensemble with these (validated) constructor parameters; refuses
-    the combinations no single constraint catches (``schedule="loo"`` needs the built-in
-    MLP; ``optimizer`` other than Adam needs a network of the user's). A user network's
-    record (path, source hash) is added by ``fit``, once it is resolved."""
-    schedule = params["schedule"]
+    the combinations no single constraint catches (:func:`_schedule`). ``relu_mlp``: a
+    user network as the masked LOO schedule takes it, or why it cannot. Holds only what
+    the shards train under: a user network's config leaves out ``hidden`` (its module
+    decides) and, under ``"adam"``, ``weight_decay``. A user network's record (path,
+    source hash) is added by ``fit``."""
+    schedule = _schedule(params, relu_mlp)
     own = params.get("network") is not None
-    if schedule == "auto":
-        schedule = ("loo" if params["model"] == "mlp" and params["n_slices"] == 1 and not own
-                    else "adam")
-    if schedule == "loo" and (params["model"] != "mlp" or own):
-        raise ValueError("schedule='loo' needs model='mlp'" + (
-            " (a network of your own trains with schedule='adam')" if own else ""))
-    optimizer = params.get("optimizer", "adam")
-    if optimizer != "adam" and not own:
-        raise ValueError(f"optimizer={optimizer!r} needs a network of your own (network=...): "
-                         "the built-in networks train with Adam or the LOO schedule's SGD")
     dflt = SCHEDULE_DEFAULTS[schedule]
 
     def given(name: str) -> Any:
@@ -62,5 +58,65 @@ def resolve_config(params: dict[str, Any]) -> dict[str, Any]:
         "kernel": "compiled",
     }
     if own:  # only then: a built-in network's config (and hash) stays what it was
-        config.update(model="network", optimizer=optimizer)
+        del config["hidden"]
+        if schedule == "loo":  # the masked schedule: plain SGD on the module's widths
+            assert isinstance(relu_mlp, ReluMLP)
+            config.update(hidden=list(relu_mlp.hidden), optimizer="sgd")
+        else:
+            del config["weight_decay"]
+            config["optimizer"] = params.get("optimizer") or "adam"
+        config.update(model="network", loss=params.get("loss", CROSS_ENTROPY))
     return config
+
+
+def _schedule(params: dict[str, Any], relu_mlp: ReluMLP | str | None) -> str:
+    """The schedule the shards train with: ``"auto"`` is ``"loo"`` for a one-slice MLP
+    (built-in, or a user's the schedule can train), else ``"adam"``. Refuses
+    ``schedule="loo"`` for a network it cannot train, and an optimiser or loss other than
+    the default for a built-in network."""
+    schedule, own = params["schedule"], params.get("network") is not None
+    if not own:
+        optimizer, loss = params.get("optimizer"), params.get("loss", CROSS_ENTROPY)
+        if optimizer not in (None, "adam"):
+            raise ValueError(f"optimizer={optimizer!r} needs a network of your own "
+                             "(network=...): the built-in networks train with Adam or the "
+                             "LOO schedule's SGD")
+        if loss != CROSS_ENTROPY:
+            raise ValueError(f"loss={loss!r} needs a network of your own (network=...): "
+                             "the built-in networks train with cross-entropy")
+        if schedule == "auto":
+            return "loo" if params["model"] == "mlp" and params["n_slices"] == 1 else "adam"
+        if schedule == "loo" and params["model"] != "mlp":
+            raise ValueError("schedule='loo' needs model='mlp'")
+        return schedule
+    why = loo_obstacle(params, relu_mlp)
+    if schedule == "auto":
+        return "loo" if why is None and params["n_slices"] == 1 else "adam"
+    if schedule == "loo" and why is not None:
+        raise ValueError(f"schedule='loo' cannot train network {params['network']!r}: {why} "
+                         "(it trains with schedule='adam', served by the vote rule)")
+    return schedule
+
+
+def loo_obstacle(params: dict[str, Any], relu_mlp: ReluMLP | str | None) -> str | None:
+    """Why the masked LOO schedule (plain SGD on cross-entropy over a ReLU MLP) cannot
+    train a user network under these parameters; None when it can."""
+    if not isinstance(relu_mlp, ReluMLP):
+        return relu_mlp or "its module was not inspected"
+    if params.get("optimizer") == "adam":
+        return "optimizer='adam' (the schedule is plain SGD)"
+    if (loss := params.get("loss", CROSS_ENTROPY)) != CROSS_ENTROPY:
+        return f"loss={loss!r} (the schedule's kernels take cross-entropy only)"
+    return None
+
+
+def unused_params(config: dict[str, Any]) -> set[str]:
+    """Constructor parameters the ensemble trained under ``config`` ignores (a manifest
+    leaves them out): a user network's ``model`` and ``hidden`` (its module decides), and
+    under ``"adam"`` ``weight_decay``, under ``"loo"`` ``optimizer`` and ``loss`` (plain
+    SGD on cross-entropy). None for a built-in network."""
+    if "network" not in config:
+        return set()
+    if config["schedule"] == "loo":
+        return {"model", "hidden", "optimizer", "loss"}
+    return {"model", "hidden", "weight_decay"}

@@ -27,8 +27,17 @@ from jobs.learners.base import (
     records_to_add,
 )
 from jobs.learners.networks.estimator import SpecClassifier
-from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
+from jobs.learners.networks.hyperparameters import (
+    SEED,
+    LabelSmoothing,
+    Widths,
+    count,
+    number,
+)
+from jobs.learners.networks.loo_training import MLPParams
 from jobs.learners.networks.torch_nets import (
+    CROSS_ENTROPY,
+    LOSSES,
     build_net,
     deterministic,
     resolve_device,
@@ -36,9 +45,13 @@ from jobs.learners.networks.torch_nets import (
 )
 from jobs.learners.networks.user_network import UserNetwork
 from jobs.learners.sisa import bundle, checks, updates
-from jobs.learners.sisa.config import resolve_config
+from jobs.learners.sisa.config import loo_obstacle, resolve_config
 from jobs.learners.sisa.placement import Placement
-from jobs.learners.sisa.shard_training import shard_training_args, train_ensemble
+from jobs.learners.sisa.shard_training import (
+    ShardTrainer,
+    shard_training_args,
+    train_ensemble,
+)
 from jobs.learners.sisa.state import EnsembleSpec, EnsembleState, State
 
 
@@ -113,15 +126,25 @@ class SISAEnsemble(SpecClassifier):
         A network of your own: the import path ``"package.module:build"`` of a function
         ``build(n_features, n_classes, **network_params)`` returning a ``torch.nn.Module``
         that maps (n, n_features) float32 rows to (n, n_classes) logits. Replaces
-        ``model`` and ``hidden``; trains with ``schedule="adam"`` (``lr``,
-        ``epochs_per_slice``, ``batch_size``, ``optimizer``; cross-entropy). Its module's
-        source is hashed into the model and saved with it (docs/learners.md, "Your own
-        network"). ``None``: the built-in networks.
+        ``model`` and ``hidden``. A flat ``nn.Sequential`` of biased ``Linear`` layers with
+        a ``ReLU`` between each two trains, under ``schedule="auto"`` and one slice, with
+        the masked LOO schedule from its own initial weights (plain SGD, ``lr``,
+        ``weight_decay``; per-shard bounds possible); any other network with
+        ``schedule="adam"`` (``lr``, ``epochs_per_slice``, ``batch_size``, ``optimizer``,
+        ``loss``; the vote rule serves it). Its module's source is hashed into the model
+        and saved with it (docs/learners.md, "Your own network"). ``None``: the built-in
+        networks.
     network_params : dict or None
         Keyword arguments of ``build`` (JSON values).
-    optimizer : {"adam", "sgd"}
-        The optimiser of a user network's stages (built-in networks: Adam, or the LOO
-        schedule's SGD).
+    optimizer : {"adam", "sgd"} or None
+        The optimiser of a user network's ``"adam"``-schedule stages (``None``: Adam;
+        ``"adam"`` also keeps a ReLU MLP off the LOO schedule). Built-in networks: Adam,
+        or the LOO schedule's SGD.
+    loss : "cross_entropy", "nll" or float in [0, 1)
+        What a user network's stages minimise: cross-entropy on its logits, a
+        label-smoothing value (cross-entropy towards smoothed targets), or ``"nll"`` (the
+        network outputs log-probabilities). Built-in networks and the LOO schedule:
+        cross-entropy only.
     """
 
     guarantee = "exact"
@@ -147,7 +170,8 @@ class SISAEnsemble(SpecClassifier):
         "random_state": [SEED, None],
         "network": [str, None],
         "network_params": [dict, None],
-        "optimizer": [StrOptions({"adam", "sgd"})],
+        "optimizer": [StrOptions({"adam", "sgd"}), None],
+        "loss": [StrOptions(set(LOSSES)), LabelSmoothing()],
     }
 
     def __init__(
@@ -173,7 +197,8 @@ class SISAEnsemble(SpecClassifier):
         random_state: int | None = 0,
         network: str | None = None,
         network_params: dict[str, Any] | None = None,
-        optimizer: str = "adam",
+        optimizer: str | None = None,
+        loss: str | float = CROSS_ENTROPY,
     ) -> None:
         self.n_shards = n_shards
         self.n_slices = n_slices
@@ -196,6 +221,7 @@ class SISAEnsemble(SpecClassifier):
         self.network = network
         self.network_params = network_params
         self.optimizer = optimizer
+        self.loss = loss
 
     # ------------------------------------------------------------------ fit / update
 
@@ -203,13 +229,15 @@ class SISAEnsemble(SpecClassifier):
     def fit(self, X: Any, y: Any, *, record_ids: Any = None) -> SISAEnsemble:
         """Train every shard from its seed on the records (all ``origin="fit"``);
         ``record_ids`` default to the row numbers."""
-        config = resolve_config(self.get_params(deep=False))
         rids, Xa, y = self._training_data(X, y, record_ids)
         classes = self._label_set(y, min_classes=1)
-        network = None
+        network, relu_mlp = None, None
         if self.network is not None:  # resolved and checked before any shard trains
             network = UserNetwork.resolve(self.network, self.network_params)
             network.check(int(Xa.shape[1]), len(classes))
+            relu_mlp = network.relu_mlp(int(Xa.shape[1]), len(classes))
+        config = resolve_config(self.get_params(deep=False), relu_mlp)
+        if network is not None:
             config["network"] = network.record()
         elif config["model"] == "cnn":
             build_net("cnn", Xa.shape[1], 2, config["hidden"])  # raises if not a square image
@@ -255,6 +283,23 @@ class SISAEnsemble(SpecClassifier):
         """The user network it trains (import path, SHA-256 of its source, params); None
         for a built-in network."""
         return self._fitted().spec.config.get("network")
+
+    @property
+    def bound_obstacle_(self) -> str | None:
+        """Why the shards have no per-shard bounds (their schedule is not the masked LOO
+        one, and for a user network why it is not); None when they can have them."""
+        state = self._fitted()
+        config = state.spec.config
+        if config["schedule"] == "loo":
+            return None
+        relu = ShardTrainer(state.spec).relu_mlp
+        if relu is None:
+            return "the shards train with schedule='adam'"
+        params = self.get_params(deep=False)
+        why = loo_obstacle(params, relu) or (
+            "it was asked for" if params["schedule"] == "adam" else
+            f"{config['n_slices']} slices (schedule='auto' takes the LOO schedule for one)")
+        return f"network {config['network']['path']!r} trains with schedule='adam': {why}"
 
     @property
     def slice_of_(self) -> np.ndarray:
@@ -371,6 +416,12 @@ class SISAEnsemble(SpecClassifier):
     def shard_state(self, s: int) -> State:
         """A CPU copy of shard ``s``'s served weights (state dict)."""
         return state_to_cpu(self._fitted().nets[int(s)])
+
+    def shard_params(self, s: int) -> MLPParams:
+        """Shard ``s``'s served weights in the LUCID encoder's form (``schedule="loo"``:
+        the built-in MLP, or a user's ReLU MLP), bit for bit."""
+        state = self._fitted()
+        return ShardTrainer(state.spec).params(self.shard_state(s))
 
     # ------------------------------------------------------------------ checks, bundle
 

@@ -5,6 +5,7 @@ See docs/learners.md (SISA's training function)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from jobs.learners.keyed import prf_u64
 from jobs.learners.networks.loo_training import MLPParams, train_single
 from jobs.learners.networks.torch_nets import (
+    CROSS_ENTROPY,
     build_net,
     init_net,
     mlp_state,
@@ -22,6 +24,7 @@ from jobs.learners.networks.torch_nets import (
     state_to_cpu,
     train_stage,
 )
+from jobs.learners.networks.user_network import ReluMLP
 from jobs.learners.sisa.placement import Placement
 from jobs.learners.sisa.state import EnsembleSpec, EnsembleState, Records, State, Tombstones
 
@@ -96,7 +99,8 @@ class ShardTrainer:
                                     epochs=self.epochs(len(sel)),
                                     batch_size=cfg["batch_size"], lr=cfg["lr"],
                                     kernel=cfg["kernel"],
-                                    optimizer=cfg.get("optimizer", "adam"))
+                                    optimizer=cfg.get("optimizer", "adam"),
+                                    loss=cfg.get("loss", CROSS_ENTROPY))
                 out.append(state_to_cpu(net))
         return out
 
@@ -116,10 +120,10 @@ class ShardTrainer:
         before."""
         rows = records.of_shard(s)
         slices = records.slice[rows]
-        params = None
+        params = self.initial_params(s)
         if from_slice > 0:
             assert start is not None
-            params = MLPParams.from_state(start)
+            params = self.params(start)
         out: list[State] = []
         for r in range(from_slice, self.spec.n_slices):
             sel = rows[slices <= r]
@@ -127,8 +131,41 @@ class ShardTrainer:
                 records.X[sel], records.y[sel], records.ids[sel].tolist(),
                 init=params, first_epoch=r * STAGE_EPOCH_STRIDE,
                 **self.loo_args(s, len(sel), tombstones, r))
-            out.append(mlp_state(params.weights, params.biases))
+            out.append(self.state(params))
         return out
+
+    @functools.cached_property
+    def relu_mlp(self) -> ReluMLP | str | None:
+        """The user's network as the masked schedule takes it, or why it cannot; None for
+        a built-in network."""
+        spec = self.spec
+        return None if spec.network is None else spec.network.relu_mlp(spec.n_features,
+                                                                       spec.n_classes)
+
+    def initial_params(self, s: int) -> MLPParams | None:
+        """Where shard ``s``'s masked schedule starts: a user network's own seeded
+        initialisation (None: the schedule's, from the seed)."""
+        if self.spec.network is None:
+            return None
+        return self.params(state_to_cpu(self.new_net(Placement.of(self.spec).init_seed(s))))
+
+    def params(self, state: State) -> MLPParams:
+        """A ``"loo"`` shard state in the encoder's form (bit for bit)."""
+        if self.relu_mlp is None:
+            return MLPParams.from_state(state)
+        return self._relu().params(state)
+
+    def state(self, params: MLPParams) -> State:
+        """The shard network's state holding ``params`` (the inverse of :meth:`params`)."""
+        if self.relu_mlp is None:
+            return mlp_state(params.weights, params.biases)
+        return self._relu().state(params)
+
+    def _relu(self) -> ReluMLP:
+        relu = self.relu_mlp
+        if not isinstance(relu, ReluMLP):
+            raise ValueError(f"network {self.spec.network.path!r} is not a ReLU MLP: {relu}")
+        return relu
 
     def epochs(self, n_records: int) -> int:
         """Epochs of a stage of ``n_records`` live records (the ``min_steps`` floor)."""
@@ -169,7 +206,8 @@ def shard_training_args(state: EnsembleState, s: int, n_records: int | None = No
     ``train_single`` / ``train_slots`` that reproduce stage ``stage`` (default: the last)
     of shard ``s`` (schedule ``"loo"`` only), for ``n_records`` live records in the stage
     (default: the shard's current count in slices ``0..stage``; ``n_records`` only sets
-    ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor).
+    ``n_batches`` and, through it, ``epochs`` under a ``min_steps`` floor). A user
+    network's stage 0 adds ``init``, its module's seeded initial weights.
 
     One slice: ``train_loo(*shard_records, **shard_training_args(state, s))`` gives the
     served shard network as its ``N`` bit for bit (same device type, torch build, CPU
@@ -190,7 +228,10 @@ def shard_training_args(state: EnsembleState, s: int, n_records: int | None = No
     records = state.records
     n = (int((records.slice[records.of_shard(s)] <= r).sum()) if n_records is None
          else int(n_records))
-    args = ShardTrainer(spec).loo_args(int(s), n, state.tombstones, r)
+    trainer = ShardTrainer(spec)
+    args = trainer.loo_args(int(s), n, state.tombstones, r)
     if R > 1:
         args["first_epoch"] = r * STAGE_EPOCH_STRIDE
+    if r == 0 and (init := trainer.initial_params(int(s))) is not None:
+        args["init"] = init
     return args
