@@ -102,8 +102,9 @@ def test_a_process_trees_peak_rss_counts_its_children() -> None:
 
 
 def test_the_stream_analysis_counts_lost_duplicated_and_latency() -> None:
-    """A request never applied is lost, one applied twice duplicated; its latency runs
-    from produce to the first served version at or after the one that applied it."""
+    """A request never recorded is lost, one recorded and not applied unsettled, one
+    applied twice duplicated; a latency runs from produce to the first served version at
+    or after the one that applied the request."""
     from tests.bench.e2e_stream import Stream, analyse
 
     def event(kind: str, rid: str, t: float, version: str | None = None) -> dict:
@@ -114,11 +115,13 @@ def test_the_stream_analysis_counts_lost_duplicated_and_latency() -> None:
     base = datetime.fromisoformat("2026-01-01T00:00:00+00:00").timestamp()
     events = [event("received", "a", 1), event("received", "b", 1.5),
               event("received", "c", 2), event("applied", "a", 3, "v000002"),
+              event("received", "d", 2.5),
               event("applied", "b", 3, "v000002"), event("applied", "b", 6, "v000003")]
-    stream = Stream(produced={"a": base + 0.5, "b": base + 1.0, "c": base + 1.5},
+    stream = Stream(produced={"a": base + 0.5, "b": base + 1.0, "c": base + 1.5,
+                              "d": base + 2.0, "e": base + 2.5},
                     first_served={1: base, 2: base + 4.0, 3: base + 7.0})
     res = analyse(events, stream, "[t]")
-    assert (res["lost"], res["duplicated"], res["measured"]) == (1, 1, 2)
+    assert (res["lost"], res["unsettled"], res["duplicated"], res["measured"]) == (1, 2, 1, 2)
     assert res["p50_s"] == pytest.approx(3.25)  # a: 3.5 s, b: 3.0 s
     assert (res["passes"], res["pass_requests"], res["update_s"]) == (2, 1.5, 0.5)
     assert res["pass_interval_s"] == pytest.approx(3.0)

@@ -223,8 +223,11 @@ def stage_e2e(n: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
     for backend in args.backends:
         for learner in args.learners:
             with own_database(backend, tmp) as url:
-                out.append(e2e_run(n, backend, learner, url, csv, messages, rows, args,
-                                   tmp / f"e2e-{backend}-{learner}"))
+                try:
+                    out.append(e2e_run(n, backend, learner, url, csv, messages, rows, args,
+                                       tmp / f"e2e-{backend}-{learner}"))
+                except Exception as exc:  # noqa: BLE001 - the other runs' rows still count
+                    log(f"   [e2e n={n} {backend} {learner}] FAILED: {exc!r}")
     return out
 
 
@@ -255,6 +258,7 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
         s = LedgerSettings.from_env(
             database_url=url, hmac_key_file=env["OBLIVIATE_HMAC_KEY_FILE"],
             ledger_signing_key_file=env["OBLIVIATE_LEDGER_SIGNING_KEY_FILE"],
+            key_store_dir=env["OBLIVIATE_KEY_STORE_DIR"],
             kafka_bootstrap=broker.bootstrap)
         ensure_topics(s.kafka_bootstrap, list(s.topic_configs()), configs=s.topic_configs())
         ledger = s.open_ledger()
@@ -275,18 +279,24 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
         ledger.engine.dispose()
     log(f"{tag} the worker was ready {stream.ready_s:.0f} s after the service; "
         f"/v1/predict answered {dict(stream.answers)}")
-    if res["lost"] or not stream.answers.get("200"):
+    for name in ("worker", "service"):  # a version refused is worth knowing at once
+        for line in sidecar.procs[name].log_tail(10**7).splitlines():
+            if "refusing" in line:
+                log(f"{tag} {name}: {line[:300]}")
+    if res["lost"] or res["unsettled"] or not stream.answers.get("200"):
         for name in ("worker", "consumer", "service"):
             log(f"{tag} {name}.log ends:\n{sidecar.procs[name].log_tail(1500)}")
     ratio = stream.certified_stream / max(stream.certified_idle, 1e-9)
     log(f"{tag} p50 {res['p50_s']:.2f} s, p95 {res['p95_s']:.2f} s, lost {res['lost']}, "
+        f"unsettled at the end {res['unsettled']}, "
         f"duplicated {res['duplicated']}, certified {stream.certified_stream:.3f} streaming "
         f"/ {stream.certified_idle:.3f} idle; peak RSS (MB) " +
         ", ".join(f"{k} {v:.0f}" for k, v in peak.peak_mb.items()))
     return {"stage": "e2e", "n": n, "backend": backend, "learner": learner,
             "rate": args.rate, "requests": len(messages), "init_s": init_s,
             "train_s": train_s, "p50_s": res["p50_s"], "p95_s": res["p95_s"],
-            "lost": res["lost"], "duplicated": res["duplicated"],
+            "lost": res["lost"], "unsettled": res["unsettled"],
+            "duplicated": res["duplicated"],
             "certified_stream": stream.certified_stream,
             "certified_idle": stream.certified_idle, "certified_ratio": ratio,
             **{f"rss_{k}_mb": v for k, v in peak.peak_mb.items()},

@@ -199,8 +199,9 @@ def _timestamp(event: dict[str, Any]) -> float:
 
 def analyse(events: Iterable[dict[str, Any]], stream: Stream, tag: str,
             worker_log: Path | None = None) -> dict[str, Any]:
-    """Latencies, lost and duplicated requests and the worker's passes, from the ledger's
-    events; prints the p50 of each stage and of each part of a pass."""
+    """Latencies, lost (never recorded), unsettled (recorded, not applied) and duplicated
+    requests and the worker's passes, from the ledger's events; prints the p50 of each
+    stage and of each part of a pass."""
     applied: dict[str, list[int]] = {}
     at: dict[tuple[str, str], float] = {}
     passes: dict[str, list[float]] = {}  # version -> [requests, update s, guard s, time]
@@ -231,7 +232,11 @@ def analyse(events: Iterable[dict[str, Any]], stream: Stream, tag: str,
               f"{med[1]:.3f} s, applied->served {med[2]:.3f} s", flush=True)
     q = np.percentile(latencies, [50, 95]) if latencies else [float("nan")] * 2
     return {"p50_s": float(q[0]), "p95_s": float(q[1]),
-            "lost": sum(1 for rid in stream.produced if rid not in applied),
+            # lost: never recorded by the ledger; unsettled: recorded, not applied by the
+            # end of the drain window (still in the worker's hands, not lost)
+            "lost": sum(1 for rid in stream.produced if ("received", rid) not in at),
+            "unsettled": sum(1 for rid in stream.produced
+                             if ("received", rid) in at and rid not in applied),
             "duplicated": sum(1 for v in applied.values() if len(v) > 1),
             "measured": len(latencies), "swaps": swaps,
             **pass_profile(list(passes.values()), tag, worker_log)}
