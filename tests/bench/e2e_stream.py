@@ -44,7 +44,7 @@ def watch_versions(base: str, stop: threading.Event, first_served: dict[int, flo
 
 def guard_counts(base: str) -> tuple[float, float]:
     """(certain, noised) answers so far, from the service's metrics."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    text = httpx.get(f"{base}/metrics", timeout=120).text  # a loaded machine is slow
     out = {"certain": 0.0, "noised": 0.0}
     for line in text.splitlines():
         if line.startswith("obliviate_guard_queries_total{"):
