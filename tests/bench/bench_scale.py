@@ -286,7 +286,8 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
     if res["lost"] or res["unsettled"] or not stream.answers.get("200"):
         for name in ("worker", "consumer", "service"):
             log(f"{tag} {name}.log ends:\n{sidecar.procs[name].log_tail(1500)}")
-    ratio = stream.certified_stream / max(stream.certified_idle, 1e-9)
+    idle = stream.certified_idle  # none certain while idle: no ratio to speak of
+    ratio = stream.certified_stream / idle if idle > 0 else float("nan")
     log(f"{tag} p50 {res['p50_s']:.2f} s, p95 {res['p95_s']:.2f} s, lost {res['lost']}, "
         f"unsettled at the end {res['unsettled']}, "
         f"duplicated {res['duplicated']}, certified {stream.certified_stream:.3f} streaming "
