@@ -773,3 +773,26 @@ def test_cli_heads_key_consistency_and_audit(cli_env: str, tmp_path, capsys) -> 
 def _sizes(ledger: Ledger, table) -> list[int]:
     with ledger.engine.connect() as conn:
         return sorted(conn.execute(select(table.c.tree_size)).scalars())
+
+
+def test_a_manifest_with_shard_keys_past_9_is_vouched_for_as_stored(tmp_path) -> None:  # noqa: ANN001
+    """SISA's `from_slice` is keyed by shard number; the model_versions JSON column hands
+    the keys back as text, which sort "10" before "2". The digest the publication event
+    carries must be that of the manifest as stored, or a version of 11+ shards whose
+    pass retrained shards on both sides of 10 is refused as edited (seen with 20
+    shards in bench_scale's e2e stage)."""
+    from sqlalchemy import create_engine
+
+    from jobs.orchestration.registry import manifest_sha256
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'v.db'}")
+    VERSIONS.metadata.create_all(engine, tables=[VERSIONS])
+    man = {"change": {"updates": [{"retrained": {"from_slice": {2: 0, 10: 3}}}]}}
+    with engine.begin() as conn:
+        conn.execute(insert(VERSIONS), {"name": "m", "version": "v000002", "seq": 2,
+                                        "parent": "v000001", "manifest": man,
+                                        "created_at": utc_now()})
+    with engine.connect() as conn:
+        stored = conn.execute(select(VERSIONS.c.manifest)).scalar_one()
+    assert stored != man  # the shard keys come back as text
+    assert manifest_sha256(stored) == manifest_sha256(man)

@@ -380,5 +380,10 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
 
 
 def manifest_sha256(manifest: dict[str, Any]) -> str:
-    """The digest the ledger's publication and `destroyed` events give for a manifest."""
-    return hashlib.sha256(canonical_json(manifest).encode()).hexdigest()
+    """The digest the ledger's publication and `destroyed` events give for a manifest, of
+    the manifest as its JSON column hands it back: integer keys (SISA's `from_slice`
+    per shard) come back as text, and sorted as text "10" precedes "2", so the digest
+    taken at publication must see them as text too, or a version of 11+ shards is
+    refused as edited."""
+    stored = json.loads(canonical_json(manifest))
+    return hashlib.sha256(canonical_json(stored).encode()).hexdigest()

@@ -42,62 +42,21 @@ at hand (``swaps``: how many were), else by retraining its one network. Last lin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.bench.e2e_stream import analyse, run_stream  # noqa: E402
+
 RATE = 50.0
-
-
-def _watch_versions(base: str, stop: threading.Event, first_served: dict[int, float]) -> None:
-    with httpx.Client(base_url=base, timeout=5.0) as http:
-        while not stop.is_set():
-            try:
-                cur = http.get("/v1/models").json()["serving"]["version"]
-            except (httpx.HTTPError, KeyError, TypeError):
-                cur = None
-            if cur:
-                first_served.setdefault(int(cur.lstrip("v")), time.time())
-            stop.wait(0.02)
-
-
-def _guard_counts(base: str) -> tuple[float, float]:
-    """(certain, noised) answers so far, from the service's metrics."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    out = {"certain": 0.0, "noised": 0.0}
-    for line in text.splitlines():
-        if line.startswith("obliviate_guard_queries_total{"):
-            for k in out:
-                if f'outcome="{k}"' in line:
-                    out[k] += float(line.rsplit(" ", 1)[1])
-    return out["certain"], out["noised"]
-
-
-def _ask(base: str, X: np.ndarray, stop: threading.Event) -> None:
-    """Predictions all along: batches of 20 held-out rows (pre-scaled)."""
-    rng = np.random.default_rng(1)
-    with httpx.Client(base_url=base, timeout=30.0) as http:
-        while not stop.is_set():
-            rows = X[rng.integers(len(X), size=20)].tolist()
-            with contextlib.suppress(httpx.HTTPError):
-                http.post("/v1/predict", json={"instances": rows, "scaled": True})
-            stop.wait(0.05)
-
-
-def _share(before: tuple[float, float], after: tuple[float, float]) -> float:
-    certain, noised = after[0] - before[0], after[1] - before[1]
-    return certain / max(certain + noised, 1.0)
 
 
 def _shard_retrain_seconds(ds, params: dict) -> float:  # noqa: ANN001 - datasets.Dataset
@@ -134,7 +93,6 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
     from ledger.config import LedgerSettings
     from ledger.consumer import ensure_topics
     from ledger.local_broker import LocalBroker
-    from ledger.producer import paced, produce
     from service.demo.processes import LocalSidecar, sidecar_env
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-e2e-{learner}-"))
@@ -159,97 +117,26 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
         victims = rng.choice(len(ds.record_ids), size=n_requests, replace=False)
         messages = [{"request_id": f"e2e-{i:05d}", "op": "delete",
                      "record_ids": [ds.record_ids[j]]} for i, j in enumerate(victims)]
-        produced: dict[str, float] = {}
-
-        def on_sent(k: int) -> None:
-            produced[messages[k - 1]["request_id"]] = time.time()
-
-        first_served: dict[int, float] = {}
-        stop = threading.Event()
         held_out = datasets.load("synthetic", n_samples=n_records + 2000).X[n_records:]
+        registry = Registry(ledger.engine, model_name)
+
+        def bounds_in() -> float:
+            if shard_bound_s <= 0:
+                return 0.0
+            waited = _await_complete_guard(registry, 1800.0)
+            print(f"[{learner}] guard complete (bounds in) after {waited:.0f} s", flush=True)
+            return waited
+
         # bounds are off by default: a 16k table's SISA shards of 3,200 records take
         # minutes each in the guard job, which would share the two cores with the stream
         with LocalSidecar(work, env, worker_args=["--shard-bound", str(shard_bound_s)]
                           ) as sidecar:
-            watcher = threading.Thread(target=_watch_versions,
-                                       args=(sidecar.base_url, stop, first_served))
-            watcher.start()
-            asking = threading.Event()
-            client = threading.Thread(target=_ask, args=(sidecar.base_url, held_out, asking))
-            client.start()
-            try:
-                bound_wait = (_await_complete_guard(Registry(ledger.engine, model_name),
-                                                    1800.0) if shard_bound_s > 0 else 0.0)
-                if shard_bound_s > 0:
-                    print(f"[{learner}] guard complete (bounds in) after {bound_wait:.0f} s",
-                          flush=True)
-                idle0 = _guard_counts(sidecar.base_url)
-                time.sleep(20)
-                idle1 = _guard_counts(sidecar.base_url)
-                produce(s.kafka_bootstrap, s.requests_topic, paced(messages, rate), on_sent)
-                stream1 = _guard_counts(sidecar.base_url)
-                deadline = time.monotonic() + 120 + n_requests / rate
-                while time.monotonic() < deadline:
-                    counts = ledger.lifecycle.status_counts()
-                    if sum(counts.get(k, 0) for k in ("applied", "verified", "failed")) >= \
-                            n_requests or sidecar.dead():
-                        break
-                    time.sleep(0.2)
-                # every applied request is measured: wait (bounded) until the service
-                # serves the version that applied the last of them
-                registry = Registry(ledger.engine, model_name)
-                last = registry.current_seq()
-                end = time.monotonic() + 60
-                while time.monotonic() < end and max(first_served, default=0) < last:
-                    time.sleep(0.1)
-            finally:
-                asking.set()
-                client.join()
-                stop.set()
-                watcher.join()
-        applied: dict[str, list[int]] = {}
-        at: dict[tuple[str, str], float] = {}
-        passes: dict[str, tuple[int, float, float]] = {}  # version -> (requests, update, guard)
-        swaps = 0
-        for e in ledger.events.export():
-            if e["kind"] == "applied":
-                swaps += sum(bool(d.get("swap")) for d in
-                             e["payload"].get("retrained", {}).get("detail", []))
-            if e["kind"] == "applied" and e["model_version"]:
-                n, u, g = passes.get(e["model_version"], (0, 0.0, 0.0))
-                passes[e["model_version"]] = (n + 1, e["payload"].get("update_seconds", u),
-                                              e["payload"].get("guard_seconds", g))
-            if e["kind"] in ("received", "applied") and e["request_id"]:
-                at.setdefault((e["kind"], e["request_id"]),
-                              datetime.fromisoformat(e["created_at"]).timestamp())
-            if e["kind"] == "applied":
-                applied.setdefault(e["request_id"], []).append(int(e["model_version"][1:]))
-    latencies, stages = [], []
-    for rid, t_produced in produced.items():
-        versions = applied.get(rid)
-        if not versions:
-            continue
-        served = [t for seq, t in first_served.items() if seq >= versions[0]]
-        if served:
-            latencies.append(min(served) - t_produced)
-            stages.append((at[("received", rid)] - t_produced,
-                           at[("applied", rid)] - at[("received", rid)],
-                           min(served) - at[("applied", rid)]))
-    if stages:
-        med = np.median(np.array(stages), axis=0)
-        print(f"[{learner}] p50 by stage: produced->recorded {med[0]:.3f} s, "
-              f"recorded->applied {med[1]:.3f} s, applied->served {med[2]:.3f} s", flush=True)
-    if passes:
-        med = np.median(np.array(list(passes.values())), axis=0)
-        print(f"[{learner}] {len(passes)} passes; p50 per pass: {med[0]:.0f} requests, "
-              f"update {med[1]:.3f} s, guard {med[2]:.3f} s", flush=True)
-    lost = sum(1 for rid in produced if rid not in applied)
-    duplicated = sum(1 for v in applied.values() if len(v) > 1)
-    q = np.percentile(latencies, [50, 95]) if latencies else [float("nan")] * 2
-    return {"p50_s": float(q[0]), "p95_s": float(q[1]), "lost": lost,
-            "duplicated": duplicated, "measured": len(latencies),
-            "certified_idle": _share(idle0, idle1), "certified_stream": _share(idle1, stream1),
-            "bound_wait_s": bound_wait, "swaps": swaps,
+            stream = run_stream(sidecar, ledger, registry.current_seq, s.kafka_bootstrap,
+                                s.requests_topic, messages, rate, held_out.tolist(), True,
+                                ready=bounds_in, drain_s=120 + n_requests / rate)
+        res = analyse(ledger.events.export(), stream, f"[{learner}]", work / "worker.log")
+    return {**res, "certified_idle": stream.certified_idle,
+            "certified_stream": stream.certified_stream, "bound_wait_s": stream.ready_s,
             "t0": datetime.now().isoformat(timespec="seconds")}
 
 
