@@ -41,6 +41,7 @@ def save(path: str | Path, params: dict[str, Any], state: GameState) -> None:
         "classes": spec.classes.tolist(), "classes_dtype": spec.classes.dtype.str,
         "n_features": spec.n_features, "record_ids": records.ids.tolist(),
         "surrogate_ids": state.surrogate_ids.tolist(), "n_updates": state.n_updates,
+        "exact": state.exact,
         "platform": state.platform, "content_hash": network_hash(spec, state.net),
     }
     att = state.attacker.state()
@@ -78,7 +79,9 @@ def load(path: str | Path) -> tuple[dict[str, Any], GameState]:
         surrogate_ids=_object_ids(meta["surrogate_ids"]),
         surrogate_state=payload["surrogate"],
         attacker=Attacker.from_state({**att, "weights": payload["attacker"]}).to(spec.device),
-        n_updates=int(meta["n_updates"]))
+        n_updates=int(meta["n_updates"]),
+        # bundles from before the flag: exact only if never updated
+        exact=bool(meta.get("exact", int(meta["n_updates"]) == 0)))
     if network_hash(spec, state.net) != meta["content_hash"]:
         raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
     return params, state

@@ -5,6 +5,7 @@ See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -35,6 +36,18 @@ def retrained(state: GameState) -> nn.Module:
     return GameTrainer(state.spec).main(state.records, state.records.train)
 
 
+def exact_state(state: GameState) -> GameState:
+    """The exact replacement of ``state``: ``M_o`` retrained from scratch on the live
+    training records and the frozen attacker ``M_A`` trained again from it (its shadow
+    and positives drawn from the live records, so nothing in it derives from a deleted
+    record; the surrogate already holds none). Deterministic: the same live records give
+    the same bits."""
+    trainer = GameTrainer(state.spec)
+    net = retrained(state)
+    attacker = trainer.attacker(state.records, net, state.X_third)
+    return dataclasses.replace(state, net=net, attacker=attacker, exact=True)
+
+
 def verify(state: GameState) -> VerifyReport:
     """Retrain ``M_o`` from scratch on the live training records and measure the gap:
     prediction agreement, mean KL(retrained || served), accuracies, the largest
@@ -57,6 +70,7 @@ def verify(state: GameState) -> VerifyReport:
         "n_records": len(records.ids),
         "n_train": len(tr),
         "n_updates": state.n_updates,
+        "exact_state": state.exact,
         "agreement_train": agreement(pr, ps),
         "agreement_third": agreement(trd, ts),
         "kl_train": mean_kl(pr, ps),

@@ -301,6 +301,13 @@ class GameUnlearningNet(SpecClassifier):
     def n_updates_(self) -> int:
         return self._fitted().n_updates
 
+    @property
+    def exact_(self) -> bool:
+        """Whether the served network is ``M_o`` retrained from scratch on the live
+        training records (after ``fit`` or :meth:`exact_retrain`, until the next update
+        that trains it): what an answer of it is certified against."""
+        return self._fitted().exact
+
     # ------------------------------------------------------------------ prediction
 
     def scores(self, X: Any) -> np.ndarray:
@@ -366,6 +373,15 @@ class GameUnlearningNet(SpecClassifier):
         updates on either replace, never mutate, what they share)."""
         ref = copy.copy(self)
         ref.state_ = dataclasses.replace(self._fitted(), net=checks.retrained(self._fitted()))
+        return ref
+
+    def exact_retrain(self) -> GameUnlearningNet:
+        """A copy that is exact again: ``M_o`` and the frozen attacker retrained from
+        scratch on the live records (:func:`checks.exact_state`); the sidecar publishes it
+        to replace approximate versions. :meth:`verify` of the copy retrains once more and
+        compares content hashes."""
+        ref = copy.copy(self)
+        ref.state_ = checks.exact_state(self._fitted())
         return ref
 
     def verify(self) -> VerifyReport:

@@ -43,7 +43,9 @@ def delete(state: GameState, rids: np.ndarray,
     if len(rows_f):
         new, net = _forget(state, rows_f, rows_r, method, metrics)
         new = dataclasses.replace(new, net=net)
-    new = dataclasses.replace(new, records=records.take(~gone), n_updates=state.n_updates + 1)
+    # dropping held-out records only leaves M_o what a retrain gives
+    new = dataclasses.replace(new, records=records.take(~gone), n_updates=state.n_updates + 1,
+                              exact=state.exact and not len(rows_f))
     metrics["n_records"] = float(len(new.records.ids))
     return new, UpdateReport(
         op="delete", record_ids=[str(i) for i in rids], guarantee="approximate",
@@ -138,7 +140,7 @@ def add(state: GameState, rids: np.ndarray, X: np.ndarray,
             cfg["add_epochs"], start=state.net)
     train_s = time.perf_counter() - t0
     new = dataclasses.replace(
-        state, net=net, n_updates=state.n_updates + 1,
+        state, net=net, n_updates=state.n_updates + 1, exact=state.exact and not len(rids),
         records=type(records).by_id(
             np.concatenate([records.ids, rids]), np.concatenate([records.X, X]),
             np.concatenate([records.y, y]),
