@@ -1,7 +1,8 @@
-"""SISA on a network of the user's (issue 30), given by import path: it trains, deletes and
-adds exactly (a retrain from scratch gives the same hash), its source is pinned and saved
-with the model, mistakes are refused at train time with one line, and the vote rule that
-serves it is sound against brute-force leave-one-out retrains of a CNN.
+"""SISA and the game learner on a network of the user's (issue 30), given by import path:
+SISA trains, deletes and adds exactly (a retrain from scratch gives the same hash), the
+game's exact retrain verifies by hash; the source is pinned and saved with the model,
+mistakes are refused at train time with one line, and the vote rule that serves SISA is
+sound against brute-force leave-one-out retrains of a CNN.
 See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sklearn.datasets import load_digits, make_classification
 
 from jobs.learners.networks.user_network import SOURCE_FILE, NetworkError
@@ -148,7 +150,7 @@ def test_settings_a_user_network_cannot_take() -> None:
         SISAEnsemble(network=MLP, schedule="loo").fit(X, y)
     with pytest.raises(ValueError, match="optimizer='sgd' needs a network of your own"):
         SISAEnsemble(optimizer="sgd").fit(X, y)
-    with pytest.raises(ValueError, match="--network .* needs --learner sisa, not 'dare'"):
+    with pytest.raises(ValueError, match="--network .* needs --learner sisa or game, not 'dare'"):
         with_network("dare", {}, MLP)
     assert with_network("sisa", {"n_shards": 3}, MLP) == {"n_shards": 3, "network": MLP}
 
@@ -171,6 +173,47 @@ def test_the_sidecar_serves_it_under_the_vote_rule_and_holds_it_to_the_manifest(
     edited["network"]["sha256"] = "0" * 64
     with pytest.raises(NotAsPublished, match="its network's source is"):
         load_as_published(tmp_path / "v1", edited)
+
+
+GAME_SMALL = {"epochs": 8, "rounds": 5, "attack_steps": 50, "third_fraction": 0.25,
+              "device": "cpu", "random_state": 5}
+
+
+def test_the_game_learner_trains_a_user_network_and_retrains_it_exactly(
+        tmp_path: Path) -> None:
+    """`--learner game --network ...`: M_o, the surrogate and the shadow are the user's
+    network (dropout seeded, so a retrain is the same bits); its deletion is approximate,
+    its exact retrain verifies by content hash, and the version pins and carries the
+    source as SISA's do."""
+    X, y = _table(120)
+    ids = np.array(_ids(120), dtype=object)
+    model = ServedModel.train("game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                                                  "network_params": {"hidden": 16}})
+    learner = model.learner
+    source = hashlib.sha256(EXAMPLES.read_bytes()).hexdigest()
+    assert learner.network_ == {"path": MLP, "sha256": source, "params": {"hidden": 16}}
+    assert learner.config_["model"] == "network" and learner.verify().exact
+    assert isinstance(learner.net_[2], torch.nn.Dropout)  # the user's module is served
+    train = learner.record_ids_[learner.train_mask_]
+    learner.delete(train[:3])
+    assert model.forgetting == "approximate" and not learner.verify().exact
+    exact = model.exact_replacement()
+    assert exact.forgetting == "exact" and exact.learner.verify().exact
+    man = manifest(exact, seq=2, parent=None, ledger_seq=0, training_set=(117, "root"),
+                   change={"op": "exact_retrain"})
+    assert man["network"]["sha256"] == source and man["forgetting"] == "exact"
+    exact.save(tmp_path / "v2")
+    assert (tmp_path / "v2" / "learner" / SOURCE_FILE).exists()
+    served = load_as_published(tmp_path / "v2", man)
+    assert served.learner.content_hash() == exact.learner.content_hash()
+    assert (served.plain_labels(X[:20]) == exact.plain_labels(X[:20])).all()
+    # the network is part of the hash: the same run with other params is another model
+    other = ServedModel.train("game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                                                  "network_params": {"hidden": 17}})
+    assert other.learner.content_hash() != ServedModel.train(
+        "game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                            "network_params": {"hidden": 16}}).learner.content_hash()
+    assert with_network("game", {}, MLP) == {"network": MLP}
 
 
 @pytest.mark.slow  # 40 retrains of five CNN shards: 13-25 s on two shared cores

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the command
 
 # jobs.orchestration.served_model.KINDS, without importing the learners to build the parser
 LEARNERS = ("dare", "game", "mlp", "sisa")
+NETWORK_LEARNERS = ("game", "sisa")  # the learners that train a network of the user's
 log = logging.getLogger("obliviate")
 
 
@@ -61,7 +62,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learner", choices=LEARNERS, default=None)
     p.add_argument("--params", default="{}", help="hyperparameters as a JSON object")
     p.add_argument("--network", default=None, metavar="MODULE:FUNCTION",
-                   help="sisa: a network of your own, build(n_features, n_classes, **params) "
+                   help="sisa, game: a network of your own, build(n_features, n_classes, **params) "
                         "returning a torch.nn.Module, imported from the current directory or "
                         "PYTHONPATH (env OBLIVIATE_NETWORK; its params: --params "
                         "'{\"network_params\": {...}}')")
@@ -106,8 +107,9 @@ def with_network(learner: str, params: dict[str, Any], network: str | None) -> d
     imported as from the current directory, like `python -m`."""
     if not network:
         return params
-    if learner != "sisa":
-        raise ValueError(f"--network (OBLIVIATE_NETWORK) needs --learner sisa, not {learner!r}")
+    if learner not in NETWORK_LEARNERS:
+        raise ValueError(f"--network (OBLIVIATE_NETWORK) needs --learner sisa or game, not "
+                         f"{learner!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return {**params, "network": network}

@@ -652,6 +652,9 @@ class GameModel(ServedModel):
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.plain_labels(X), np.zeros(len(X), dtype=bool)
 
+    def network_record(self) -> dict[str, Any] | None:
+        return self.learner.network_
+
     def exact_replacement(self) -> GameModel:
         return GameModel(self.learner.exact_retrain())
 

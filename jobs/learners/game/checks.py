@@ -27,6 +27,8 @@ def network_hash(spec: TrainingSpec, net: nn.Module) -> str:
     head = {"format": FORMAT, "classes": [str(c) for c in spec.classes.tolist()],
             "n_features": spec.n_features, "model": spec.config["model"],
             "hidden": spec.config["hidden"]}
+    if (network := spec.config.get("network")) is not None:  # the user's, by source hash
+        head["network"] = network["sha256"]
     weights = nets.hash_state(nets.state_to_cpu(net)).encode()
     return hashlib.sha256(json.dumps(head, sort_keys=True).encode() + weights).hexdigest()
 

@@ -20,7 +20,6 @@ from jobs.learners.game.play import Players, play
 from jobs.learners.game.state import GameState
 from jobs.learners.game.training import GameTrainer, keyed_pick
 from jobs.learners.keyed import prf_u64
-from jobs.learners.networks import torch_nets as nets
 from jobs.learners.scoring import accuracy, priaa
 
 
@@ -95,7 +94,7 @@ def _played(state: GameState, net: nn.Module, rows_f: np.ndarray,
 
     players = Players(state.attacker, GameTrainer(spec).frozen(state.surrogate_state),
                       prf_u64(spec.seed, "game", state.n_updates))
-    with spec.threads(), nets.deterministic():
+    with spec.threads(), GameTrainer(spec).kernels("game", state.n_updates):
         return play(net, (tensor(records.X[rows_r]), tensor(records.y[rows_r])),
                     tensor(records.X[rows_f]), tensor(state.X_third), players,
                     GameRules.of(spec.config))
