@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 
+from jobs.orchestration.consistency import verify_registry
 from jobs.orchestration.guarded_answers import PROMISES, GuardedAnswers
 from jobs.orchestration.registry import PublishConflict, Registry
 from jobs.orchestration.served_model import ForestModel, ServedModel
@@ -193,6 +194,8 @@ def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_r
     assert verified["model_version"] == exact.version
     assert verified["payload"]["exactness"]["exact"] is True
     assert verified["payload"]["replaces"] == [approx.version]
+    # the ledger and the registry agree on every publication, the retrain's included
+    assert verify_registry(ledger, reg) == [] and ledger.verify().ok
 
 
 def _answers(promise: str) -> float:

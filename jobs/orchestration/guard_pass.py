@@ -257,7 +257,7 @@ class GuardPass:
                                            "replaces": change["replaces"], **stamp},
                     in_transaction=publish)
         else:
-            commit = self.publisher.announce("exact_retrain", change)
+            commit = self.publisher.announce("model_trained", change)  # a retrain
         try:
             self.publisher.publish(exact, parent.version, change, commit, removes_records=True)
         except PublishConflict:
