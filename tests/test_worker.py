@@ -197,6 +197,20 @@ def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_r
     # the ledger and the registry agree on every publication, the retrain's included
     assert verify_registry(ledger, reg) == [] and ledger.verify().ok
 
+    # two deletions in a row: the retrain of the second version replaces both
+    live = [r for r in replaced.learner.record_ids_.tolist() if r not in held]
+    for i, rid in enumerate(live[:2]):
+        ledger.receive({"request_id": f"g{i + 2}", "op": "delete", "record_ids": [rid]})
+        assert w.step()
+    second, first, before_them = reg.lineage(limit=3)
+    assert before_them.version == exact.version
+    assert [first.manifest["forgetting"], second.manifest["forgetting"]] == ["approximate"] * 2
+    _drain(w)
+    again = reg.current()
+    assert again.manifest["change"]["replaces"] == [second.version, first.version]
+    assert again.manifest["forgetting"] == "exact"
+    assert {ledger.history(f"g{i}")["request"]["status"] for i in (2, 3)} == {"verified"}
+
 
 def _answers(promise: str) -> float:
     return REGISTRY.get_sample_value("obliviate_answers_total", {"promise": promise}) or 0.0
