@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -263,3 +266,44 @@ def test_obliviate_trains_serves_and_forgets_with_a_user_network(tmp_path: Path)
         now = sc.models()["current"]["manifest"]
         assert now["change"]["op"] != "train" and now["network"] == first["network"]
         assert sc.predict(X)["model_version"] == sc.models()["current"]["version"]
+
+
+@pytest.mark.processes
+def test_obliviate_serves_the_game_on_a_user_network_approximate_then_exact(
+        tmp_path: Path) -> None:
+    """`--learner game` with OBLIVIATE_NETWORK, over HTTP: answers say `exact` for the
+    trained version; a deletion is applied, then replaced by the exact retrain (its hash
+    reproduced) and only then `verified`; /v1/predict and /metrics say what was served."""
+    from ledger import datasets
+    from tests.sidecar import Sidecar
+
+    params = json.dumps({"network_params": {"hidden": 16}, **GAME_SMALL})
+    with Sidecar(tmp_path, learner="game", env={"OBLIVIATE_NETWORK": MLP},
+                 train_params=params) as sc:
+        first = sc.models()["current"]["manifest"]
+        assert first["network"]["path"] == MLP and first["forgetting"] == "exact"
+        data = datasets.load("breast_cancer")
+        X = data.X[:10]
+        answer = sc.predict(X)
+        assert answer["guard"] == "unguarded" and answer["promises"] == ["exact"] * 10
+        sc.start_worker()
+        # eight records: the game trains on 75% of them (one held out changes nothing)
+        assert sc.submit({"request_id": "g1", "op": "delete",
+                          "record_ids": list(data.record_ids[2:10])}).status_code == 202
+        history = sc.wait_for_status(["g1"], "verified", timeout_s=180)["g1"]
+        applied, verified = (next(e for e in history["events"] if e["kind"] == k)
+                             for k in ("applied", "verified"))
+        now = sc.models()["current"]
+        change = now["manifest"]["change"]
+        assert change["op"] == "exact_retrain" and change["replaces"] == [
+            applied["model_version"]]
+        assert verified["model_version"] == now["version"] != applied["model_version"]
+        assert change["exactness"]["exact"] is True and now["manifest"]["forgetting"] == "exact"
+        assert now["manifest"]["network"] == first["network"]
+        end = time.monotonic() + 30  # the service polls the registry
+        while (answer := sc.predict(X))["model_version"] != now["version"]:
+            assert time.monotonic() < end, answer
+            time.sleep(0.2)
+        assert answer["promises"] == ["exact"] * 10
+        metrics = httpx.get(sc.url + "/metrics", timeout=30).text
+        assert re.search(r'obliviate_answers_total\{promise="exact"\} [1-9]', metrics)
