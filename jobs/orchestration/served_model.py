@@ -756,8 +756,15 @@ def guard_owed(manifest: dict[str, Any]) -> bool:
 
 def exact_owed(manifest: dict[str, Any]) -> bool:
     """The version is an approximate update: the worker owes it an exact retrain that
-    replaces it (docs/sidecar.md, "The game learner in the sidecar")."""
-    return manifest.get("forgetting") == "approximate"
+    replaces it (docs/sidecar.md, "The game learner in the sidecar"). A manifest from
+    before `forgetting` was recorded: an approximate learner's version not trained from
+    scratch."""
+    forgetting = manifest.get("forgetting")
+    if forgetting is None:
+        fresh = (manifest.get("change") or {}).get("op") in ("train", "retrain")
+        approximate = manifest.get("guarantee") == "approximate" and not fresh
+        forgetting = "approximate" if approximate else "exact"
+    return forgetting == "approximate"
 
 
 def _short(value: str | None) -> str:
