@@ -168,6 +168,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from jobs.orchestration.registry import Registry
+    from jobs.orchestration.served_model import UNGUARDED
     from ledger.chain import iso
 
     model_name = JobSettings.from_env().model_name
@@ -175,7 +176,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         m = v.manifest
         state = ("destroyed" if v.destroyed_at else
                  "to destroy" if v.superseded_by_deletion else "kept")
+        guard = ("ready" if m["guard"]["ready"] else
+                 "none" if m["guard"]["rule"] == UNGUARDED else "noise-all")
         print(f"{v.version}  {iso(v.created_at)}  parent={v.parent or '-':8}  "
-              f"{m['change']['op']:8}  guard={'ready' if m['guard']['ready'] else 'noise-all'}  "
+              f"{m['change']['op']:8}  guard={guard}  {m.get('forgetting', '-')}  "
               f"records={m['training_set']['count']}  hash={m['content_hash'][:12]}  {state}")
     return 0
