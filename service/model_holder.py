@@ -170,15 +170,16 @@ class ModelHolder:
                                "answering with a version that may hold deleted records")
         return s
 
-    def predict(self, X: np.ndarray) -> tuple[np.ndarray, GuardedVersion]:
-        """Published labels for validated queries, and the version that answered."""
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, GuardedVersion, list[str]]:
+        """Published labels for validated queries, the version that answered, and what
+        each answer promises (certified, noised, exact or approximate)."""
         served = self.serving
         labels, cost = self.answers.answer(served, X)
         metrics.count_answers(cost)
         if self.usage is not None and cost.answers:
             self.usage.add(served.version.version, cost.certain, cost.noised, cost.fresh,
                            cost.epsilon_spent)
-        return labels, served
+        return labels, served, list(cost.promises)
 
     def status(self) -> dict[str, Any]:
         s = self._serving

@@ -182,11 +182,14 @@ class Obliviate:
         X = parse_instances(instances, serving.model.n_features,
                             None if scaled else self._transform(), scaled=scaled)
         try:
-            labels, used = self.holder.predict(X)
+            labels, used, promises = self.holder.predict(X)
         except BudgetExhausted as exc:  # a quota on answers, spent until fresh seeds: 429
             return JSONResponse({"error": str(exc)}, status_code=HTTPStatus.TOO_MANY_REQUESTS)
         answer = {"labels": labels.tolist(), "model_version": used.version.version,
-                  "guard": used.mode if self.holder.guarded else "off"}
+                  "guard": used.mode if self.holder.guarded else "off",
+                  # per answer: certified / noised (the guard), exact / approximate (the
+                  # version's forgetting, where no guard covers it)
+                  "promises": promises}
         transform = self._transform()
         if transform is not None and transform.labels:  # a text label: its names too
             answer["label_names"] = [transform.label_name(c) for c in answer["labels"]]

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 
+from jobs.orchestration.guarded_answers import PROMISES
+
 if TYPE_CHECKING:
     from jobs.orchestration.guarded_answers import AnswerCost, GuardedVersion
 
@@ -22,6 +24,15 @@ GUARD_QUERIES = Counter(
     "Predictions answered by the guard, by outcome (certain label or noised).",
     ["outcome"],
 )
+ANSWERS = Counter(
+    "obliviate_answers",
+    "Predictions answered, by what each promises: certified (the guard: no one deletion "
+    "changes it), noised (eps-iDP noise), exact or approximate (a learner without a guard: "
+    "its version is an exact retrain, or the game's approximate update).",
+    ["promise"],
+)
+for _promise in PROMISES:  # exported at 0, so a rate over them starts from there
+    ANSWERS.labels(promise=_promise)
 GUARD_EPSILON = Gauge(
     "obliviate_guard_epsilon_per_query",
     "Privacy loss (epsilon) of one noised answer.",
@@ -130,3 +141,6 @@ def count_answers(cost: AnswerCost) -> None:
         GUARD_EPSILON_SPENT.inc(cost.epsilon_spent)
     if cost.evicted:
         MEMO_EVICTIONS.inc(cost.evicted)
+    for promise in PROMISES:
+        if (n := cost.promises.count(promise)):
+            ANSWERS.labels(promise=promise).inc(n)

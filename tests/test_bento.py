@@ -166,7 +166,7 @@ def test_the_built_bento_serves_a_guarded_prediction(bento: Built) -> None:
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["model_version"] == "v000001" and body["guard"] == "sound"
-        assert set(body) == {"labels", "model_version", "guard"}  # labels only, no scores
+        assert set(body) == {"labels", "model_version", "guard", "promises"}  # no scores
         assert all(label in (0, 1) for label in body["labels"])
         schema = httpx.get(f"http://127.0.0.1:{port}/v1/schema", timeout=30).json()
         assert schema["features"][0]["name"] == "mean radius"

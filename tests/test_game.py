@@ -27,6 +27,7 @@ DEFAULTS = {
     "leader_lr": 1e-3, "follower_lr": 1e-3, "distance_weight": 1.0, "ce_weight": 1.0,
     "retain_batch_size": 128, "third_batch_size": 128, "forget_batch_size": None,
     "method": "game", "finetune_epochs": 3, "add_epochs": 5, "add_replay": 1.0,
+    "network": None, "network_params": None,
     "classes": None, "cpu_threads": 1, "device": "auto", "random_state": 0,
 }
 

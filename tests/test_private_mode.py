@@ -78,11 +78,11 @@ def test_answers_are_private_votes_until_the_budget_is_spent(seeded60: Ledger) -
     assert holder.serving.mode == "private"
     assert w.step() is False  # nothing spent: no retrain
     Q = _queries(4)
-    labels, _ = holder.predict(Q[:3])
+    labels = holder.predict(Q[:3])[0]
     assert w.step() is False  # 3 of 4 answers spent: still no retrain
-    labels, _ = holder.predict(Q)  # the 4th fresh answer: the whole budget
+    labels = holder.predict(Q)[0]  # the 4th fresh answer: the whole budget
     assert set(labels.tolist()) <= set(holder.serving.model.classes.tolist())
-    again, _ = holder.predict(Q[::-1])  # replays from the memo cost nothing
+    again = holder.predict(Q[::-1])[0]  # replays from the memo cost nothing
     assert again.tolist() == labels[::-1].tolist()
     with pytest.raises(BudgetExhausted, match="fresh seeds"):
         holder.predict(_queries(5)[4:])

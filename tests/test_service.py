@@ -181,9 +181,13 @@ def test_a_row_and_a_batch_get_labels_only(svc: Service) -> None:
     for r, n in ((one, 1), (batch, 25)):
         body = r.json()
         # labels only: no scores, probabilities, margins or votes
-        assert set(body) == {"labels", "model_version", "guard"}
+        assert set(body) == {"labels", "model_version", "guard", "promises"}
         assert len(body["labels"]) == n and set(body["labels"]) <= {0, 1}
         assert body["guard"] in ("sound", "noise-all")
+        # per answer what it promises: a forest's are certified by its guard or noised
+        assert len(body["promises"]) == n
+        assert set(body["promises"]) <= ({"certified", "noised"} if body["guard"] == "sound"
+                                         else {"noised"})
         assert seq(body["model_version"]) >= 1
     edge = predict(svc.sc.http, [[0.0] * N_FEATURES, [1.0] * N_FEATURES])
     assert edge.status_code == 200, edge.text  # the bounds of the range are valid

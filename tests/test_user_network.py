@@ -1,7 +1,8 @@
-"""SISA on a network of the user's (issue 30), given by import path: it trains, deletes and
-adds exactly (a retrain from scratch gives the same hash), its source is pinned and saved
-with the model, mistakes are refused at train time with one line, and the vote rule that
-serves it is sound against brute-force leave-one-out retrains of a CNN.
+"""SISA and the game learner on a network of the user's (issue 30), given by import path:
+SISA trains, deletes and adds exactly (a retrain from scratch gives the same hash), the
+game's exact retrain verifies by hash; the source is pinned and saved with the model,
+mistakes are refused at train time with one line, and the vote rule that serves SISA is
+sound against brute-force leave-one-out retrains of a CNN.
 See docs/learners.md (Your own network)."""
 
 from __future__ import annotations
@@ -9,10 +10,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import torch
 from sklearn.datasets import load_digits, make_classification, make_moons
 
 from jobs.guard.label_guard import sisa_certain
@@ -269,7 +274,7 @@ def test_bound_answers_for_a_user_relu_mlp_hold_against_brute_force_retrains() -
         loo = SISAEnsemble(**RELU_KW).fit(X[keep], y[keep], record_ids=np.array(ids)[keep])
         moved = loo.predict(queries) != ens.classes_[winner]
         assert not (moved & certain).any(), f"a certain answer moved without {ids[i]}"
-    with pytest.raises(ValueError, match="--network .* needs --learner sisa, not 'dare'"):
+    with pytest.raises(ValueError, match="--network .* needs --learner sisa or game, not 'dare'"):
         with_network("dare", {}, MLP)
     assert with_network("sisa", {"n_shards": 3}, MLP) == {"n_shards": 3, "network": MLP}
 
@@ -397,13 +402,54 @@ def test_the_demo_takes_a_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     work = tmp_path / "demo"
     assert main(["demo", "--learner", "dare", "--network", CNN, "--workdir", str(work)]) == 2
-    assert "--network (OBLIVIATE_NETWORK) needs --learner sisa, not 'dare'" in (
+    assert "--network (OBLIVIATE_NETWORK) needs --learner sisa or game, not 'dare'" in (
         capsys.readouterr().err)
     monkeypatch.setenv("OBLIVIATE_DEVICE", "gpu")
     assert main(["demo", "--learner", "sisa", "--network", CNN, "--dataset", "digits",
                  "--workdir", str(work)]) == 2
     assert "OBLIVIATE_DEVICE must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     assert not work.exists()
+
+
+GAME_SMALL = {"epochs": 8, "rounds": 5, "attack_steps": 50, "third_fraction": 0.25,
+              "device": "cpu", "random_state": 5}
+
+
+def test_the_game_learner_trains_a_user_network_and_retrains_it_exactly(
+        tmp_path: Path) -> None:
+    """`--learner game --network ...`: M_o, the surrogate and the shadow are the user's
+    network (dropout seeded, so a retrain is the same bits); its deletion is approximate,
+    its exact retrain verifies by content hash, and the version pins and carries the
+    source as SISA's do."""
+    X, y = _table(120)
+    ids = np.array(_ids(120), dtype=object)
+    model = ServedModel.train("game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                                                  "network_params": {"hidden": 16}})
+    learner = model.learner
+    source = hashlib.sha256(EXAMPLES.read_bytes()).hexdigest()
+    assert learner.network_ == {"path": MLP, "sha256": source, "params": {"hidden": 16}}
+    assert learner.config_["model"] == "network" and learner.verify().exact
+    assert isinstance(learner.net_[2], torch.nn.Dropout)  # the user's module is served
+    train = learner.record_ids_[learner.train_mask_]
+    learner.delete(train[:3])
+    assert model.forgetting == "approximate" and not learner.verify().exact
+    exact = model.exact_replacement()
+    assert exact.forgetting == "exact" and exact.learner.verify().exact
+    man = manifest(exact, seq=2, parent=None, ledger_seq=0, training_set=(117, "root"),
+                   change={"op": "exact_retrain"})
+    assert man["network"]["sha256"] == source and man["forgetting"] == "exact"
+    exact.save(tmp_path / "v2")
+    assert (tmp_path / "v2" / "learner" / SOURCE_FILE).exists()
+    served = load_as_published(tmp_path / "v2", man)
+    assert served.learner.content_hash() == exact.learner.content_hash()
+    assert (served.plain_labels(X[:20]) == exact.plain_labels(X[:20])).all()
+    # the network is part of the hash: the same run with other params is another model
+    other = ServedModel.train("game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                                                  "network_params": {"hidden": 17}})
+    assert other.learner.content_hash() != ServedModel.train(
+        "game", ids, X, y, {"network": MLP, **GAME_SMALL,
+                            "network_params": {"hidden": 16}}).learner.content_hash()
+    assert with_network("game", {}, MLP) == {"network": MLP}
 
 
 @pytest.mark.slow  # 40 retrains of five CNN shards: 13-25 s on two shared cores
@@ -455,3 +501,44 @@ def test_obliviate_trains_serves_and_forgets_with_a_user_network(tmp_path: Path)
         now = sc.models()["current"]["manifest"]
         assert now["change"]["op"] != "train" and now["network"] == first["network"]
         assert sc.predict(X)["model_version"] == sc.models()["current"]["version"]
+
+
+@pytest.mark.processes
+def test_obliviate_serves_the_game_on_a_user_network_approximate_then_exact(
+        tmp_path: Path) -> None:
+    """`--learner game` with OBLIVIATE_NETWORK, over HTTP: answers say `exact` for the
+    trained version; a deletion is applied, then replaced by the exact retrain (its hash
+    reproduced) and only then `verified`; /v1/predict and /metrics say what was served."""
+    from ledger import datasets
+    from tests.sidecar import Sidecar
+
+    params = json.dumps({"network_params": {"hidden": 16}, **GAME_SMALL})
+    with Sidecar(tmp_path, learner="game", env={"OBLIVIATE_NETWORK": MLP},
+                 train_params=params) as sc:
+        first = sc.models()["current"]["manifest"]
+        assert first["network"]["path"] == MLP and first["forgetting"] == "exact"
+        data = datasets.load("breast_cancer")
+        X = data.X[:10]
+        answer = sc.predict(X)
+        assert answer["guard"] == "unguarded" and answer["promises"] == ["exact"] * 10
+        sc.start_worker()
+        # eight records: the game trains on 75% of them (one held out changes nothing)
+        assert sc.submit({"request_id": "g1", "op": "delete",
+                          "record_ids": list(data.record_ids[2:10])}).status_code == 202
+        history = sc.wait_for_status(["g1"], "verified", timeout_s=180)["g1"]
+        applied, verified = (next(e for e in history["events"] if e["kind"] == k)
+                             for k in ("applied", "verified"))
+        now = sc.models()["current"]
+        change = now["manifest"]["change"]
+        assert change["op"] == "exact_retrain" and change["replaces"] == [
+            applied["model_version"]]
+        assert verified["model_version"] == now["version"] != applied["model_version"]
+        assert change["exactness"]["exact"] is True and now["manifest"]["forgetting"] == "exact"
+        assert now["manifest"]["network"] == first["network"]
+        end = time.monotonic() + 30  # the service polls the registry
+        while (answer := sc.predict(X))["model_version"] != now["version"]:
+            assert time.monotonic() < end, answer
+            time.sleep(0.2)
+        assert answer["promises"] == ["exact"] * 10
+        metrics = httpx.get(sc.url + "/metrics", timeout=30).text
+        assert re.search(r'obliviate_answers_total\{promise="exact"\} [1-9]', metrics)

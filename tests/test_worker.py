@@ -8,8 +8,11 @@ import uuid
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import select
 
+from jobs.orchestration.consistency import verify_registry
+from jobs.orchestration.guarded_answers import PROMISES, GuardedAnswers
 from jobs.orchestration.registry import PublishConflict, Registry
 from jobs.orchestration.served_model import ForestModel, ServedModel
 from jobs.orchestration.update_pass import plan as _plan
@@ -130,38 +133,87 @@ GAME_SMALL = {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
               "third_fraction": 0.25}
 
 
-def test_game_deletions_are_approximate_measured_and_served_noised(seeded60: Ledger) -> None:
+def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_retrain(
+        seeded60: Ledger) -> None:
+    """The game's update is published and served at once (`approximate`, the request
+    `applied`); the guard job retrains the network from scratch, checks that retrain by
+    content hash and publishes it in its place (`exact`); only then is the request
+    `verified`. Answers and the answer counter say which was served."""
     ledger = seeded60
     reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
     w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
                                          guard_after_idle_s=0.0, evaluate=True))
     v1 = w.bootstrap("game", GAME_SMALL)
     _drain(w)
-    assert reg.current().version == v1  # nothing to refit: noise-all is its guard
+    assert reg.current().version == v1  # exact as trained: nothing owed
+    assert reg.current().manifest["forgetting"] == "exact"
     model = reg.load(v1)
     held = set(model.holdout_ids().tolist())
-    assert held and model.guard_record()["ready"] is False
+    assert held and model.guard_record()["rule"] == "none"
     forget = [r for r in model.learner.record_ids_.tolist() if r not in held][:3]
     assert ledger.receive({"request_id": "g1", "op": "delete", "record_ids": forget}
                           ).status == "accepted"
+    assert w.step()  # the update pass: the game's version is published at once
+    approx = reg.current()
+    assert approx.manifest["forgetting"] == "approximate"
+    assert ledger.history("g1")["request"]["status"] == "applied"
+    served = reg.load(approx.version)
+    assert not set(forget) & set(served.learner.record_ids_.tolist())
+    X = np.random.default_rng(0).random((5, 4))
+    before = {p: _answers(p) for p in PROMISES}
+    labels, cost = GuardedAnswers().answer(GuardedAnswers().bind(approx, served), X)
+    assert cost.promises == ("approximate",) * 5 and len(labels) == 5
+    metrics.count_answers(cost)
+    assert _answers("approximate") == before["approximate"] + 5
+
     _drain(w)
+    exact = reg.current()
+    change = exact.manifest["change"]
+    assert change["op"] == "exact_retrain" and change["replaces"] == [approx.version]
+    assert exact.manifest["parent"] == approx.version
+    assert exact.manifest["forgetting"] == "exact"
+    check = change["exactness"]  # the retrain, retrained again: the same bits
+    assert check["exact"] is True and check["served_hash"] == check["retrained_hash"]
+    assert check["served_hash"] == exact.manifest["content_hash"]
+    replaced = reg.load(exact.version)
+    assert replaced.learner.exact_ and replaced.learner.verify().exact
+    assert set(replaced.learner.record_ids_.tolist()) == set(
+        served.learner.record_ids_.tolist())
+    labels, cost = GuardedAnswers().answer(GuardedAnswers().bind(exact, replaced), X)
+    assert cost.promises == ("exact",) * 5
 
     events = {e["kind"]: e for e in _events(ledger, "g1")}
     assert list(events) == ["received", "claimed", "applied", "verified"]
-    applied = events["applied"]["payload"]
-    assert applied["guarantee"] == "approximate"
-    ev = applied["evaluation"]
+    assert events["applied"]["model_version"] == approx.version
+    assert events["applied"]["payload"]["guarantee"] == "approximate"
+    ev = events["applied"]["payload"]["evaluation"]
     for key in ("acc_test", "acc_forget", "mia_forget", "priaa_frozen", "priaa_retrained",
                 "acc_test_original"):
         assert key in ev and (ev[key] is None or 0.0 <= ev[key] <= 1.0), key
-    check = events["verified"]["payload"]["exactness"]
-    assert check["guarantee"] == "approximate" and check["exact"] is False
-    assert 0.0 <= check["gap_to_retrain"]["agreement_train"] <= 1.0
-    # served in noise-all mode, always: no sound bound exists for the game's network
-    cur = reg.load(reg.current().version)
-    assert not set(forget) & set(cur.learner.record_ids_.tolist())
-    labels, certain = cur.certain(np.random.default_rng(0).random((5, 4)))
-    assert not certain.any() and len(labels) == 5
+    verified = events["verified"]
+    assert verified["model_version"] == exact.version
+    assert verified["payload"]["exactness"]["exact"] is True
+    assert verified["payload"]["replaces"] == [approx.version]
+    # the ledger and the registry agree on every publication, the retrain's included
+    assert verify_registry(ledger, reg) == [] and ledger.verify().ok
+
+    # two deletions in a row: the retrain of the second version replaces both
+    live = [r for r in replaced.learner.record_ids_.tolist() if r not in held]
+    for i, rid in enumerate(live[:2]):
+        ledger.receive({"request_id": f"g{i + 2}", "op": "delete", "record_ids": [rid]})
+        assert w.step()
+    second, first, before_them = reg.lineage(limit=3)
+    assert before_them.version == exact.version
+    assert [first.manifest["forgetting"], second.manifest["forgetting"]] == ["approximate"] * 2
+    _drain(w)
+    again = reg.current()
+    assert again.manifest["change"]["replaces"] == [second.version, first.version]
+    assert again.manifest["forgetting"] == "exact"
+    assert {ledger.history(f"g{i}")["request"]["status"] for i in (2, 3)} == {"verified"}
+
+
+def _answers(promise: str) -> float:
+    return REGISTRY.get_sample_value("obliviate_answers_total", {"promise": promise}) or 0.0
 
 
 def test_evaluation_is_skipped_with_a_reason_without_held_out_records(seeded60: Ledger

@@ -23,7 +23,7 @@ from jobs.orchestration.registry import (
     Registry,
     VersionUnavailable,
 )
-from jobs.orchestration.served_model import guard_owed
+from jobs.orchestration.served_model import ServedModel, exact_owed, guard_owed
 from jobs.sealing import sealed_with
 from ledger.store import Ledger
 
@@ -176,6 +176,9 @@ class GuardPass:
             log.error("exactness check failed for %s: %s != %s", job.version,
                       check["served_hash"], check["retrained_hash"])
         in_place, self.check_requests = self.check_requests, None
+        if result.exact_dir is not None:
+            self._publish_exact(job, result, failed)
+            return
         cur = self.registry.current()
         refined = (cur is not None and cur.version == job.version
                    and guard_coarse(cur.manifest["guard"]) and result.guard["ready"]
@@ -226,6 +229,61 @@ class GuardPass:
             return
         if request_ids:
             self.unverified_since = None
+
+    def _publish_exact(self, job: GuardJob, result: GuardResult, failed: bool) -> None:
+        """Publish the exact retrain of the current (approximate) version in its place,
+        and mark the requests applied `verified` in that transaction: only now is a
+        version without their records exact (unless its retrain did not reproduce its
+        hash; then it is published, the requests stay `applied` and the failure counts).
+        Every earlier version is to be destroyed: the approximate ones were trained on the
+        records they forgot."""
+        model, parent = self.loaded.get()
+        if parent.version != job.version:  # the stale job was cancelled in _collect
+            job.discard()
+            return
+        with sealed_with(self.registry.key(parent.version)):
+            exact = ServedModel.load(result.exact_dir)
+        job.discard()
+        if set(exact.learner.record_ids_.tolist()) != set(model.learner.record_ids_.tolist()):
+            raise RuntimeError(f"the exact retrain of {job.version} holds other records")
+        applied = self.ledger.lifecycle.requests_with_status("applied")
+        change = {"op": "exact_retrain", "replaces": self._approximate_since(parent.version),
+                  "exactness": result.check, "requests": len(applied)}
+        request_ids = [r.request_id for r in applied] if not failed else []
+        if request_ids:
+            def commit(version: str, stamp: dict[str, Any], publish: Publish) -> None:
+                self.ledger.lifecycle.mark_verified(
+                    request_ids, version, {"exactness": result.check,
+                                           "replaces": change["replaces"], **stamp},
+                    in_transaction=publish)
+        else:
+            commit = self.publisher.announce("model_trained", change)  # a retrain
+        try:
+            self.publisher.publish(exact, parent.version, change, commit, removes_records=True)
+        except PublishConflict:
+            self.loaded.forget()
+            return
+        if self.owed_since is not None:
+            metrics.EXACT_SECONDS.observe(time.monotonic() - self.owed_since)
+        self.owed_since = None
+        if request_ids:
+            self.unverified_since = None
+
+    def _approximate_since(self, version: str) -> list[str]:
+        """`version` and its approximate ancestors back to the last exact one: the
+        versions an exact retrain of `version` replaces (newest first)."""
+        out: list[str] = []
+        v: str | None = version
+        while v is not None:
+            try:
+                man = self.registry.get(v).manifest
+            except (KeyError, VersionUnavailable):
+                break
+            if not exact_owed(man):
+                break
+            out.append(v)
+            v = man.get("parent")
+        return out
 
     def _carry(self, job: GuardJob, result: GuardResult, cur: ModelVersion | None) -> None:
         """A job's guard state that makes the current version's guard finer without being

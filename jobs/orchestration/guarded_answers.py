@@ -8,6 +8,7 @@ See docs/DESIGN.md (What each answer promises)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,13 +38,16 @@ class GuardedVersion:
     def mode(self) -> str:
         if self.private:
             return "private"
+        if not self.model.guarded:
+            return "unguarded"  # the game learner: plain labels, approximate or exact
         return "sound" if self.guard.sound else "noise-all"
 
     @property
     def refit_pending(self) -> bool:
-        """Noise-all only until the worker refits the guard (not by design: the game
-        learner's rule and private prediction mode noise every answer for good)."""
-        by_design = self.private or self.version.manifest["guard"]["rule"] == "noise-all"
+        """Noise-all only until the worker refits the guard (not by design: a learner
+        without a guard, and private prediction mode, which noises every answer)."""
+        by_design = (self.private or not self.model.guarded
+                     or self.version.manifest["guard"]["rule"] == "noise-all")
         return not (self.guard.sound or by_design)
 
     def bounds(self) -> list[float]:
@@ -52,16 +56,22 @@ class GuardedVersion:
         return [b if self.guard.sound else 0.0 for b in bounds]
 
 
+PROMISES = ("certified", "noised", "exact", "approximate")
+
+
 @dataclass(frozen=True)
 class AnswerCost:
     """What one call spent: answers certain and noised (memo replays included), the
-    noised ones drawn fresh (each spends epsilon), and memo entries evicted."""
+    noised ones drawn fresh (each spends epsilon), and memo entries evicted; and what each
+    answer promises (one of PROMISES, in query order: docs/guard.md, "What each answer
+    promises")."""
 
     certain: int = 0
     noised: int = 0
     fresh: int = 0
     epsilon_spent: float = 0.0
     evicted: int = 0
+    promises: tuple[str, ...] = ()
 
     @property
     def answers(self) -> int:
@@ -127,17 +137,21 @@ class GuardedAnswers:
     def answer(self, served: GuardedVersion, X: np.ndarray) -> tuple[np.ndarray, AnswerCost]:
         """Published labels for validated queries, and what answering them spent."""
         Xq = clip_unit(np.asarray(X, dtype=np.float64))
-        if not self.guarded:
-            return served.model.classes[served.model.plain_labels(Xq)], AnswerCost()
         if served.private:
             return self._answer_private(served, Xq)
+        if not (self.guarded and served.model.guarded):
+            # plain labels: they promise what the model's forgetting is, no more
+            return (served.model.classes[served.model.plain_labels(Xq)],
+                    AnswerCost(promises=(served.model.forgetting,) * len(Xq)))
         labels, certain = served.model.certain(Xq)
         with served.lock:
             before = _counters(served.guard)
             idx = served.guard.answer(Xq, labels, certain,
                                       lambda C: served.model.certain(C)[0])
             cost = _spent(before, _counters(served.guard), self.epsilon)
-        return served.model.classes[idx], cost
+        kept = np.asarray(certain, dtype=bool) & served.guard.sound  # as the guard decided
+        promises = tuple(np.where(kept, "certified", "noised").tolist())
+        return served.model.classes[idx], dataclasses.replace(cost, promises=promises)
 
     def _answer_private(self, served: GuardedVersion, Xq: np.ndarray
                         ) -> tuple[np.ndarray, AnswerCost]:
@@ -153,7 +167,8 @@ class GuardedAnswers:
                 Xq, served.model.vote_counts, epsilon,
                 spend=lambda n: self.reservations.take(lineage, n))
             cost = _spent(before, _counters(served.guard), epsilon)
-        return served.model.classes[idx], cost
+        return (served.model.classes[idx],
+                dataclasses.replace(cost, promises=("noised",) * len(idx)))
 
 
 def _counters(guard: LabelGuard) -> tuple[int, int, int, int]:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the command
 LEARNERS = ("dare", "game", "mlp", "sisa")
 # the learners whose shard training, retrains and LOO sets run where OBLIVIATE_DEVICE says
 DEVICE_LEARNERS = ("mlp", "sisa")
+NETWORK_LEARNERS = ("game", "sisa")  # the learners that train a network of the user's
 log = logging.getLogger("obliviate")
 
 
@@ -63,7 +64,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learner", choices=LEARNERS, default=None)
     p.add_argument("--params", default="{}", help="hyperparameters as a JSON object")
     p.add_argument("--network", default=None, metavar="MODULE:FUNCTION",
-                   help="sisa: a network of your own, build(n_features, n_classes, **params) "
+                   help="sisa, game: a network of your own, build(n_features, n_classes, **params) "
                         "returning a torch.nn.Module, imported from the current directory or "
                         "PYTHONPATH (env OBLIVIATE_NETWORK; its params: --params "
                         "'{\"network_params\": {...}}')")
@@ -109,8 +110,9 @@ def with_network(learner: str, params: dict[str, Any], network: str | None) -> d
     imported as from the current directory, like `python -m`."""
     if not network:
         return params
-    if learner != "sisa":
-        raise ValueError(f"--network (OBLIVIATE_NETWORK) needs --learner sisa, not {learner!r}")
+    if learner not in NETWORK_LEARNERS:
+        raise ValueError(f"--network (OBLIVIATE_NETWORK) needs --learner sisa or game, not "
+                         f"{learner!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return {**params, "network": network}
@@ -179,6 +181,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from jobs.orchestration.registry import Registry
+    from jobs.orchestration.served_model import UNGUARDED
     from ledger.chain import iso
 
     model_name = JobSettings.from_env().model_name
@@ -186,7 +189,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         m = v.manifest
         state = ("destroyed" if v.destroyed_at else
                  "to destroy" if v.superseded_by_deletion else "kept")
+        guard = ("ready" if m["guard"]["ready"] else
+                 "none" if m["guard"]["rule"] == UNGUARDED else "noise-all")
         print(f"{v.version}  {iso(v.created_at)}  parent={v.parent or '-':8}  "
-              f"{m['change']['op']:8}  guard={'ready' if m['guard']['ready'] else 'noise-all'}  "
+              f"{m['change']['op']:8}  guard={guard}  {m.get('forgetting', '-')}  "
               f"records={m['training_set']['count']}  hash={m['content_hash'][:12]}  {state}")
     return 0

@@ -358,6 +358,9 @@ def manifest(model: ServedModel, *, seq: int, parent: str | None, ledger_seq: in
         "params": model.params(),
         "seed": model.learner.get_params().get("random_state"),
         "guarantee": model.learner.guarantee,
+        # what this version's answers are certified against: "approximate" until an exact
+        # retrain replaces it (its change says which versions it replaces)
+        "forgetting": model.forgetting,
         "device": model.device,
         "content_hash": model.learner.content_hash(),
         "classes": [int(c) for c in model.classes.tolist()],

@@ -2,9 +2,9 @@
 
 ``dare``: the forest guard, updated with every update before publishing; ``sisa``: the SISA
 vote rule, sound with no bound at all (a shard without one is fragile), per-shard bounds
-added by the guard job; ``mlp``: LUCID's bound for its network and LOO set; ``game``:
-noise-all always (no sound bound is known for what the game leaves). Each rule is sound for
-the current training set only.
+added by the guard job; ``mlp``: LUCID's bound for its network and LOO set; ``game``: no
+guard (no sound bound is known): plain labels, each said to be `approximate` or `exact`.
+Each rule is sound for the current training set only.
 See docs/DESIGN.md (Serving while forgetting)."""
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ class ServedModel(abc.ABC):
 
     kind: ClassVar[str]
     learner_cls: ClassVar[type[Learner]]
+    # False: no guard certifies or noises its answers; they are its plain labels, each
+    # promising only what the model's forgetting is (:attr:`forgetting`)
+    guarded: ClassVar[bool] = True
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
@@ -146,6 +149,12 @@ class ServedModel(abc.ABC):
     @property
     def n_features(self) -> int:
         return int(self.learner.n_features_in_)
+
+    @property
+    def forgetting(self) -> str:
+        """``"exact"``: the model is bit for bit a retrain from scratch on its live records
+        (the exact learners, always); ``"approximate"``: an update left it otherwise."""
+        return "exact"
 
     @property
     def device(self) -> str:
@@ -215,6 +224,11 @@ class ServedModel(abc.ABC):
         """Records of the model's data it never trained on (non-members for the privacy
         evaluation); empty for a learner that trains on every record."""
         return np.empty(0, dtype=object)
+
+    def exact_replacement(self) -> ServedModel:
+        """The model retrained from scratch on its live records, replacing an approximate
+        one (only an approximate learner has anything to replace)."""
+        raise ValueError(f"the {self.kind} learner is exact: nothing to replace")
 
     def plain_labels(self, X: np.ndarray) -> np.ndarray:
         """Unguarded class indices (benchmark baseline only: not private)."""
@@ -625,20 +639,36 @@ class GuardedMLPModel(ServedModel):
 
 
 class GameModel(ServedModel):
+    """The game learner, unguarded: its answers are the network's labels, `approximate`
+    while a game update is served and `exact` once the worker's exact retrain replaced
+    it (docs/sidecar.md, "The game learner in the sidecar")."""
+
     kind = "game"
     learner_cls = GameUnlearningNet
+    guarded = False
 
     @property
     def guard_ready(self) -> bool:
         return False
 
+    @property
+    def forgetting(self) -> str:
+        return "exact" if self.learner.exact_ else "approximate"
+
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.plain_labels(X), np.zeros(len(X), dtype=bool)
 
+    def network_record(self) -> dict[str, Any] | None:
+        return self.learner.network_
+
+    def exact_replacement(self) -> GameModel:
+        return GameModel(self.learner.exact_retrain())
+
     def guard_record(self) -> dict[str, Any]:
-        return {"rule": "noise-all", "ready": False,
-                "reason": "approximate unlearning leaves the masked LOO schedule: no sound "
-                          "bound is known, so every answer is noised"}
+        return {"rule": UNGUARDED, "ready": False, "answers": self.forgetting,
+                "reason": "no sound bound is known for the game's network: answers are "
+                          "its plain labels, each saying whether the version is the game's "
+                          "approximate update or an exact retrain"}
 
     def vote_counts(self, X: np.ndarray) -> np.ndarray:
         """(n, C) votes of the shard models, for the private prediction mode."""
@@ -649,6 +679,7 @@ class GameModel(ServedModel):
         return learner.record_ids_[~learner.train_mask_]
 
 
+UNGUARDED = "none"  # the guard rule of a model that no guard covers (GameModel)
 SHARD_BOUNDS_FILE = "shard_bounds.json"
 LOO_SET_FILE = "loo_set.npz"
 BOUND_FILE = "bound.json"
@@ -721,11 +752,25 @@ def _load_unhashed_guard(path: Path, manifest: dict[str, Any]) -> ServedModel:
 
 def guard_owed(manifest: dict[str, Any]) -> bool:
     """The version answers in noise-all mode until its guard is refitted: it was published
-    without it, or before guards were hashed (a learner that noises every answer by
-    design owes nothing)."""
+    without it, or before guards were hashed (a learner with no guard by design owes
+    nothing, but an approximate one owes its exact retrain: :func:`exact_owed`)."""
     guard = manifest["guard"]
     unhashed = "content_hash" not in guard
-    return (unhashed or not guard["ready"]) and guard["rule"] != "noise-all"
+    return ((unhashed or not guard["ready"]) and guard["rule"] not in ("noise-all", UNGUARDED)
+            or exact_owed(manifest))
+
+
+def exact_owed(manifest: dict[str, Any]) -> bool:
+    """The version is an approximate update: the worker owes it an exact retrain that
+    replaces it (docs/sidecar.md, "The game learner in the sidecar"). A manifest from
+    before `forgetting` was recorded: an approximate learner's version not trained from
+    scratch."""
+    forgetting = manifest.get("forgetting")
+    if forgetting is None:
+        fresh = (manifest.get("change") or {}).get("op") in ("train", "retrain")
+        approximate = manifest.get("guarantee") == "approximate" and not fresh
+        forgetting = "approximate" if approximate else "exact"
+    return forgetting == "approximate"
 
 
 def _short(value: str | None) -> str:

@@ -28,6 +28,12 @@ BOUND_SECONDS = Histogram(
     ["learner"],
     buckets=LATENCY_BUCKETS,
 )
+EXACT_SECONDS = Histogram(
+    "obliviate_exact_replacement_seconds",
+    "Time approximate versions (the game learner's updates) were current before the exact "
+    "retrain that replaces them was published.",
+    buckets=LATENCY_BUCKETS,
+)
 APPLIED = Counter(
     "obliviate_requests_applied",
     "Requests applied to a published model version.",

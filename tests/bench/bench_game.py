@@ -1,4 +1,5 @@
-"""Game-theoretic unlearning benchmark: retrain vs. game vs. plain fine-tuning.
+"""Game-theoretic unlearning benchmark: retrain vs. game vs. plain fine-tuning, and the
+game as the sidecar serves it (approximate at once, then an exact retrain).
 
     python tests/bench/bench_game.py [--quick] [--only DATA] [--set NAME=VALUE ...]
 
@@ -12,7 +13,7 @@ half is ``D_third`` (given to ``fit`` as ``X_third``, as in the paper: a part of
 the test set) and half the test set every figure below is measured on.
 
 Per data set one :class:`GameUnlearningNet` is fitted (default parameters but
-for the network: MLP (64,) or CNN, 30 epochs; ``--quick``: fewer records and
+for the network: MLP (64,) or CNN, 30 epochs; ``--quick``: breast cancer only, fewer
 epochs). Per removal setting -- 1, 2, 5, 10% of the training records at random,
 and on digits one whole class -- three models forget the same records, each
 starting from a copy of the fitted model:
@@ -41,6 +42,22 @@ game's output (``auc_*`` its ROC AUC, forget vs. kept and unseen records);
 (``mia_unseen``: the same share on unseen test records, the level a retrain
 should show); ``acc_forget_*`` accuracy on the forget set (a game value below
 the retrain's is over-forgetting); ``kl_*`` mean KL(retrain || model) on test.
+
+Served (issue 30; ``mode=stream`` lines, one per data set; ``--quick``: breast cancer
+only): a stream of ``STREAM_BATCHES`` (5) deletions of 2% of the training records each,
+applied with the game to one fitted model; after each, test accuracy of the answers of
+this design (the approximate version's plain labels), of noise-all (the same model's
+labels through the label guard with no bound, epsilon 1: how the game was served
+before) and of plain (no guard; it is the design's answer while approximate, and stays
+approximate after the stream, with no exact replacement) -- ``acc_*_during`` their mean
+over the stream. Then the exact replacement (:meth:`GameUnlearningNet.exact_retrain`,
+the worker's background job) and its check by content hash (``verify``):
+``acc_*_after`` with the replacement served (plain: still the approximate model).
+``adv_*``: attack advantage on the forgotten records, the ROC AUC of a Shokri-style
+membership attack (forgotten vs unseen test records) minus 0.5, for the model before the
+stream (``original``), the approximate version and the exact retrain. ``game_s`` the
+game's seconds over the stream, ``exact_s`` the replacement's retrain (M_o and the
+attacker), ``verify_s`` its check; ``hash_match`` whether the check reproduced its bits.
 """
 
 from __future__ import annotations
@@ -60,7 +77,11 @@ from sklearn.model_selection import train_test_split
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from jobs.eval import AttackConfig, FrozenScores, evaluate_unlearning  # noqa: E402
+from jobs.guard.label_guard import LabelGuard, clip_unit  # noqa: E402
 from jobs.learners.game.stackelberg import GameUnlearningNet  # noqa: E402
+
+STREAM_BATCHES = 5  # deletions in the served stream, each of STREAM_FRACTION of the records
+STREAM_FRACTION = 0.02
 
 
 def _split(X, y, seed=0):
@@ -140,6 +161,60 @@ def run_setting(name, data, fitted, forget_rows, removed, attack):
     return row, seconds
 
 
+def _noise_all_accuracy(guard, version, model, X, y):
+    """Accuracy of `model`'s answers through a label guard with no bound (every answer
+    noised at the guard's epsilon), as the sidecar served the game before issue 30."""
+    guard.bind(version, sound=False)
+    Xq = clip_unit(np.asarray(X, dtype=np.float64))
+    idx = guard.answer(Xq, np.argmax(model.scores(Xq), axis=1), np.zeros(len(Xq), bool),
+                       lambda C: np.argmax(model.scores(C), axis=1))
+    return float(np.mean(model.classes_[idx] == y))
+
+
+def _advantage(model, exact, sets, attack):
+    """The membership attack's advantage on the forgotten records: its ROC AUC of
+    forgotten vs unseen test records, minus 0.5 (0: they look unseen)."""
+    ev = evaluate_unlearning(model, exact, attacker=None, random_state=0,
+                             attack_config=attack, **sets)
+    return ev["mia_auc_forget_vs_test"] - 0.5
+
+
+def run_stream(name, data, fitted, attack):
+    """A stream of game deletions served as the sidecar does (module docstring)."""
+    Xtr, ytr, _, Xte, yte = data
+    model = copy.deepcopy(fitted)
+    order = np.random.default_rng(2).permutation(len(Xtr))
+    per = max(1, round(STREAM_FRACTION * len(Xtr)))
+    guard = LabelGuard(len(fitted.classes_), epsilon=1.0, random_state=0)
+    served, noised, game_s = [], [], 0.0
+    for b in range(STREAM_BATCHES):
+        game_s += model.delete(order[b * per:(b + 1) * per]).seconds
+        served.append(float(np.mean(model.predict(Xte) == yte)))
+        noised.append(_noise_all_accuracy(guard, f"a{b}", model, Xte, yte))
+    t0 = time.perf_counter()
+    exact = model.exact_retrain()
+    exact_s = time.perf_counter() - t0
+    check = exact.verify()
+    gone = np.sort(order[:STREAM_BATCHES * per])
+    keep = np.setdiff1d(np.arange(len(Xtr)), gone)
+    sets = {"X_retain": Xtr[keep], "y_retain": ytr[keep], "X_forget": Xtr[gone],
+            "y_forget": ytr[gone], "X_test": Xte, "y_test": yte}
+    return {
+        "data": name, "mode": "stream", "batches": STREAM_BATCHES, "n_forget": len(gone),
+        "acc_served_during": float(np.mean(served)),
+        "acc_noise_all_during": float(np.mean(noised)),
+        "acc_plain_during": float(np.mean(served)),
+        "acc_served_after": float(np.mean(exact.predict(Xte) == yte)),
+        "acc_noise_all_after": _noise_all_accuracy(guard, "exact", exact, Xte, yte),
+        "acc_plain_after": float(np.mean(model.predict(Xte) == yte)),
+        "adv_original": _advantage(fitted, exact, sets, attack),
+        "adv_approximate": _advantage(model, exact, sets, attack),
+        "adv_exact": _advantage(exact, exact, sets, attack),
+        "game_s": game_s, "exact_s": exact_s, "verify_s": check.seconds,
+        "hash_match": check.exact,
+    }
+
+
 def _fmt(row):
     return " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in row.items())
@@ -164,11 +239,11 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, device cpu, 1 thread; removals={fractions} "
           f"epochs={epochs}{' (quick)' if quick else ''} overrides={overrides}", flush=True)
     _warm_up()
-    rows = []
+    rows, streams = [], []
     t_all = time.perf_counter()
     for name, data, net, drop_class in datasets(quick):
-        if args.only and name != args.only:
-            continue
+        if (args.only or ("breast_cancer" if quick else name)) != name:
+            continue  # --quick: breast cancer alone, to stay under a minute
         Xtr, ytr, Xth, Xte, _ = data
         params = {**net, "epochs": epochs, "device": "cpu", "random_state": 0}
         if quick:
@@ -176,6 +251,8 @@ def main(argv=None) -> int:
         params.update(overrides)
         fitted = GameUnlearningNet(**params).fit(Xtr, ytr, record_ids=np.arange(len(Xtr)),
                                                  X_third=Xth)
+        streams.append(run_stream(name, data, fitted, attack))
+        print("RESULT " + _fmt(streams[-1]), flush=True)
         fs = fitted.fit_seconds_
         print(f"\n== {name}: train={len(Xtr)} third={len(Xth)} test={len(Xte)} "
               f"model={net['model']} fit: preparation / plain training = "
@@ -204,7 +281,7 @@ def main(argv=None) -> int:
           f"speedup_ge_2={share(lambda r: r['speedup'] >= 2)} over_forgetting={over} "
           f"retrained_attacker_auc_gt_retrain={sharper} "
           f"wall_s={time.perf_counter() - t_all:.0f}")
-    for row in rows:  # the last lines: one RESULT per setting
+    for row in [*rows, *streams]:  # the last lines: one RESULT per setting and stream
         print("RESULT " + _fmt(row))
     return 0
 

@@ -235,6 +235,7 @@ class _Model:
 
     classes = np.array([10, 20, 30])
     guard_ready, noise_all, guard_complete = True, False, True
+    guarded, forgetting = True, "exact"
 
     def certain(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.full(len(X), 2), X[:, 0] > 0.5
@@ -284,10 +285,13 @@ def test_guarded_answers_count_what_each_call_spent() -> None:
     X = np.vstack([_cells(4), [[0.9, 0.0], [0.8, 0.0]]])  # four uncertain, two certain
     labels, cost = answers.answer(served, X)
     assert labels[4:].tolist() == [30, 30] and set(labels[:4].tolist()) <= {10, 20, 30}
-    assert cost == AnswerCost(certain=2, noised=4, fresh=4, epsilon_spent=2.0, evicted=0)
+    promises = ("noised",) * 4 + ("certified",) * 2  # per answer, in query order
+    assert cost == AnswerCost(certain=2, noised=4, fresh=4, epsilon_spent=2.0, evicted=0,
+                              promises=promises)
     again, replayed = answers.answer(served, X)  # the memo: same answers, no fresh epsilon
     assert again.tolist() == labels.tolist()
-    assert replayed == AnswerCost(certain=2, noised=4, fresh=0, epsilon_spent=0.0)
+    assert replayed == AnswerCost(certain=2, noised=4, fresh=0, epsilon_spent=0.0,
+                                  promises=promises)
 
 
 def test_a_version_without_a_sound_guard_is_noise_all_until_refitted() -> None:
@@ -297,15 +301,32 @@ def test_a_version_without_a_sound_guard_is_noise_all_until_refitted() -> None:
     served = answers.bind(_version(), model)
     assert served.mode == "noise-all" and served.refit_pending
     assert served.bounds() == [0.0, 0.0, 0.0]
-    assert answers.answer(served, [[0.9, 0.0]])[1].noised == 1  # certain, yet noised
-    by_design = answers.bind(_version(rule="noise-all"), model)  # the game learner
+    cost = answers.answer(served, [[0.9, 0.0]])[1]
+    assert cost.noised == 1 and cost.promises == ("noised",)  # certain, yet noised
+    by_design = answers.bind(_version(rule="noise-all"), model)  # the game, before issue 30
     assert by_design.mode == "noise-all" and not by_design.refit_pending
+
+
+def test_a_model_without_a_guard_answers_plain_labels_saying_what_it_forgot() -> None:
+    """The game learner: no guard certifies or noises its answers; each says whether the
+    version is an approximate update or an exact retrain, and no epsilon is spent."""
+    model = _Model()
+    model.guarded, model.guard_ready, model.forgetting = False, False, "approximate"
+    answers = GuardedAnswers()
+    served = answers.bind(_version(rule="none"), model)
+    assert served.mode == "unguarded" and not served.refit_pending
+    labels, cost = answers.answer(served, [[0.9, 0.0], [0.1, 0.0]])
+    assert labels.tolist() == [10, 10]  # the plain labels, never noised
+    assert cost == AnswerCost(promises=("approximate", "approximate")) and cost.answers == 0
+    model.forgetting = "exact"
+    assert answers.answer(served, [[0.9, 0.0]])[1].promises == ("exact",)
 
 
 def test_unguarded_answers_are_plain_labels_and_cost_nothing() -> None:
     answers = GuardedAnswers(guarded=False)
     labels, cost = answers.answer(answers.bind(_version(), _Model()), _cells(3))
-    assert labels.tolist() == [10, 10, 10] and cost == AnswerCost() and cost.answers == 0
+    assert labels.tolist() == [10, 10, 10] and cost.answers == 0
+    assert cost == AnswerCost(promises=("exact",) * 3)  # an exact model's plain labels
 
 
 def test_private_answers_are_reserved_in_blocks_until_the_budget_is_spent() -> None:
@@ -314,7 +335,8 @@ def test_private_answers_are_reserved_in_blocks_until_the_budget_is_spent() -> N
     served = answers.bind(_version(lineage="L1"), _Model())
     assert served.mode == "private" and served.private and not served.refit_pending
     _, cost = answers.answer(served, _cells(1))
-    assert budgets.asked == [4] and cost == AnswerCost(noised=1, fresh=1, epsilon_spent=0.5)
+    assert budgets.asked == [4] and cost == AnswerCost(noised=1, fresh=1, epsilon_spent=0.5,
+                                                      promises=("noised",))
     answers.answer(served, _cells(4))  # three fresh cells, from the reservation
     assert budgets.asked == [4]
     _, cost = answers.answer(served, _cells(6))  # two fresh: the last two of the budget

@@ -18,6 +18,7 @@ from jobs.learners.game.state import FORMAT, GameRecords, GameState
 from jobs.learners.game.training import GameTrainer
 from jobs.learners.networks import torch_nets as nets
 from jobs.learners.networks.training_spec import TrainingSpec
+from jobs.learners.networks.user_network import bundled, save_source
 
 _STATE = "state.pt"
 
@@ -41,6 +42,7 @@ def save(path: str | Path, params: dict[str, Any], state: GameState) -> None:
         "classes": spec.classes.tolist(), "classes_dtype": spec.classes.dtype.str,
         "n_features": spec.n_features, "record_ids": records.ids.tolist(),
         "surrogate_ids": state.surrogate_ids.tolist(), "n_updates": state.n_updates,
+        "exact": state.exact,
         "platform": state.platform, "content_hash": network_hash(spec, state.net),
     }
     att = state.attacker.state()
@@ -49,6 +51,7 @@ def save(path: str | Path, params: dict[str, Any], state: GameState) -> None:
                "X_third_ext": torch.from_numpy(state.X_third_ext),
                "net": nets.state_to_cpu(state.net), "surrogate": state.surrogate_state,
                "attacker": att.pop("weights"), "attacker_meta": json.dumps(att)}
+    save_source(Path(path), spec.network)
     base.write_bundle(Path(path), meta, _STATE, lambda fh: torch.save(payload, fh))
 
 
@@ -64,9 +67,11 @@ def load(path: str | Path) -> tuple[dict[str, Any], GameState]:
     params["attack_hidden"] = tuple(params["attack_hidden"])
     if params["classes"] is not None:
         params["classes"] = tuple(params["classes"])
-    spec = TrainingSpec(dict(meta["config"]), int(meta["seed"]),
+    config = dict(meta["config"])
+    spec = TrainingSpec(config, int(meta["seed"]),
                         np.asarray(meta["classes"], dtype=np.dtype(meta["classes_dtype"])),
-                        int(meta["n_features"]), nets.resolve_device(params["device"]))
+                        int(meta["n_features"]), nets.resolve_device(params["device"]),
+                        bundled(p, config))
     att = payload["attacker_meta"]
     att = json.loads(att) if isinstance(att, str) else att
     state = GameState(
@@ -78,7 +83,9 @@ def load(path: str | Path) -> tuple[dict[str, Any], GameState]:
         surrogate_ids=_object_ids(meta["surrogate_ids"]),
         surrogate_state=payload["surrogate"],
         attacker=Attacker.from_state({**att, "weights": payload["attacker"]}).to(spec.device),
-        n_updates=int(meta["n_updates"]))
+        n_updates=int(meta["n_updates"]),
+        # bundles from before the flag: exact only if never updated
+        exact=bool(meta.get("exact", int(meta["n_updates"]) == 0)))
     if network_hash(spec, state.net) != meta["content_hash"]:
         raise ValueError(f"{p}: content hash mismatch; the bundle is corrupt or was altered")
     return params, state

@@ -5,6 +5,7 @@ See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -26,6 +27,8 @@ def network_hash(spec: TrainingSpec, net: nn.Module) -> str:
     head = {"format": FORMAT, "classes": [str(c) for c in spec.classes.tolist()],
             "n_features": spec.n_features, "model": spec.config["model"],
             "hidden": spec.config["hidden"]}
+    if (network := spec.config.get("network")) is not None:  # the user's, by source hash
+        head["network"] = network["sha256"]
     weights = nets.hash_state(nets.state_to_cpu(net)).encode()
     return hashlib.sha256(json.dumps(head, sort_keys=True).encode() + weights).hexdigest()
 
@@ -33,6 +36,18 @@ def network_hash(spec: TrainingSpec, net: nn.Module) -> str:
 def retrained(state: GameState) -> nn.Module:
     """``M_o`` retrained from its seed on the live training records."""
     return GameTrainer(state.spec).main(state.records, state.records.train)
+
+
+def exact_state(state: GameState) -> GameState:
+    """The exact replacement of ``state``: ``M_o`` retrained from scratch on the live
+    training records and the frozen attacker ``M_A`` trained again from it (its shadow
+    and positives drawn from the live records, so nothing in it derives from a deleted
+    record; the surrogate already holds none). Deterministic: the same live records give
+    the same bits."""
+    trainer = GameTrainer(state.spec)
+    net = retrained(state)
+    attacker = trainer.attacker(state.records, net, state.X_third)
+    return dataclasses.replace(state, net=net, attacker=attacker, exact=True)
 
 
 def verify(state: GameState) -> VerifyReport:
@@ -57,6 +72,7 @@ def verify(state: GameState) -> VerifyReport:
         "n_records": len(records.ids),
         "n_train": len(tr),
         "n_updates": state.n_updates,
+        "exact_state": state.exact,
         "agreement_train": agreement(pr, ps),
         "agreement_third": agreement(trd, ts),
         "kl_train": mean_kl(pr, ps),

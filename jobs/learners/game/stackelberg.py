@@ -34,6 +34,7 @@ from jobs.learners.networks import torch_nets as nets
 from jobs.learners.networks.estimator import SpecClassifier
 from jobs.learners.networks.hyperparameters import SEED, Widths, count, number
 from jobs.learners.networks.training_spec import TrainingSpec
+from jobs.learners.networks.user_network import UserNetwork
 
 METHODS = ("game", "finetune")
 
@@ -103,6 +104,15 @@ class GameUnlearningNet(SpecClassifier):
         Fine-tuning epochs of :meth:`add`.
     add_replay : float >= 0
         Live training records replayed per new record while fine-tuning in :meth:`add`.
+    network : str or None
+        A network of your own instead of ``model``/``hidden``: the import path
+        ``"package.module:build"`` of ``build(n_features, n_classes, **network_params)``
+        returning a ``torch.nn.Module`` of logits (docs/learners.md, "Your own network").
+        ``M_o``, every retrain, the shadow and the surrogate are that network; it is
+        checked at ``fit``, trains under deterministic kernels with seeded random draws,
+        and its source is pinned by SHA-256 and saved with the model.
+    network_params : dict or None
+        Keyword arguments of ``network``'s build function.
     classes : sequence or None
         All labels the model may ever see; ``None``: the labels present at fit.
     cpu_threads : int or None
@@ -148,6 +158,8 @@ class GameUnlearningNet(SpecClassifier):
         "finetune_epochs": [count(0)],
         "add_epochs": [count(0)],
         "add_replay": [number(0, None, "left")],
+        "network": [str, None],
+        "network_params": [dict, None],
         "classes": ["array-like", None],
         "cpu_threads": [count(1), None],
         "device": [str, torch.device],
@@ -187,6 +199,8 @@ class GameUnlearningNet(SpecClassifier):
         finetune_epochs: int = 3,
         add_epochs: int = 5,
         add_replay: float = 1.0,
+        network: str | None = None,
+        network_params: dict[str, Any] | None = None,
         classes: Sequence[Any] | None = None,
         cpu_threads: int | None = 1,
         device: str = "auto",
@@ -222,6 +236,8 @@ class GameUnlearningNet(SpecClassifier):
         self.finetune_epochs = finetune_epochs
         self.add_epochs = add_epochs
         self.add_replay = add_replay
+        self.network = network
+        self.network_params = network_params
         self.classes = classes
         self.cpu_threads = cpu_threads
         self.device = device
@@ -242,12 +258,17 @@ class GameUnlearningNet(SpecClassifier):
         t0 = time.perf_counter()
         cfg = resolve_config(self.get_params(deep=False))
         rids, Xa, y = self._training_data(X, y, record_ids)
-        if cfg["model"] == "cnn":
+        if cfg["model"] == "cnn" and self.network is None:
             nets.build_net("cnn", Xa.shape[1], 2, cfg["hidden"])  # refuses a non-square image
         classes = self._label_set(y, min_classes=2)
+        network = None
+        if self.network is not None:  # resolved and checked before anything trains
+            network = UserNetwork.resolve(self.network, self.network_params)
+            network.check(int(Xa.shape[1]), len(classes))
+            cfg.update(model="network", network=network.record())
         rs = self.random_state
         spec = TrainingSpec(cfg, secrets.randbits(63) if rs is None else int(rs), classes,
-                            int(Xa.shape[1]), nets.resolve_device(self.device))
+                            int(Xa.shape[1]), nets.resolve_device(self.device), network)
         if X_third is None:
             third = keyed_pick(spec.seed, "third", rids, round(cfg["third_fraction"] * len(rids)))
             X_third_ext = np.zeros((0, spec.n_features), dtype=np.float32)
@@ -300,6 +321,19 @@ class GameUnlearningNet(SpecClassifier):
     @property
     def n_updates_(self) -> int:
         return self._fitted().n_updates
+
+    @property
+    def network_(self) -> dict[str, Any] | None:
+        """The user network it trains (import path, SHA-256 of its source, params); None
+        for a built-in network."""
+        return self._fitted().spec.config.get("network")
+
+    @property
+    def exact_(self) -> bool:
+        """Whether the served network is ``M_o`` retrained from scratch on the live
+        training records (after ``fit`` or :meth:`exact_retrain`, until the next update
+        that trains it): what an answer of it is certified against."""
+        return self._fitted().exact
 
     # ------------------------------------------------------------------ prediction
 
@@ -366,6 +400,15 @@ class GameUnlearningNet(SpecClassifier):
         updates on either replace, never mutate, what they share)."""
         ref = copy.copy(self)
         ref.state_ = dataclasses.replace(self._fitted(), net=checks.retrained(self._fitted()))
+        return ref
+
+    def exact_retrain(self) -> GameUnlearningNet:
+        """A copy that is exact again: ``M_o`` and the frozen attacker retrained from
+        scratch on the live records (:func:`checks.exact_state`); the sidecar publishes it
+        to replace approximate versions. :meth:`verify` of the copy retrains once more and
+        compares content hashes."""
+        ref = copy.copy(self)
+        ref.state_ = checks.exact_state(self._fitted())
         return ref
 
     def verify(self) -> VerifyReport:

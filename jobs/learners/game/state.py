@@ -38,7 +38,9 @@ class GameState:
     """Everything a fitted learner is. ``X_third_ext`` are the third-party inputs given
     to ``fit``; ``surrogate_state`` the weights of the surrogate ``M_r'``, trained on the
     records ``surrogate_ids``; ``n_updates`` counts updates (it keys their random
-    choices)."""
+    choices); ``exact``: the network is ``M_o`` trained from scratch on the live training
+    records (at ``fit`` or by :func:`jobs.learners.game.checks.exact_state`), with no
+    approximate update since."""
 
     spec: TrainingSpec
     platform: dict[str, Any]
@@ -49,6 +51,7 @@ class GameState:
     surrogate_state: dict[str, torch.Tensor]
     attacker: Attacker
     n_updates: int = 0
+    exact: bool = True
 
     @property
     def X_third(self) -> np.ndarray:

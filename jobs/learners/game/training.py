@@ -6,6 +6,7 @@ See docs/learners.md (How the game learner plays)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -36,11 +37,24 @@ class GameTrainer:
 
     spec: TrainingSpec
 
-    def new_net(self) -> nn.Module:
-        """An untrained network of the learner's architecture."""
+    def new_net(self, seed: int | None = None) -> nn.Module:
+        """An untrained network of the learner's architecture, initialised from ``seed``
+        (None: left as built, for a state to be loaded into)."""
         spec = self.spec
-        return nets.build_net(spec.config["model"], spec.n_features, spec.n_classes,
-                              spec.config["hidden"])
+        if spec.network is not None:  # the user's: its own initialisation, seeded
+            return spec.network.build(spec.n_features, spec.n_classes, seed)
+        net = nets.build_net(spec.config["model"], spec.n_features, spec.n_classes,
+                             spec.config["hidden"])
+        return net if seed is None else nets.init_net(net, seed)
+
+    def kernels(self, *key: object) -> contextlib.AbstractContextManager[None]:
+        """Deterministic kernels; for a user network also torch's random draws (dropout)
+        seeded by ``key``, and an operation without a deterministic kernel refused by
+        name."""
+        network = self.spec.network
+        if network is None:
+            return nets.deterministic()
+        return network.training(prf_u64(self.spec.seed, "user-rng", *key))
 
     def frozen(self, state: dict[str, torch.Tensor]) -> nn.Module:
         """A network holding ``state`` on the device, without gradients."""
@@ -56,14 +70,11 @@ class GameTrainer:
               ) -> nn.Module:
         """A network trained on rows (ids sorted) from the seed ``init`` (or from ``start``)."""
         spec, cfg = self.spec, self.spec.config
-        if start is None:
-            net = nets.init_net(self.new_net(), prf_u64(spec.seed, init))
-        else:
-            net = copy.deepcopy(start)
+        net = self.new_net(prf_u64(spec.seed, init)) if start is None else copy.deepcopy(start)
         net.to(spec.device)
         for p in net.parameters():
             p.requires_grad_(True)
-        with spec.threads():
+        with spec.threads(), self.kernels(*stage):
             nets.train_stage(net, torch.from_numpy(X).to(spec.device),
                              torch.from_numpy(y).to(spec.device),
                              prf_u64_many(spec.seed, "batch", ids), seed=spec.seed,

@@ -20,7 +20,6 @@ from jobs.learners.game.play import Players, play
 from jobs.learners.game.state import GameState
 from jobs.learners.game.training import GameTrainer, keyed_pick
 from jobs.learners.keyed import prf_u64
-from jobs.learners.networks import torch_nets as nets
 from jobs.learners.scoring import accuracy, priaa
 
 
@@ -43,7 +42,9 @@ def delete(state: GameState, rids: np.ndarray,
     if len(rows_f):
         new, net = _forget(state, rows_f, rows_r, method, metrics)
         new = dataclasses.replace(new, net=net)
-    new = dataclasses.replace(new, records=records.take(~gone), n_updates=state.n_updates + 1)
+    # dropping held-out records only leaves M_o what a retrain gives
+    new = dataclasses.replace(new, records=records.take(~gone), n_updates=state.n_updates + 1,
+                              exact=state.exact and not len(rows_f))
     metrics["n_records"] = float(len(new.records.ids))
     return new, UpdateReport(
         op="delete", record_ids=[str(i) for i in rids], guarantee="approximate",
@@ -93,7 +94,7 @@ def _played(state: GameState, net: nn.Module, rows_f: np.ndarray,
 
     players = Players(state.attacker, GameTrainer(spec).frozen(state.surrogate_state),
                       prf_u64(spec.seed, "game", state.n_updates))
-    with spec.threads(), nets.deterministic():
+    with spec.threads(), GameTrainer(spec).kernels("game", state.n_updates):
         return play(net, (tensor(records.X[rows_r]), tensor(records.y[rows_r])),
                     tensor(records.X[rows_f]), tensor(state.X_third), players,
                     GameRules.of(spec.config))
@@ -138,7 +139,7 @@ def add(state: GameState, rids: np.ndarray, X: np.ndarray,
             cfg["add_epochs"], start=state.net)
     train_s = time.perf_counter() - t0
     new = dataclasses.replace(
-        state, net=net, n_updates=state.n_updates + 1,
+        state, net=net, n_updates=state.n_updates + 1, exact=state.exact and not len(rids),
         records=type(records).by_id(
             np.concatenate([records.ids, rids]), np.concatenate([records.X, X]),
             np.concatenate([records.y, y]),

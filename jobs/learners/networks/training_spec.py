@@ -11,18 +11,21 @@ import numpy as np
 import torch
 
 from jobs.learners.networks.torch_nets import torch_threads
+from jobs.learners.networks.user_network import UserNetwork
 
 
 @dataclass(frozen=True, eq=False)
 class TrainingSpec:
     """The resolved configuration (the estimator's ``config_``), the seed, the label set,
-    the input width and the device."""
+    the input width, the device and the user's network, if it has one
+    (``config["network"]`` records it)."""
 
     config: dict[str, Any]
     seed: int
     classes: np.ndarray
     n_features: int
     device: torch.device
+    network: UserNetwork | None = None
 
     @property
     def n_classes(self) -> int:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from jobs import sealing
 from jobs.learners.networks.loo_training import MLPParams
 from jobs.learners.networks.torch_nets import deterministic
 from ledger.error_text import first_line
@@ -165,7 +166,7 @@ class UserNetwork:
             if (m := _NONDETERMINISTIC.search(str(exc))) is None:
                 raise
             raise NetworkError(f"network {self.path!r} uses {m.group(1)}, which has no "
-                               "deterministic implementation: SISA trains only under "
+                               "deterministic implementation: its learner trains only under "
                                "torch's deterministic algorithms (exact deletions need the "
                                "same bits every time)") from None
 
@@ -226,6 +227,25 @@ def seeded(seed: int | None) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed) & ((1 << 63) - 1))
         yield
+
+
+def save_source(path: Path, network: UserNetwork | None) -> None:
+    """Write the copy of a user network's source into a bundle (sealed like every version
+    file), before its meta.json, which is written last; nothing for a built-in network."""
+    if network is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        sealing.write_file(path / SOURCE_FILE, network.source)
+
+
+def bundled(path: Path, config: dict[str, Any]) -> UserNetwork | None:
+    """The user network a bundle recorded, from its saved source (else as installed,
+    refused if its source changed); None for a built-in network."""
+    record = config.get("network")
+    if record is None:
+        return None
+    if (path / SOURCE_FILE).exists():
+        return UserNetwork.from_source(record, sealing.read_file(path / SOURCE_FILE))
+    return UserNetwork.recorded(record)
 
 
 def network_hash(record: dict[str, Any] | None) -> str | None:

@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobs import sealing
 from jobs.learners.base import as_ids, read_bundle_meta, read_bundle_payload, write_bundle
 from jobs.learners.networks.torch_nets import resolve_device
-from jobs.learners.networks.user_network import SOURCE_FILE, UserNetwork
+from jobs.learners.networks.user_network import bundled, save_source
 from jobs.learners.sisa.checks import content_hash
 from jobs.learners.sisa.placement import Placement
 from jobs.learners.sisa.shard_training import ShardTrainer
@@ -48,9 +47,7 @@ def save(path: str | Path, params: dict[str, Any], state: EnsembleState) -> None
         "platform": state.platform,
         "content_hash": content_hash(state),
     }
-    if spec.network is not None:  # before meta.json, which is written last
-        Path(path).mkdir(parents=True, exist_ok=True)
-        sealing.write_file(Path(path) / SOURCE_FILE, spec.network.source)
+    save_source(Path(path), spec.network)
     payload = {
         "X": torch.from_numpy(records.X),
         "y": torch.from_numpy(records.y),
@@ -70,7 +67,7 @@ def load(path: str | Path) -> tuple[dict[str, Any], EnsembleState]:
     spec = EnsembleSpec(config, int(meta["seed"]),
                         np.asarray(meta["classes"], dtype=np.dtype(meta["classes_dtype"])),
                         int(meta["n_features"]), resolve_device(params["device"]),
-                        _network(p, config))
+                        bundled(p, config))
     now = spec.platform()
     if now != meta["platform"]:
         warnings.warn(
@@ -108,17 +105,6 @@ def _upgraded(params: dict[str, Any],
     if params["classes"] is not None:
         params["classes"] = tuple(params["classes"])
     return params, config
-
-
-def _network(path: Path, config: dict[str, Any]) -> UserNetwork | None:
-    """The user network a bundle recorded, from its saved source (else as installed,
-    refused if its source changed); None for a built-in network."""
-    record = config.get("network")
-    if record is None:
-        return None
-    if (path / SOURCE_FILE).exists():
-        return UserNetwork.from_source(record, sealing.read_file(path / SOURCE_FILE))
-    return UserNetwork.recorded(record)
 
 
 def _tombstones(meta: dict[str, Any], placement: Placement) -> Tombstones:

@@ -15,7 +15,6 @@ from torch import nn
 
 from jobs.learners.networks.records import RecordTable
 from jobs.learners.networks.training_spec import TrainingSpec
-from jobs.learners.networks.user_network import UserNetwork
 
 FORMAT = "obliviate.sisa/1"
 State = dict[str, torch.Tensor]  # one network's weights: a state dict
@@ -25,10 +24,7 @@ NO_SLICES = np.zeros(0, dtype=np.int64)
 
 @dataclass(frozen=True, eq=False)
 class EnsembleSpec(TrainingSpec):
-    """What every shard trains under (:class:`TrainingSpec`), with the ensemble's shape and
-    the user's network, if it has one (``config["network"]`` records it)."""
-
-    network: UserNetwork | None = None
+    """What every shard trains under (:class:`TrainingSpec`), with the ensemble's shape."""
 
     @property
     def n_shards(self) -> int:
