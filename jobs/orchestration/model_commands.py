@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the learners (torch, numba, scipy) load only in the command
 # jobs.orchestration.served_model.KINDS, without importing the learners to build the parser
 LEARNERS = ("dare", "game", "mlp", "sisa")
 # the learners whose shard training, retrains and LOO sets run where OBLIVIATE_DEVICE says
-DEVICE_LEARNERS = ("mlp", "sisa")
+DEVICE_LEARNERS = ("game", "mlp", "sisa")
 NETWORK_LEARNERS = ("game", "sisa")  # the learners that train a network of the user's
 log = logging.getLogger("obliviate")
 
