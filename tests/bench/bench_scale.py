@@ -8,7 +8,8 @@ categories, skew, label noise), seeded. Stages, each size in a process of its ow
 thread: numba, OpenMP and BLAS set to 1), so every peak RSS is that stage's own:
 
 * ``init``: the table exported as CSV, then ``obliviate ledger init --csv`` (the real
-  command, a child process) on each backend: wall time and the command's peak RSS;
+  command, a child process) on each backend: wall time, the command's CPU time (user +
+  system: steadier than wall time on a shared machine) and peak RSS;
 * ``dare``: bench_dare.py's measurement (scikit-learn's RandomForestClassifier with the
   same trees, depth and sqrt features, n_jobs=1, then the DaRE forest: fit, single
   deletions, a batch of 1,000, verify) on the coded table (``ledger init --dataset
@@ -86,10 +87,12 @@ def stage_init(n: int, backends: list[str], tmp: Path) -> list[dict]:
         init_s = time.perf_counter() - t0
         if status != 0:
             raise RuntimeError(f"ledger init on {backend} failed ({status}): {out[-500:]}")
-        log(f"   {backend}: `ledger init --csv` {init_s:.1f} s, peak RSS "
+        cpu_s = usage.ru_utime + usage.ru_stime  # steadier than wall time on a shared machine
+        log(f"   {backend}: `ledger init --csv` {init_s:.1f} s ({cpu_s:.1f} s CPU), peak RSS "
             f"{usage.ru_maxrss / 1024:.0f} MB; {out.splitlines()[0]}")
         rows.append({"stage": "init", "n": n, "backend": backend, "gen_s": gen_s,
-                     "init_s": init_s, "peak_rss_mb": usage.ru_maxrss / 1024})
+                     "init_s": init_s, "init_cpu_s": cpu_s,
+                     "peak_rss_mb": usage.ru_maxrss / 1024})
     return rows
 
 
