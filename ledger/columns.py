@@ -145,7 +145,9 @@ class ColumnCoding:
         other = len(self.categories)
         at = [codes.get(self.missing if m else _text(c), other)
               for c, m in zip(values, miss, strict=True)]
-        return cells.take(np.eye(self.width)[at] if at else np.zeros((0, self.width)))
+        per = np.zeros((len(values), self.width))
+        per[np.arange(len(values)), at] = 1.0
+        return cells.take(per)
 
 
 @contextmanager
