@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+
+from ledger.cells import Cells
 
 KINDS = ("numeric", "categorical", "boolean")
 TRUE = frozenset({"true", "yes", "1"})
@@ -119,47 +122,61 @@ class ColumnCoding:
         return {c: i for i, c in enumerate(self.categories)}
 
     # ------------------------------------------------------------------ a table's column
-    def encode_cells(self, cells: Sequence[Any], markers: frozenset[str],
+    def encode_cells(self, cells: Cells, markers: frozenset[str],
                      miss: list[bool] | None = None) -> np.ndarray:
         """A loaded column (stripped text, or Parquet values; None missing) -> its
-        encoded values, (n, width); CellError names the row of the first bad cell."""
-        miss = _missing(cells, markers) if miss is None else miss
-        if self.kind == "numeric":
-            values = _numbers(cells, miss, self.impute)
-            return values.reshape(-1, 1)
-        if self.kind == "boolean":
-            out = np.empty((len(cells), 1))
-            for i, c in enumerate(cells):
-                flag = None if miss[i] else _boolean(c)
-                if flag is None:
-                    raise CellError(f"{show_cell(c)} is not a boolean (true/false, yes/no, 1/0)", i)
-                out[i, 0] = flag
-            return out
+        encoded values, (n, width), each distinct cell encoded once; CellError names the
+        row of the first bad cell. `miss`: which distinct cells are missing."""
+        values = cells.values
+        miss = _missing(values, markers) if miss is None else miss
+        with _rows_of(cells):
+            if self.kind == "numeric":
+                return cells.take(_numbers(values, miss, self.impute)).reshape(-1, 1)
+            if self.kind == "boolean":
+                out = np.empty((len(values), 1))
+                for i, c in enumerate(values):
+                    flag = None if miss[i] else _boolean(c)
+                    if flag is None:
+                        raise CellError(f"{show_cell(c)} is not a boolean (true/false, yes/no, "
+                                        "1/0)", i)
+                    out[i, 0] = flag
+                return cells.take(out)
         codes = self._codes
         other = len(self.categories)
-        at = np.fromiter((codes.get(self.missing if m else _text(c), other)
-                          for c, m in zip(cells, miss, strict=True)), np.int64, len(cells))
-        out = np.zeros((len(cells), self.width))
-        out[np.arange(len(cells)), at] = 1.0
-        return out
+        at = [codes.get(self.missing if m else _text(c), other)
+              for c, m in zip(values, miss, strict=True)]
+        per = np.zeros((len(values), self.width))
+        per[np.arange(len(values)), at] = 1.0
+        return cells.take(per)
 
 
-def fit_column(name: str, cells: Sequence[Any], markers: frozenset[str], na_name: str,
+@contextmanager
+def _rows_of(cells: Cells) -> Iterator[None]:
+    """A CellError raised about distinct cell k is re-pointed at the first row holding it."""
+    try:
+        yield
+    except CellError as exc:
+        if exc.row is not None:
+            exc.row = cells.row(exc.row)
+        raise
+
+
+def fit_column(name: str, cells: Cells, markers: frozenset[str], na_name: str,
                declared: str | None = None, impute: str | None = None,
                min_frequency: int = MIN_FREQUENCY,
-               id_hint: Callable[[], str] | None = None) -> tuple[ColumnCoding, np.ndarray]:
-    """The coding of one column of the initial table, and the column encoded by it: its
-    kind (`declared`, else inferred), the categories seen at least `min_frequency` times
-    (and `na_name` for missing cells), or the imputed statistic. `id_hint` (for an
-    inferred column): the fix to name when the column looks like ids, not a feature."""
-    miss = _missing(cells, markers)
-    if declared is None and not any(miss):  # the common case, parsed once (as fast as
-        values = _parses(cells)              # before kinds were inferred)
-        if values is not None:
-            values = _finite(values, cells)
-            return ColumnCoding(name, impute=_imputed(values, impute)), values.reshape(-1, 1)
-    coding = _fit(name, cells, miss, na_name, declared, impute, min_frequency, id_hint)
-    return coding, coding.encode_cells(cells, markers, miss)
+               id_hint: Callable[[], str] | None = None) -> ColumnCoding:
+    """The coding of one column of the initial table: its kind (`declared`, else
+    inferred), the categories seen at least `min_frequency` times (and `na_name` for
+    missing cells), or the imputed statistic. `id_hint` (for an inferred column): the fix
+    to name when the column looks like ids, not a feature."""
+    miss = _missing(cells.values, markers)
+    with _rows_of(cells):
+        coding = _fit(name, cells, miss, na_name, declared, impute, min_frequency, id_hint)
+        # what the column cannot be encoded for is refused now, at its first row, as
+        # before any later column is looked at (encoding the distinct cells only)
+        distinct = Cells(cells.values, np.arange(len(cells.values)))
+        coding.encode_cells(distinct, markers, miss)
+    return coding
 
 
 def _imputed(values: np.ndarray, impute: str | None) -> float | None:
@@ -171,22 +188,27 @@ def _imputed(values: np.ndarray, impute: str | None) -> float | None:
     return impute_value(stat, values)
 
 
-def _fit(name: str, cells: Sequence[Any], miss: list[bool], na_name: str,
+def _fit(name: str, cells: Cells, miss: list[bool], na_name: str,
          declared: str | None, impute: str | None, min_frequency: int,
          id_hint: Callable[[], str] | None) -> ColumnCoding:
-    kind = declared or _infer(cells, miss)
+    values = cells.values
+    kind = declared or _infer(values, miss)
     if kind == "numeric":
         if impute is None:
             return ColumnCoding(name)
-        values = _numbers(cells, miss, 0.0)[~np.asarray(miss, dtype=bool)]
-        return ColumnCoding(name, impute=_imputed(values, impute))
+        present = ~np.asarray(miss, dtype=bool)
+        numbers = cells.take(_numbers(values, miss, 0.0))[cells.take(present)]
+        return ColumnCoding(name, impute=_imputed(numbers, impute))
     if kind == "boolean":
         return ColumnCoding(name, "boolean")
-    counts = Counter(_text(c) for c, m in zip(cells, miss, strict=True) if not m)
+    counts: Counter[str] = Counter()
+    for c, m, k in zip(values, miss, cells.counts(), strict=True):
+        if not m:
+            counts[_text(c)] += k
     if declared is None and id_hint is not None and _looks_like_ids(counts, len(cells),
                                                                      min_frequency):
         first = next(i for i, m in enumerate(miss) if not m)
-        raise CellError(f"{show_cell(_text(cells[first]))} looks like an id, not a feature "
+        raise CellError(f"{show_cell(_text(values[first]))} looks like an id, not a feature "
                         f"({len(counts)} distinct values in {len(cells)} rows){id_hint()}",
                         first)
     kept = sorted(c for c, n in counts.items() if n >= min_frequency and c != na_name)
@@ -211,34 +233,33 @@ def impute_value(stat: float, values: np.ndarray) -> float:
     return float(value)
 
 
-def fit_labels(cells: Sequence[Any], stored: tuple[str, ...] | None = None
+def fit_labels(cells: Cells, stored: tuple[str, ...] | None = None
                ) -> tuple[np.ndarray, tuple[str, ...]]:
     """(class codes, label names): integer labels are their own codes (no names); text
     labels are coded 0..k-1 in the sorted order of their names (`stored`: the names an
     existing ledger holds). CellError names the row of a missing or unknown label."""
-    texts = [None if c is None else _text(c) for c in cells]
-    for i, t in enumerate(texts):
-        if not t:
-            raise CellError("missing; every row needs a class label", i)
-    if not stored:
-        ints = [_integer(t) for t in texts]
-        if all(v is not None for v in ints):
-            return np.asarray(ints, dtype=np.int64), ()
-    names = stored or tuple(sorted(set(texts)))  # type: ignore[arg-type]
-    codes = {n: i for i, n in enumerate(names)}
-    for i, t in enumerate(texts):
-        if t not in codes:
-            raise CellError(f"{show_cell(t)} is not one of the ledger's labels "
-                            f"{', '.join(map(repr, names))}", i)
-    return np.asarray([codes[t] for t in texts], dtype=np.int64), names
+    texts = [None if c is None else _text(c) for c in cells.values]
+    with _rows_of(cells):
+        for i, t in enumerate(texts):
+            if not t:
+                raise CellError("missing; every row needs a class label", i)
+        if not stored:
+            ints = [_integer(t) for t in texts]
+            if all(v is not None for v in ints):
+                return cells.take(np.asarray(ints, dtype=np.int64)), ()
+        names = stored or tuple(sorted(set(texts)))  # type: ignore[arg-type]
+        codes = {n: i for i, n in enumerate(names)}
+        for i, t in enumerate(texts):
+            if t not in codes:
+                raise CellError(f"{show_cell(t)} is not one of the ledger's labels "
+                                f"{', '.join(map(repr, names))}", i)
+    return cells.take(np.asarray([codes[t] for t in texts], dtype=np.int64)), names
 
 
 def _infer(cells: Sequence[Any], miss: list[bool]) -> str:
     """numeric when every present cell is a number (finite or not: 'nan' is refused as
     a number, not taken for a category), boolean when every one is true/false/yes/no
     (a 0/1 column is numeric), else categorical."""
-    if isinstance(cells, np.ndarray) and cells.dtype.kind in "fiu":
-        return "numeric"
     present = [c for c, m in zip(cells, miss, strict=True) if not m] if any(miss) else cells
     if present and isinstance(present[0], bool) and all(isinstance(c, bool) for c in present):
         return "boolean"
@@ -260,32 +281,24 @@ def _parses(cells: Sequence[Any]) -> np.ndarray | None:
 
 
 def _numbers(cells: Sequence[Any], miss: list[bool], fill: float | None) -> np.ndarray:
-    """A column as float64 (missing cells `fill`; None: refused), vectorised when it can
+    """Cells as float64 (missing cells `fill`; None: refused), vectorised when they can
     be; CellError names the first cell that is no finite number."""
-    if isinstance(cells, np.ndarray) and cells.dtype.kind in "fiu":
-        values = cells.astype(np.float64)
-        at = np.asarray(miss, dtype=bool)
-        if at.any():
-            if fill is None:
-                raise CellError(_missing_number(None), int(np.flatnonzero(at)[0]))
-            values[at] = fill
-    else:
-        if any(miss):
-            if fill is None:
-                i = miss.index(True)
-                raise CellError(_missing_number(cells[i]), i)
-            cells = [fill if m else c for c, m in zip(cells, miss, strict=True)]
-        try:
-            values = np.asarray(cells, dtype=np.float64)
-        except (TypeError, ValueError):
-            for i, c in enumerate(cells):
-                try:
-                    if isinstance(c, bool):
-                        raise ValueError
-                    float(c)
-                except (TypeError, ValueError):
-                    raise CellError(f"{show_cell(c)} is not a number", i) from None
-            raise
+    if any(miss):
+        if fill is None:
+            i = miss.index(True)
+            raise CellError(_missing_number(cells[i]), i)
+        cells = [fill if m else c for c, m in zip(cells, miss, strict=True)]
+    try:
+        values = np.asarray(cells, dtype=np.float64)
+    except (TypeError, ValueError):
+        for i, c in enumerate(cells):
+            try:
+                if isinstance(c, bool):
+                    raise ValueError
+                float(c)
+            except (TypeError, ValueError):
+                raise CellError(f"{show_cell(c)} is not a number", i) from None
+        raise
     return _finite(values, cells)
 
 
@@ -306,12 +319,6 @@ def _missing_number(cell: Any) -> str:
 
 
 def _missing(cells: Sequence[Any], markers: frozenset[str]) -> list[bool]:
-    if isinstance(cells, np.ndarray):
-        return (np.isnan(cells) if cells.dtype.kind == "f" else np.zeros(len(cells), bool)
-                ).tolist()
-    if (isinstance(cells, list) and cells and type(cells[0]) is str and None not in cells
-            and markers.isdisjoint(cells)):  # a CSV column without a missing cell: at C speed
-        return [False] * len(cells)
     return [c is None or (isinstance(c, float) and math.isnan(c))
             or (isinstance(c, str) and c in markers) for c in cells]
 

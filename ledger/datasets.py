@@ -11,15 +11,19 @@ tables. See docs/tables.md.
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ledger.cells import Cells, CellsBuilder
 from ledger.columns import MIN_FREQUENCY, CellError, ColumnCoding, fit_column, fit_labels
 from ledger.transform import InputTransform
 
+_CSV_CHUNK = 50_000  # rows read and coded at a time: a chunk's cells are Python objects
 # loader names in sklearn.datasets
 BUNDLED = {
     "breast_cancer": "load_breast_cancer",
@@ -130,7 +134,8 @@ def load_csv(path: str | Path, label_column: str, subject_column: str | None = N
         with open(path, newline="") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
-            rows = list(reader)
+            if header:
+                columns, n_rows = _csv_columns(path, reader, len(header))
     except FileNotFoundError:
         raise CsvError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
@@ -138,13 +143,25 @@ def load_csv(path: str | Path, label_column: str, subject_column: str | None = N
     if not header:
         raise CsvError(f"{path}: empty file; the first line must name the columns")
     header = [h.strip() for h in header]
-    for i, row in enumerate(rows):
-        if len(row) != len(header):
-            raise CsvError(f"{path}: line {i + 2} has {len(row)} fields, the header "
-                           f"{len(header)}")
-    columns = [[c.strip() for c in col] for col in zip(*rows, strict=True)] if rows else []
-    return _load(_Table(path, header, columns, len(rows), "line", 2), label_column,
+    return _load(_Table(path, header, columns, n_rows, "line", 2), label_column,
                  subject_column, id_column, transform, options or TableOptions())
+
+
+def _csv_columns(path: Path, reader: Iterator[list[str]], width: int
+                 ) -> tuple[list[Cells], int]:
+    """The rows after the header, coded column by column a chunk at a time (stripped),
+    each row checked to have the header's width."""
+    builders = [CellsBuilder() for _ in range(width)]
+    n = 0
+    while rows := list(islice(reader, _CSV_CHUNK)):
+        if set(map(len, rows)) != {width}:
+            i = next(i for i, row in enumerate(rows) if len(row) != width)
+            raise CsvError(f"{path}: line {n + i + 2} has {len(rows[i])} fields, the header "
+                           f"{width}")
+        for builder, column in zip(builders, zip(*rows, strict=True), strict=True):
+            builder.add(column)
+        n += len(rows)
+    return [b.cells(strip=True) for b in builders], n
 
 
 def load_parquet(path: str | Path, label_column: str, subject_column: str | None = None,
@@ -165,10 +182,11 @@ def load_parquet(path: str | Path, label_column: str, subject_column: str | None
     except (OSError, pa.ArrowException) as exc:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CsvError(f"{path}: cannot be read as Parquet ({why})") from None
-    columns: list[Any] = []
+    columns: list[Cells] = []
     for col in table.columns:
         numeric = pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
-        columns.append(col.to_numpy() if numeric and col.null_count == 0 else col.to_pylist())
+        columns.append(Cells.of(col.to_numpy() if numeric and col.null_count == 0
+                                else col.to_pylist()))
     return _load(_Table(path, [str(n).strip() for n in table.column_names], columns,
                         table.num_rows, "row", 1),
                  label_column, subject_column, id_column, transform, options or TableOptions())
@@ -176,11 +194,11 @@ def load_parquet(path: str | Path, label_column: str, subject_column: str | None
 
 @dataclass(frozen=True)
 class _Table:
-    """A table as read: its columns' cells (stripped text, or Parquet values)."""
+    """A table as read: its columns (stripped text, or Parquet values), coded."""
 
     path: Path
     header: list[str]
-    columns: list[Any]
+    columns: list[Cells]
     n_rows: int
     unit: str  # how a row is named in errors: "line" (CSV, from 2) or "row" (from 1)
     first: int
@@ -212,10 +230,13 @@ def _load(t: _Table, label_column: str, subject_column: str | None, id_column: s
                        "or id column)")
     cells = dict(zip(header, t.columns, strict=True))
     if transform is None:
-        fitted = [_fit(t, h, cells[h], subject_column, id_column, options) for h in features]
-        codings, parts = [c for c, _ in fitted], [e for _, e in fitted]
+        codings = [_fit(t, h, cells[h], subject_column, id_column, options) for h in features]
+        na = options.na
     else:
-        codings, parts = list(transform.raw_columns), _encode(t, transform, cells)
+        codings, na = list(transform.raw_columns), transform.na
+        missing = next((c.name for c in codings if c.name not in cells), None)
+        if missing is not None:
+            raise CsvError(f"{t.path}: no column {missing!r}, which the ledger's schema has")
     if [c.name for c in codings] != features:
         raise CsvError(f"{path}: the feature columns are {', '.join(features)}; the ledger's "
                        f"schema has {', '.join(c.name for c in codings)}")
@@ -224,7 +245,7 @@ def _load(t: _Table, label_column: str, subject_column: str | None, id_column: s
                                transform.labels if transform is not None else None)
     except CellError as exc:
         raise CsvError(f"{t.where(exc.row, label_column)}: {exc}") from None
-    E = np.hstack(parts)
+    E = _encoded(t, codings, cells, na)
     records, subjects = _ids(t.n_rows, 1)
     if id_column is not None:
         records = _id_column(t, cells[id_column], id_column, unique=True)
@@ -235,21 +256,22 @@ def _load(t: _Table, label_column: str, subject_column: str | None, id_column: s
     return from_raw(path.stem, E, y, records, subjects, transform=transform)
 
 
-def _encode(t: _Table, transform: InputTransform, cells: dict[str, Any]) -> list[np.ndarray]:
-    """The columns encoded by the codings an existing ledger stores."""
-    parts = []
-    for c in transform.raw_columns:
-        if c.name not in cells:
-            raise CsvError(f"{t.path}: no column {c.name!r}, which the ledger's schema has")
+def _encoded(t: _Table, codings: list[ColumnCoding], cells: dict[str, Cells],
+             na: str | None) -> np.ndarray:
+    """The feature columns encoded by their codings, into one (rows, features) array."""
+    E = np.empty((t.n_rows, sum(c.width for c in codings)))
+    at = 0
+    for c in codings:
         try:
-            parts.append(c.encode_cells(cells[c.name], _markers(transform.na)))
+            E[:, at:at + c.width] = c.encode_cells(cells[c.name], _markers(na))
         except CellError as exc:
             raise CsvError(f"{t.where(exc.row, c.name)}: {exc}") from None
-    return parts
+        at += c.width
+    return E
 
 
-def _fit(t: _Table, name: str, cells: Any, subject_column: str | None,
-         id_column: str | None, options: TableOptions) -> tuple[ColumnCoding, np.ndarray]:
+def _fit(t: _Table, name: str, cells: Cells, subject_column: str | None,
+         id_column: str | None, options: TableOptions) -> ColumnCoding:
     """One feature column's coding, its kind declared or inferred (docs/tables.md)."""
     declared = ("categorical" if name in options.categorical
                 else "numeric" if name in options.numeric else None)
@@ -276,19 +298,20 @@ def _markers(na: str | None) -> frozenset[str]:
     return frozenset({"", na} if na is not None else {""})
 
 
-def _id_column(t: _Table, cells: Any, column: str, unique: bool = False) -> list[str]:
-    out = ["" if v is None else v if isinstance(v, str) else str(v) for v in cells]
-    for i, v in enumerate(out):
+def _id_column(t: _Table, cells: Cells, column: str, unique: bool = False) -> list[str]:
+    """The column's ids, one per row (each distinct one checked once)."""
+    texts = ["" if v is None else v if isinstance(v, str) else str(v) for v in cells.values]
+    for k, v in enumerate(texts):
         if not v or len(v) > 128 or not v.isprintable():
-            raise CsvError(f"{t.where(i, column)}: an id must be 1-128 printable characters")
-    if unique:
-        seen: dict[str, int] = {}
-        for i, v in enumerate(out):
-            if v in seen:
-                raise CsvError(f"{t.where(i, column)}: record id {_quote(v)} is on "
-                               f"{t.unit} {seen[v] + t.first} too")
-            seen[v] = i
-    return out
+            raise CsvError(f"{t.where(cells.row(k), column)}: an id must be 1-128 printable "
+                           "characters")
+    if unique and len(set(texts)) != len(cells):
+        first = np.full(len(texts), len(cells))
+        np.minimum.at(first, cells.codes, np.arange(len(cells)))
+        i = int(np.flatnonzero(first[cells.codes] != np.arange(len(cells)))[0])
+        raise CsvError(f"{t.where(i, column)}: record id {_quote(texts[cells.codes[i]])} is "
+                       f"on {t.unit} {first[cells.codes[i]] + t.first} too")
+    return Cells(texts, cells.codes).rows()
 
 
 def _quote(value: Any, limit: int = 40) -> str:

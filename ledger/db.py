@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import (
     ARRAY,
     JSON,
+    Column,
     ColumnElement,
     Connection,
     Engine,
@@ -235,12 +236,26 @@ def insert_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> N
     if not rows:
         return
     names = list(rows[0])
-    cols = [table.c[name] for name in names]
-    procs = [_json_text if isinstance(c.type, JSON) else c.type.bind_processor(conn.dialect)
-             for c in cols]
-    params = [tuple([v if p is None else p(v)
-                     for p, v in zip(procs, map(r.__getitem__, names), strict=True)])
-              for r in rows]
+    procs = [_json_text if isinstance(table.c[name].type, JSON)
+             else table.c[name].type.bind_processor(conn.dialect) for name in names]
+    insert_params(conn, table, names, [
+        tuple([v if p is None else p(v)
+               for p, v in zip(procs, map(r.__getitem__, names), strict=True)])
+        for r in rows])
+
+
+def bind_value(conn: Connection, column: Column, value: Any) -> Any:
+    """`value` as the driver takes it for `column` (what `insert_rows` does per cell)."""
+    proc = column.type.bind_processor(conn.dialect)
+    return value if proc is None else proc(value)
+
+
+def insert_params(conn: Connection, table: Table, names: Sequence[str],
+                  params: Sequence[tuple[Any, ...]]) -> None:
+    """:func:`insert_rows` of tuples the driver takes as they are: text, numbers, bytes,
+    None, and what :func:`bind_value` gave (a load's 10^6 rows skip the per-cell pass)."""
+    if not params:
+        return
     if conn.dialect.driver == "psycopg":  # COPY is several times faster than executemany
         cur = conn.connection.driver_connection.cursor()
         with cur.copy(f"COPY {table.name} ({', '.join(names)}) FROM STDIN") as copy:

@@ -91,7 +91,9 @@ class TrainingRecord(SQLModel, table=True):
 
 
 class RecordPayload(SQLModel, table=True):
-    """The raw data of a pending or live record; a purge deletes the row.
+    """The raw data of a loaded record; a purge deletes the row. The features are one
+    binary value, little-endian float64 (`chain.feature_bytes`): what the fingerprint is
+    taken over, and what `live()` reads back with one `np.frombuffer` per record.
 
     A table of its own so that purge maintenance rewrites (PostgreSQL: VACUUM FULL)
     only this narrow table, under a lock that deletion intake and the request
@@ -101,7 +103,7 @@ class RecordPayload(SQLModel, table=True):
     __tablename__ = "record_payloads"
 
     record_id: str = Field(max_length=128, primary_key=True)
-    features: list[float] = Field(sa_column=Column(JSON, nullable=False))
+    features: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     label: int
 
 

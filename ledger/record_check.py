@@ -2,19 +2,20 @@
 from its data, and what the events say happened to it.
 
 At 10^6 records this pass is most of a full verify, so it reads only the columns it
-needs and takes each fingerprint over the features' stored JSON text
-(`chain.stored_record_fingerprint`), parsing the text only where that disagrees.
+needs and takes each fingerprint over the features' stored bytes
+(`chain.stored_record_fingerprint`), judging a record by its values only where that
+disagrees (a fingerprint of the scheme before revision 0007, or an edit).
 See docs/ledger.md#what-ledger-verify-holds.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from sqlalchemy import Connection, Text, cast, select
+import numpy as np
+from sqlalchemy import Connection, select
 
-from ledger.chain import record_fingerprint, stored_record_fingerprint
+from ledger.chain import FEATURES_DTYPE, fingerprint_matches, stored_record_fingerprint
 from ledger.log_check import LogFacts, Problem
 from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer
 from ledger.tables import PAYLOADS, RECORDS, SEALED
@@ -35,7 +36,7 @@ class RecordCheck:
         n_records = 0
         query = (select(RECORDS.c.record_id, RECORDS.c.subject_id, RECORDS.c.record_hash,
                         RECORDS.c.state, RECORDS.c.added_by, RECORDS.c.added_at,
-                        RECORDS.c.purged_by, cast(PAYLOADS.c.features, Text).label("features"),
+                        RECORDS.c.purged_by, PAYLOADS.c.features,
                         PAYLOADS.c.label, PAYLOADS.c.record_id.label("payload_of"),
                         SEALED.c.sealed)
                  .select_from(RECORDS.outerjoin(PAYLOADS,
@@ -46,7 +47,7 @@ class RecordCheck:
             for rec in batch:
                 rid, subject, fp, state, added_by, added_at, _, features, label, _, _ = rec
                 if state == "purged" or features is None or stored_record_fingerprint(
-                        key, rid, subject, features, label) != fp:
+                        key, rid, subject, bytes(features), label) != fp:
                     problems.extend(self._check_data(rec))
                 if added_by is None and state != "purged" and rid not in purged:
                     loaded(added_at, fp)  # most records: loaded, live, never deleted
@@ -67,12 +68,12 @@ class RecordCheck:
                 return [Problem(where, "is purged but its payload key is still in the key "
                                        "store (copies of its sealed row would open)")]
             return []
-        label = rec.label
-        try:
-            features = None if rec.features is None else json.loads(rec.features)
-        except ValueError:
+        label, features = rec.label, rec.features
+        if features is not None and len(features) % np.dtype(FEATURES_DTYPE).itemsize:
             return [Problem(where, "features or label do not match its keyed fingerprint "
-                                   "(its stored features are not JSON)")]
+                                   "(its stored features are not float64 values)")]
+        if features is not None:
+            features = np.frombuffer(bytes(features), dtype=FEATURES_DTYPE)
         if features is None and rec.sealed is not None:
             try:
                 features, label = self._sealer.open(rec.record_id, bytes(rec.sealed))
@@ -80,7 +81,7 @@ class RecordCheck:
                 return [Problem(where, f"is {rec.state} but its data cannot be read: {exc}")]
         if features is None or label is None:
             return [Problem(where, f"is {rec.state} but has no features or label")]
-        if record_fingerprint(self._key, rec.record_id, rec.subject_id, features,
-                              label) != rec.record_hash:
+        if not fingerprint_matches(self._key, rec.record_id, rec.subject_id, features, label,
+                                   rec.record_hash):
             return [Problem(where, "features or label do not match its keyed fingerprint")]
         return []

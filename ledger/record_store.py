@@ -18,8 +18,8 @@ from sqlmodel import Session
 
 from ledger import merkle
 from ledger.appender import ChainAppender
-from ledger.chain import iso, record_fingerprint, utc_now
-from ledger.db import insert_rows, writing
+from ledger.chain import FEATURES_DTYPE, feature_bytes, iso, stored_record_fingerprint, utc_now
+from ledger.db import bind_value, insert_params, writing
 from ledger.log_check import schema_sha256
 from ledger.models import DatasetSchema
 from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer, live_sealed, sealed_rows
@@ -28,6 +28,7 @@ from ledger.transform import InputTransform
 from ledger.tree_heads import TreeHeads
 
 _INSERT_CHUNK = 50_000  # rows per INSERT of a load
+_RECORD_COLUMNS = ("record_id", "subject_id", "state", "added_at", "record_hash")
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,12 @@ class RecordStore:
         for features that were scaled elsewhere). A later load must bring the same
         transform, or none.
         """
-        X = np.asarray(X, dtype=np.float64)
+        X = np.ascontiguousarray(X, dtype=FEATURES_DTYPE)
         y = np.asarray(y)
         n = len(record_ids)
         _check_table(record_ids, subject_ids, X, y, transform)
         ids = [str(r) for r in record_ids]
+        subjects = [None if s is None else str(s) for s in subject_ids]
         classes = sorted(int(c) for c in np.unique(y))
         now = utc_now()
         with writing(self.engine) as conn:
@@ -89,17 +91,12 @@ class RecordStore:
             if clash:
                 raise ValueError(f"{len(clash)} record id(s) already exist, "
                                  f"e.g. {sorted(clash)[0]}")
-            rows, payloads = [], []
-            for rid, sid, x, label in zip(ids, subject_ids, X.tolist(), y.tolist(), strict=True):
-                sid = None if sid is None else str(sid)
-                rows.append({"record_id": rid, "subject_id": sid, "state": "live",
-                             "added_at": now,
-                             "record_hash": record_fingerprint(self._key, rid, sid, x, int(label))})
-                payloads.append({"record_id": rid, "features": x, "label": int(label)})
+            fingerprints: list[bytes] = []
             for i in range(0, n, _INSERT_CHUNK):
-                insert_rows(conn, RECORDS, rows[i:i + _INSERT_CHUNK])
-                insert_rows(conn, PAYLOADS, payloads[i:i + _INSERT_CHUNK])
-            fingerprints = sorted(bytes.fromhex(r["record_hash"]) for r in rows)
+                part = slice(i, i + _INSERT_CHUNK)
+                fingerprints += self._insert_chunk(conn, ids[part], subjects[part], X[part],
+                                                   y[part].astype(np.int64).tolist(), now)
+            fingerprints.sort()
             appender = ChainAppender(conn)
             seq = appender.append("records_loaded", None, {
                 "name": name, "count": n, "n_features": X.shape[1], "classes": classes,
@@ -112,6 +109,22 @@ class RecordStore:
             self._heads.take_if_due(conn, appender.seq)
         self._schema = None
         return seq
+
+    def _insert_chunk(self, conn: Connection, ids: list[str], subjects: list[str | None],
+                      X: np.ndarray, labels: list[int], now: datetime) -> list[bytes]:
+        """Insert some of a load's records and payloads; their fingerprints. A chunk at a
+        time, so a load of 10^6 records holds one chunk's row objects, not the table's."""
+        key, rows, payloads, fps = self._key, [], [], []
+        added = bind_value(conn, RECORDS.c.added_at, now)
+        for rid, sid, x, label in zip(ids, subjects, X, labels, strict=True):
+            features = x.tobytes()
+            fp = stored_record_fingerprint(key, rid, sid, features, label)
+            fps.append(bytes.fromhex(fp))
+            rows.append((rid, sid, "live", added, fp))
+            payloads.append((rid, features, label))
+        insert_params(conn, RECORDS, _RECORD_COLUMNS, rows)
+        insert_params(conn, PAYLOADS, ("record_id", "features", "label"), payloads)
+        return fps
 
     def states(self) -> dict[str, str]:
         """Every record id the ledger knows, with its state (pending, live, purged)."""
@@ -139,14 +152,14 @@ class RecordStore:
         return LiveRecords(
             record_ids=np.array([r.record_id for r in rows], dtype=object),
             subject_ids=np.array([r.subject_id for r in rows], dtype=object),
-            X=np.array([d[0] for d in data], dtype=np.float64).reshape(len(rows), n_features),
+            X=_matrix([d[0] for d in data], n_features),
             y=np.array([d[1] for d in data], dtype=np.int64),
         )
 
     def data(self, record_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Features and labels of records, in the order given (an add's payload)."""
         ids = [str(r) for r in record_ids]
-        found: dict[str, tuple[list[float], int] | None] = {}
+        found: dict[str, tuple[bytes | list[float], int] | None] = {}
         with self.engine.connect() as conn:
             for i in range(0, len(ids), LOOKUP_CHUNK):
                 for r in conn.execute(select(PAYLOADS)
@@ -159,9 +172,7 @@ class RecordStore:
         missing = [r for r in ids if found[r] is None]
         if missing:
             raise KeyError(f"{len(missing)} record(s) hold no data, e.g. {missing[0]!r}")
-        n_features = self.schema().n_features
-        X = np.array([found[r][0] for r in ids], dtype=np.float64).reshape(len(ids),
-                                                                          n_features)
+        X = _matrix([found[r][0] for r in ids], self.schema().n_features)
         return X, np.array([found[r][1] for r in ids], dtype=np.int64)
 
     def purged(self, record_ids: Sequence[str]) -> set[str]:
@@ -257,7 +268,18 @@ def _fix_schema(conn: Connection, name: str, n_features: int, classes: list[int]
     return schema_sha256(schema.n_features, schema.classes, schema.transform)
 
 
+def _matrix(features: list[bytes | list[float]], n_features: int) -> np.ndarray:
+    """Records' features (stored bytes, or a sealed payload's list) as one (n, width)
+    float64 array: joined and read with one `np.frombuffer`, no Python float per value."""
+    blob = bytearray().join(f if isinstance(f, bytes) else feature_bytes(f) for f in features)
+    return np.frombuffer(blob, dtype=FEATURES_DTYPE).astype(np.float64, copy=False).reshape(
+        len(features), n_features)  # writeable (a bytearray), not copied once more
+
+
 def _existing_records(conn: Connection, ids: Sequence[str]) -> set[str]:
+    """Those of `ids` the ledger holds already (none, without a look, in an empty one)."""
+    if conn.execute(select(RECORDS.c.record_id).limit(1)).first() is None:
+        return set()
     found: set[str] = set()
     for i in range(0, len(ids), LOOKUP_CHUNK):
         found.update(conn.execute(select(RECORDS.c.record_id)

@@ -2,7 +2,8 @@
 
 - A database made by the code before migrations (commit ff838b8: its DDL and rows,
   recorded in tests/data by make_ff838b8_snapshot.py) is upgraded to head when a
-  ledger opens it: every row survives, the raw data moves to record_payloads, the
+  ledger opens it: every row survives, the raw data moves to record_payloads (as float64
+  bytes, its fingerprints still those of the JSON scheme), the
   registry's and the schema's new columns appear, and the whole ledger still verifies
   (hash chain, checkpoints, every fingerprint) and takes new requests.
 - A new database upgraded to head is exactly what the models declare (Alembic's own
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from sqlalchemy import column, create_engine, inspect, table, text
 
@@ -100,9 +102,9 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
         assert ids("guard_usage", "version") == ["v000001"]
         statuses = dict(conn.execute(text("SELECT request_id, status FROM requests")).all())
         assert statuses == {r["request_id"]: r["status"] for r in old["requests"]}
-        # the data of live and pending records moved to record_payloads, none of the purged
-        moved = {r.record_id: (json.loads(r.features) if isinstance(r.features, str)
-                               else r.features, r.label)
+        # the data of live and pending records moved to record_payloads (0007: as float64
+        # bytes), none of the purged
+        moved = {r.record_id: (np.frombuffer(bytes(r.features), "<f8").tolist(), r.label)
                  for r in conn.execute(text("SELECT * FROM record_payloads"))}
     kept = {r["record_id"]: (r["features"]["$json"], r["label"])
             for r in old["training_records"] if r["state"] != "purged"}

@@ -3,10 +3,11 @@
 After deletions go through the normal path (receive, claim, mark_applied) and the
 ledger's own purge maintenance runs, the files are scanned byte by byte for the
 deleted records' values: float64 and float32 (little-endian) bytes of every pair
-of adjacent features, the decimal text `repr(v)` of every value and the JSON text
-the store wrote. SQLite: the database file, its -wal and -shm. PostgreSQL: the
-files of every relation of the ledger's schema, their TOAST tables and indexes
-(`pg_relation_filepath` under `SHOW data_directory`). The same scan must find a
+of adjacent features and of the whole row (as the store writes it), the decimal text
+`repr(v)` of every value and the JSON text stores before revision 0007 wrote. SQLite:
+the database file, its -wal and -shm. PostgreSQL: the files of every relation of the
+ledger's schema, their TOAST tables and indexes (`pg_relation_filepath` under
+`SHOW data_directory`). The same scan must find a
 live record's values, so that it cannot pass by looking at nothing.
 
 PostgreSQL runs in a database of this module's own: VACUUM FULL keeps rows that
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
 
-from ledger.chain import record_fingerprint
+from ledger.chain import legacy_record_fingerprint
 from ledger.db import sqlite_files, sqlite_path
 from ledger.store import Ledger
 from tests.conftest import _PG_REASON, HMAC_KEY, POSTGRES_URL
@@ -130,6 +131,7 @@ def patterns(values: list[float]) -> dict[str, bytes]:
     for v in values:
         out[f"text {v!r}"] = repr(v).encode()
     out["JSON text"] = json.dumps(values).encode()
+    out["float64 row"] = struct.pack(f"<{len(values)}d", *values)
     return out
 
 
@@ -189,12 +191,11 @@ def test_purged_values_leave_the_database_files(ledger: Ledger) -> None:
     files = db_files(ledger)
     for rid, v in gone.items():
         assert not found(files, v), f"{rid}'s values are still in the files: {found(files, v)}"
-    # not vacuous: a live loaded record's values are there, as text and as the JSON the
-    # store wrote; a live added record's are not (ciphertext under its key), yet it reads
+    # not vacuous: a live loaded record's values are there, as the float64 row the store
+    # wrote; a live added record's are not (ciphertext under its key), yet it reads
     for live in (values["r000"], values["r029"]):
         hits = found(files, live)
-        assert any(h.startswith("JSON text") for h in hits), hits
-        assert sum(h.startswith("text ") for h in hits) >= D, hits
+        assert any(h.startswith("float64 row") for h in hits), hits
     assert not found(files, kept), found(files, kept)
     assert ledger.records.data(["n2"])[0].tolist() == [kept]
     assert ledger.sealer.has_key("n2") and not ledger.sealer.has_key("n1")
@@ -332,7 +333,7 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
     """Raw data moves to record_payloads, and what old purges left behind is rewritten away."""
     live, old = features_of(1), features_of(2)
     rows = [(rid, "s1", json.dumps(x), 1,
-             record_fingerprint(HMAC_KEY, rid, "s1", x, 1), "live")
+             legacy_record_fingerprint(HMAC_KEY, rid, "s1", x, 1), "live")
             for rid, x in (("r1", live), ("r2", old))]
     sql = [*LEGACY_DDL, "INSERT INTO dataset_schema VALUES (1, 'old', 14, '[0, 1]')"]
     purge = "UPDATE training_records SET features = NULL, label = NULL, state = 'purged' " \
@@ -379,5 +380,5 @@ def test_a_ledger_from_before_record_payloads_is_migrated(url: str) -> None:
         assert result["tables"] == ["record_payloads", "sealed_payloads", "training_records"]
     files = db_files(led)
     assert not found(files, old), found(files, old)
-    assert any(h.startswith("JSON text") for h in found(files, live))
+    assert any(h.startswith("float64 row") for h in found(files, live))  # 0007 wrote it
     led.close()

@@ -72,6 +72,28 @@ def test_csv_and_parquet_give_the_same_records_and_schema(files) -> None:
     assert a.X.tobytes() == b.X.tobytes() and a.y.tolist() == b.y.tolist()
 
 
+def test_a_csv_read_in_chunks_is_the_table_read_at_once(files, tmp_path, monkeypatch
+                                                       ) -> None:
+    """The CSV is coded a chunk of rows at a time; chunks change nothing, not even the line
+    an error names, and cells padded with spaces are the same category."""
+    import ledger.datasets as datasets
+
+    whole = load_csv(files[0], "income", "person", "record_id", options=OPTIONS)
+    monkeypatch.setattr(datasets, "_CSV_CHUNK", 7)
+    chunked = load_csv(files[0], "income", "person", "record_id", options=OPTIONS)
+    assert chunked.transform.to_json() == whole.transform.to_json()
+    assert chunked.X.tobytes() == whole.X.tobytes() and chunked.y.tolist() == whole.y.tolist()
+    assert chunked.record_ids == whole.record_ids and chunked.subject_ids == whole.subject_ids
+    padded = tmp_path / "padded.csv"
+    padded.write_text("c,x,y\n" + "".join(f"{' a' if i % 3 else 'a '},{i},0\n" for i in range(20))
+                      + "b,5,1\nb,6,1\nb,7,1\nb,8,1\nb,oops,1\n")
+    with pytest.raises(CsvError, match="line 26, column 'x': 'oops' is not a number"):
+        load_csv(padded, "y", options=TableOptions(numeric=("x",)))
+    padded.write_text(padded.read_text().replace("oops", "9"))
+    ds = load_csv(padded, "y")
+    assert ds.transform.columns[0].categories == ("a", "b") and ds.X[:20, 0].tolist() == [1.0] * 20
+
+
 def test_a_missing_number_is_refused_or_imputed_with_a_value_no_record_holds(files, export
                                                                              ) -> None:
     with pytest.raises(CsvError, match=r"line \d+, column 'hours_per_week': '\?' "

@@ -145,7 +145,7 @@ def test_restored_features_of_a_purged_record_are_caught_by_verify(signed: Ledge
     # the insider puts the deleted record back, with its true features: fingerprint matches
     tamper(signed, update(RECORDS).where(RECORDS.c.record_id == "r001")
            .values(state="live", purged_at=None, purged_by=None),
-           insert(PAYLOADS).values(record_id="r001", features=X[0].tolist(), label=int(y[0])))
+           insert(PAYLOADS).values(record_id="r001", features=X[0].tobytes(), label=int(y[0])))
     assert "r001" in set(signed.records.live().record_ids)
     found = problems(signed)
     assert any(p.startswith("record r001: is live, but the deletion q1 purged it")

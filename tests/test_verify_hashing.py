@@ -1,12 +1,12 @@
 """`verify`'s fast spellings of what it hashes: every event's chain entry and every record's
-fingerprint are the bytes the canonical JSON encoder gives (checked on random content), and a
-record whose stored features are spelled otherwise, or are not JSON, is still judged by
-its values. See docs/ledger.md#what-ledger-verify-holds."""
+fingerprint are the bytes their definitions give (checked on random content), a record
+fingerprinted by the JSON scheme before revision 0007 still matches by its values
+(tests/test_migrations.py verifies a whole ledger of them), and an
+edited or truncated feature row is named. See docs/ledger.md#what-ledger-verify-holds."""
 
 from __future__ import annotations
 
-import json
-
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
@@ -14,6 +14,8 @@ from sqlalchemy import text
 from ledger.chain import (
     canonical_json,
     event_entry,
+    fingerprint_matches,
+    legacy_record_fingerprint,
     record_fingerprint,
     stored_record_fingerprint,
 )
@@ -49,45 +51,48 @@ def test_an_event_entry_of_other_types_goes_through_the_encoder() -> None:
 @given(st.lists(st.floats(allow_nan=False, allow_infinity=False) | st.integers(-10, 10),
                 max_size=12),
        st.integers(-5, 5), texts, maybe_text)
-def test_a_fingerprint_from_the_stored_text_is_the_fingerprint(features: list[float],
-                                                              label: int, record_id: str,
-                                                              subject_id: str | None) -> None:
-    assert stored_record_fingerprint(HMAC_KEY, record_id, subject_id, json.dumps(features),
-                                     label) == record_fingerprint(HMAC_KEY, record_id,
-                                                                  subject_id, features, label)
+def test_a_fingerprint_from_the_stored_bytes_is_the_fingerprint(features: list[float],
+                                                               label: int, record_id: str,
+                                                               subject_id: str | None) -> None:
+    stored = np.asarray(features, dtype="<f8").tobytes()
+    fp = stored_record_fingerprint(HMAC_KEY, record_id, subject_id, stored, label)
+    assert fp == record_fingerprint(HMAC_KEY, record_id, subject_id, features, label)
+    # and it is not the fingerprint of other content: another label, id, subject or value
+    assert fp != stored_record_fingerprint(HMAC_KEY, record_id, subject_id, stored, label + 1)
+    assert fp != stored_record_fingerprint(HMAC_KEY, record_id + "x", subject_id, stored, label)
+    other_subject = None if subject_id is not None else ""
+    assert fp != stored_record_fingerprint(HMAC_KEY, record_id, other_subject, stored, label)
+    assert fp != stored_record_fingerprint(HMAC_KEY, record_id, subject_id,
+                                           stored + bytes(8), label)
 
 
-def test_stored_text_holding_a_string_is_parsed_not_respelled() -> None:
-    # '["0.1, 0.2"]' made '["0.1,0.2"]' would fingerprint another value: never respelled
-    assert stored_record_fingerprint(HMAC_KEY, "r", None, '["0.1, 0.2"]', 1) is None
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=12),
+       st.integers(-5, 5), texts, maybe_text)
+def test_a_fingerprint_of_the_json_scheme_still_matches(features: list[float], label: int,
+                                                         record_id: str,
+                                                         subject_id: str | None) -> None:
+    """Records fingerprinted before revision 0007 (over canonical JSON) verify by value."""
+    old = legacy_record_fingerprint(HMAC_KEY, record_id, subject_id, features, label)
+    stored = np.frombuffer(np.asarray(features, dtype="<f8").tobytes(), dtype="<f8")
+    assert fingerprint_matches(HMAC_KEY, record_id, subject_id, stored, label, old)
+    assert not fingerprint_matches(HMAC_KEY, record_id, subject_id, stored, label + 1, old)
 
 
-def _features(ledger: Ledger, record_id: str) -> list[float]:
+def _features(ledger: Ledger, record_id: str) -> bytes:
     with ledger.engine.connect() as conn:
-        row = conn.execute(text("SELECT features FROM record_payloads WHERE record_id = :r"),
-                           {"r": record_id}).scalar()
-    return json.loads(row) if isinstance(row, str) else row
-
-
-def test_features_spelled_otherwise_verify_by_their_values(seeded: Ledger) -> None:
-    values = _features(seeded, "r004")
-    respelled = "[ " + " ,".join(f"{v:.17e}" for v in values) + " ]"
-    assert json.loads(respelled) == values and respelled != json.dumps(values)
-    tamper(seeded, "UPDATE record_payloads SET features = :f WHERE record_id = 'r004'",
-           f=respelled)
-    result = seeded.verify()
-    assert result.ok, result.problems
+        return bytes(conn.execute(text("SELECT features FROM record_payloads "
+                                       "WHERE record_id = :r"), {"r": record_id}).scalar())
 
 
 def test_edited_or_unreadable_features_are_named(seeded: Ledger) -> None:
-    values = _features(seeded, "r005")
+    stored = _features(seeded, "r005")
+    values = np.frombuffer(stored, dtype="<f8").copy()
+    values[0] += 1e-9
     tamper(seeded, "UPDATE record_payloads SET features = :f WHERE record_id = 'r005'",
-           f=json.dumps([values[0] + 1e-9, *values[1:]]))
-    unreadable = seeded.engine.dialect.name == "sqlite"  # PostgreSQL refuses bad JSON
-    if unreadable:
-        tamper(seeded, "UPDATE record_payloads SET features = '[0.1, ' "
-                       "WHERE record_id = 'r006'")
+           f=values.tobytes())
+    tamper(seeded, "UPDATE record_payloads SET features = :f WHERE record_id = 'r006'",
+           f=_features(seeded, "r006")[:-3])
     problems = {p.where: p.message for p in seeded.verify().problems}
     assert "fingerprint" in problems["record r005"]
-    if unreadable:
-        assert "not JSON" in problems["record r006"]
+    assert "not float64 values" in problems["record r006"]

@@ -9,7 +9,8 @@ categories, skew, label noise), seeded. Stages, each size in a process of its ow
 thread: numba, OpenMP and BLAS set to 1), so every peak RSS is that stage's own:
 
 * ``init``: the table exported as CSV, then ``obliviate ledger init --csv`` (the real
-  command, a child process) on each backend: wall time and the command's peak RSS;
+  command, a child process) on each backend: wall time, the command's CPU time (user +
+  system: steadier than wall time on a shared machine) and peak RSS;
 * ``dare``: bench_dare.py's measurement (scikit-learn's RandomForestClassifier with the
   same trees, depth and sqrt features, n_jobs=1, then the DaRE forest: fit, single
   deletions, a batch of 1,000, verify) on the coded table (``ledger init --dataset
@@ -43,6 +44,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -70,9 +72,20 @@ def coded_table(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     return ds.X[:n], ds.y[:n], ds.X[n:], ds.y[n:]
 
 
-def ledger_init(csv: Path, env: dict[str, str]) -> tuple[float, float, str]:
+@dataclass(frozen=True)
+class InitRun:
+    """One `ledger init --csv` child: its wall and CPU seconds (user + system, steadier
+    than wall time on a shared machine), peak RSS and first line of output."""
+
+    wall_s: float
+    cpu_s: float
+    rss_mb: float
+    first_line: str
+
+
+def ledger_init(csv: Path, env: dict[str, str]) -> InitRun:
     """`obliviate ledger init --csv` (the real command, a child process) on the census
-    CSV: (wall seconds, the command's peak RSS in MB, its first line of output)."""
+    CSV."""
     from service.demo.processes import OBLIVIATE
 
     cmd = [*OBLIVIATE, "ledger", "init", "--csv", str(csv), "--label-column", "income",
@@ -84,7 +97,8 @@ def ledger_init(csv: Path, env: dict[str, str]) -> tuple[float, float, str]:
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         raise RuntimeError(f"ledger init failed ({status}): {out[-500:]}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 1024, out.splitlines()[0]
+    return InitRun(time.perf_counter() - t0, usage.ru_utime + usage.ru_stime,
+                   usage.ru_maxrss / 1024, out.splitlines()[0])
 
 
 def census_csv(n: int, tmp: Path) -> tuple[Path, dict[str, np.ndarray], float]:
@@ -109,11 +123,12 @@ def stage_init(n: int, backends: list[str], tmp: Path) -> list[dict]:
     rows = []
     for backend in backends:
         with own_database(backend, tmp) as url:
-            init_s, rss, first = ledger_init(csv, sidecar_env(tmp / f"init-{backend}", url))
-        log(f"   {backend}: `ledger init --csv` {init_s:.1f} s, peak RSS {rss:.0f} MB; "
-            f"{first}")
+            run = ledger_init(csv, sidecar_env(tmp / f"init-{backend}", url))
+        log(f"   {backend}: `ledger init --csv` {run.wall_s:.1f} s ({run.cpu_s:.1f} s CPU), "
+            f"peak RSS {run.rss_mb:.0f} MB; {run.first_line}")
         rows.append({"stage": "init", "n": n, "backend": backend, "gen_s": gen_s,
-                     "init_s": init_s, "peak_rss_mb": rss})
+                     "init_s": run.wall_s, "init_cpu_s": run.cpu_s,
+                     "peak_rss_mb": run.rss_mb})
     return rows
 
 
@@ -246,7 +261,7 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
     work.mkdir(parents=True)
     with LocalBroker(log_path=work / "tansu.log") as broker:
         env = sidecar_env(work, url, broker.bootstrap, model_name=f"scale-{learner}")
-        init_s, _, _ = ledger_init(csv, env)
+        init_s = ledger_init(csv, env).wall_s
         params = json.dumps({"n_shards": SISA_SHARDS} if learner == "sisa" else {})
         t0 = time.perf_counter()
         subprocess.run([*OBLIVIATE, "model", "train", "--learner", learner, "--params",
