@@ -9,6 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sqlalchemy import text
 
@@ -25,11 +26,11 @@ PARAMS = {"dare": {"n_estimators": 8, "max_depth": 4, "k": 5},
           "mlp": {"hidden": [8], "epochs": 6, "batch_size": 8},
           "game": {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
                    "third_fraction": 0.25}}
-# What the learners refuse, as JSON in the ledger's payload row: features beyond float32
-# (the network learners train in float32), and for DaRE, which takes any float64, a
-# value beyond float64 (JSON reads 1e400 as inf)
-POISON = {"dare": "[1e400, 0.5, 0.5, 0.5]", "sisa": "[1e40, 0.5, 0.5, 0.5]",
-          "mlp": "[1e40, 0.5, 0.5, 0.5]", "game": "[1e40, 0.5, 0.5, 0.5]"}
+# What the learners refuse, as the ledger's payload row holds features (float64 bytes):
+# features beyond float32 (the network learners train in float32), and for DaRE, which
+# takes any finite float64, an infinity
+POISON = {"dare": [np.inf, 0.5, 0.5, 0.5], "sisa": [1e40, 0.5, 0.5, 0.5],
+          "mlp": [1e40, 0.5, 0.5, 0.5], "game": [1e40, 0.5, 0.5, 0.5]}
 
 
 def _worker(ledger: Ledger, **config: float) -> Worker:
@@ -51,22 +52,23 @@ def _drain(worker: Worker, timeout_s: float = 90.0) -> None:
     raise AssertionError("the worker did not run out of work")
 
 
-def add(ledger: Ledger, request_id: str, record_id: str, poison: str | None = None) -> None:
-    """An addition of one record; with `poison`, its stored data is replaced by that JSON,
-    in the clear, as a ledger written before intake refused such values (and before
-    additions were sealed) would hold it."""
+def add(ledger: Ledger, request_id: str, record_id: str,
+        poison: list[float] | None = None) -> None:
+    """An addition of one record; with `poison`, its stored data is replaced by those
+    features, in the clear, as a ledger written before intake refused such values (and
+    before additions were sealed) would hold them."""
     res = ledger.receive({"request_id": request_id, "op": "add", "subject_id": "snew",
                           "payload": {"records": [{"record_id": record_id,
                                                    "features": [0.5, 0.5, 0.5, 0.5],
                                                    "label": 1}]}})
     assert res.status == "accepted", res.reason
     if poison is not None:
-        value = "CAST(:f AS JSON)" if ledger.engine.dialect.name == "postgresql" else ":f"
         with ledger.engine.begin() as conn:
             conn.execute(text("DELETE FROM sealed_payloads WHERE record_id = :r"),
                          {"r": record_id})
-            conn.execute(text(f"INSERT INTO record_payloads (record_id, features, label) "
-                              f"VALUES (:r, {value}, 1)"), {"f": poison, "r": record_id})
+            conn.execute(text("INSERT INTO record_payloads (record_id, features, label) "
+                              "VALUES (:r, :f, 1)"),
+                         {"f": np.array(poison, dtype="<f8").tobytes(), "r": record_id})
 
 
 def delete(ledger: Ledger, request_id: str, *record_ids: str) -> None:
