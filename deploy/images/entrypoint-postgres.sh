@@ -16,5 +16,6 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     runuser -u postgres -- pg_ctl -D "$PGDATA" -m fast -w stop
     rm -f /tmp/pw
 fi
-exec runuser -u postgres -- postgres -D "$PGDATA" -k /run/postgresql \
+# setpriv execs (runuser would stay as PID 1 between Docker's signals and postgres)
+exec setpriv --reuid=postgres --regid=postgres --init-groups postgres -D "$PGDATA" -k /run/postgresql \
     -c listen_addresses="${POSTGRES_HOST:-127.0.0.1}" -p "${POSTGRES_PORT:-5432}"

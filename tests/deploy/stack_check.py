@@ -28,6 +28,8 @@ WORK = ROOT / "build" / "deploy" / "check"
 PROJECT = "obliviate"
 SERVICES = ["http://127.0.0.1:13000", "http://127.0.0.1:13001"]
 PROM = "http://127.0.0.1:19090"
+# the deployment's key store and model store, for the command line's containers
+VOLUMES = (f"{PROJECT}_keys:/keys", f"{PROJECT}_models:/models")
 PG = ["psql", "-h", "127.0.0.1", "-p", "15432", "-U", "obliviate", "-d", "obliviate", "-At"]
 # the alert that must fire for each fault (read from Prometheus after it)
 FAULTS = {"postgres": "WorkerPassesFailing", "broker": "ObliviateTargetDown",
@@ -70,7 +72,7 @@ class Stack:
         env = [f"-e{k}" for k in ("OBLIVIATE_DATABASE_URL", "OBLIVIATE_HMAC_KEY_HEX",
                                   "OBLIVIATE_LEDGER_SIGNING_KEY_HEX", "OBLIVIATE_KAFKA_BOOTSTRAP",
                                   "OBLIVIATE_KEY_STORE_DIR", "OBLIVIATE_MODEL_STORE")]
-        vols = [f"-v{m}" for m in mounts]
+        vols = [f"-v{m}" for m in (*VOLUMES, *mounts)]
         return sh("docker", "run", "--rm", "--network", "host", *env, *vols, "obliviate:latest",
                   *args, env=self.cli_env())
 
@@ -131,12 +133,14 @@ def start(stack: Stack) -> dict[str, float]:
     times: dict[str, float] = {}
     stack.run("down", "-v", "--remove-orphans", check=False)
     t0 = time.monotonic()
-    stack.run("up", "-d", "postgres", "broker", "prometheus")
+    # a worker first: it holds the tmpfs model store mounted (a volume nothing mounts is
+    # unmounted, and `model train` below runs in a container that exits)
+    stack.run("up", "-d", "postgres", "broker", "prometheus", "worker")
     wait("postgres", lambda: stack.sql("SELECT 1") == "1")
     times["infra_s"] = time.monotonic() - t0
     t1 = time.monotonic()
-    stack.run("run", "--rm", "--no-deps", "worker", "ledger", "init", "--dataset", "breast_cancer")
-    stack.run("run", "--rm", "--no-deps", "worker", "model", "train")
+    stack.cli("ledger", "init", "--dataset", "breast_cancer")
+    stack.cli("model", "train")
     times["init_train_s"] = time.monotonic() - t1
     t2 = time.monotonic()
     stack.run("up", "-d")
@@ -153,9 +157,11 @@ def stream(stack: Stack, prefix: str, seconds: float) -> subprocess.Popen[str]:
     """tests/deploy/stream.py in a container of the image, in the background."""
     env = stack.cli_env()
     keys = [f"-e{k}" for k in ("OBLIVIATE_DATABASE_URL", "OBLIVIATE_KAFKA_BOOTSTRAP",
-                               "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX")]
+                               "OBLIVIATE_HMAC_KEY_HEX", "OBLIVIATE_LEDGER_SIGNING_KEY_HEX",
+                               "OBLIVIATE_KEY_STORE_DIR", "OBLIVIATE_MODEL_STORE")]
+    vols = [f"-v{m}" for m in VOLUMES]
     return subprocess.Popen(
-        ["docker", "run", "--rm", "--network", "host", *keys, "-v",
+        ["docker", "run", "--rm", "--network", "host", *keys, *vols, "-v",
          f"{ROOT / 'tests/deploy'}:/check:ro", "--entrypoint", "python", "obliviate:latest",
          "/check/stream.py", "--prefix", prefix, "--seconds", str(seconds)],
         stdout=subprocess.PIPE, text=True, env=env)
