@@ -100,7 +100,7 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def wait(what: str, ok: Any, limit_s: float = 300) -> float:
+def wait(what: str, ok: Any, limit_s: float = 600) -> float:
     t0 = time.monotonic()
     while not ok():
         if time.monotonic() - t0 > limit_s:
@@ -226,8 +226,12 @@ def port_open(port: int) -> bool:
 
 def fault(stack: Stack, name: str) -> dict[str, Any]:
     """One fault with the stream running: back, resumed, nothing lost, the alert fired."""
-    proc = stream(stack, f"fault-{name}", 45)
-    time.sleep(12)
+    proc = stream(stack, f"fault-{name}", 30)
+    assert proc.stdout is not None
+    while proc.stdout.readline().strip() != "streaming":  # its setup done (or it failed)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the stream for {name} ended before streaming")
+    time.sleep(8)
     t_fault, t0 = time.time(), time.monotonic()
     log(f"fault {name}")
     back = inject(stack, name)
@@ -267,7 +271,7 @@ def main() -> int:
         log(f"started: {json.dumps({k: round(v, 1) for k, v in times.items()})}")
         heads = WORK / "heads" / "heads.json"
         heads.parent.mkdir(parents=True, exist_ok=True)
-        base = finish(stream(stack, "steady", 30))
+        base = finish(stream(stack, "steady", 20))
         log(f"steady stream: {json.dumps(base)}")
         heads.write_text(stack.cli("ledger", "heads"))
         ok &= base["lost"] == base["doubled"] == base["unfinished"] == 0 \
@@ -287,7 +291,7 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - reported, then the stack's logs
         ok = False
         log(f"FAILED: {exc}")
-        sys.stdout.write(stack.run("logs", "--tail", "30", check=False))
+        sys.stdout.write(stack.run("logs", "--tail", "10", check=False))
     finally:
         if not args.keep:
             stack.run("down", "-v", "--remove-orphans", check=False)

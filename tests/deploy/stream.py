@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from kafka import KafkaProducer
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from ledger.config import LedgerSettings
 from ledger.producer import encode, request_stream
@@ -111,14 +112,18 @@ def settle(conn_factory: Any, acked: dict[str, dict[str, Any]], sender: Sender,
     resend_at = time.monotonic() + 20
     ids = list(acked)
     while True:
-        with conn_factory() as conn:
-            status = dict(conn.execute(text(
-                "SELECT request_id, status FROM requests WHERE request_id = ANY(:ids)"),
-                {"ids": ids}).all())
-            applied = conn.execute(text(
-                "SELECT request_id, count(*) FROM events WHERE request_id = ANY(:ids) "
-                "AND kind IN ('received', 'applied') GROUP BY request_id, kind "
-                "HAVING count(*) > 1"), {"ids": ids}).all()
+        try:
+            with conn_factory() as conn:
+                status = dict(conn.execute(text(
+                    "SELECT request_id, status FROM requests WHERE request_id = ANY(:ids)"),
+                    {"ids": ids}).all())
+                applied = conn.execute(text(
+                    "SELECT request_id, count(*) FROM events WHERE request_id = ANY(:ids) "
+                    "AND kind IN ('received', 'applied') GROUP BY request_id, kind "
+                    "HAVING count(*) > 1"), {"ids": ids}).all()
+        except OperationalError:  # the database restarting (one of the faults): again
+            time.sleep(1)
+            continue
         missing = [i for i in ids if i not in status]
         waiting = [i for i in ids if status.get(i) not in ("verified", "failed")]
         if not waiting or time.monotonic() > deadline:
@@ -158,6 +163,7 @@ def main() -> None:
                                                [float(v) for v in live.X[0]], stop, answers))
     asker.start()
     sender = Sender(s.kafka_bootstrap, s.requests_topic)
+    print("streaming", flush=True)  # the check injects its fault after this line
     t0 = time.monotonic()
     for i, msg in enumerate(stream):
         delay = t0 + i / args.rate - time.monotonic()
