@@ -8,7 +8,7 @@ KERNELS := $(VENV)/.kernels
 WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo bench bench-quick lint clean
+.PHONY: install test test-fast demo bench bench-quick lint clean images test-deploy
 
 install: $(STAMP) $(KERNELS)
 
@@ -55,6 +55,17 @@ bench: $(STAMP) $(KERNELS)
 
 bench-quick: $(STAMP) $(KERNELS)
 	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+# The deployment (docs/operations.md, "Images"): Docker from Debian's packages, a base
+# image made by debootstrap (cached in build/deploy/), the sidecar's image from this
+# checkout, PostgreSQL, Prometheus and the broker. Not part of `make test`.
+images:
+	sh deploy/images/build.sh
+
+# deploy/compose.yaml started from those images, loaded, streamed and broken
+# (docs/operations.md, "Testing the deployment").
+test-deploy: images
+	python3 tests/deploy/stack_check.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -33,16 +33,20 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
 
 IMAGE = "obliviate:latest"
-INFRA_SERVICES = {"kafka", "postgres", "prometheus", "grafana"}
-# compose service name -> (command, port its /metrics is served on)
+INFRA_SERVICES = {"broker", "postgres", "prometheus"}
+# role -> (the image's arguments on Kubernetes, port its /metrics is served on there)
 OBLIVIATE_SERVICES = {
-    "service": (
-        ["python", "-m", "service.cli", "serve", "--host", "0.0.0.0", "--port", "3000"],
-        3000,
-    ),
-    "worker": (["python", "-m", "service.cli", "worker"], 9101),
-    "consumer": (["python", "-m", "service.cli", "consume"], 9102),
+    "service": (["serve", "--host", "0.0.0.0", "--port", "3000"], 3000),
+    "worker": (["worker"], 9101),
+    "consumer": (["consume"], 9102),
 }
+# compose service -> (role, its port on the host's network): two replicas of service and
+# worker, each a compose service of its own (no two processes share a host port)
+COMPOSE_REPLICAS = {"service": ("service", 13000), "service-2": ("service", 13001),
+                    "worker": ("worker", 19101), "worker-2": ("worker", 19111),
+                    "consumer": ("consumer", 19102)}
+# environment names that differ between replicas of one role
+REPLICA_ENV = {"OBLIVIATE_WORKER_NAME", "OBLIVIATE_WORKER_METRICS_PORT"}
 K8S_DEPLOYMENTS = {f"obliviate-{name}": name for name in OBLIVIATE_SERVICES}
 K8S_KINDS = {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Deployment",
              "Service", "Kustomization"}
@@ -53,6 +57,7 @@ EXTRA_ENV = {
     "OBLIVIATE_WORKER_METRICS_PORT",    # worker: metrics port
     "OBLIVIATE_CONSUMER_METRICS_PORT",  # consumer: metrics port
     "OBLIVIATE_SERVICE_WORKERS",        # service.service: BentoML worker processes
+    "OBLIVIATE_WORKER_NAME",            # worker: its claims' owner (one per replica)
     "BENTOML_HOME",                     # BentoML's home (a Bento's own, in the image)
     "BENTOML_DO_NOT_TRACK",             # BentoML usage tracking off
 }
@@ -250,49 +255,66 @@ def test_config_file_loads(path: Path) -> None:
 
 # --------------------------------------------------------------------------- compose
 
+def _command(name: str) -> list[str]:
+    """A compose replica's arguments as its role runs them on Kubernetes."""
+    role, port = COMPOSE_REPLICAS[name]
+    return [("0.0.0.0" if a == "127.0.0.1" else str(OBLIVIATE_SERVICES[role][1])
+             if a == str(port) else a) for a in _services()[name]["command"]]
+
+
 def test_compose_has_every_service() -> None:
-    expected = INFRA_SERVICES | set(OBLIVIATE_SERVICES)
+    expected = INFRA_SERVICES | set(COMPOSE_REPLICAS)
     missing = expected - set(_services())
     assert not missing, f"compose.yaml lacks services {sorted(missing)}"
 
 
+def test_compose_uses_the_images_make_images_builds() -> None:
+    built = {f"obliviate-{p.stem.split('.')[0]}:latest"
+             for p in (DEPLOY / "images").glob("*.Dockerfile")} - {"obliviate-obliviate:latest"}
+    for name, svc in _services().items():
+        assert svc["image"] in built | {IMAGE}, f"{name}: {svc['image']} is not built here"
+        assert svc["network_mode"] == "host", f"{name}: every container on the host network"
+
+
 def test_compose_infrastructure() -> None:
     svc = _services()
-    kafka_env = svc["kafka"]["environment"]
-    assert svc["kafka"]["image"].startswith("apache/kafka:")
-    assert "controller" in kafka_env["KAFKA_PROCESS_ROLES"], "kafka must run in KRaft mode"
-    assert "PLAINTEXT://kafka:9092" in kafka_env["KAFKA_ADVERTISED_LISTENERS"]
+    broker = " ".join(svc["broker"]["command"])
+    assert "--listener-url tcp://127.0.0.1:19092" in broker
     pg = svc["postgres"]
-    assert pg["image"] == "postgres:16"
     assert pg["environment"]["POSTGRES_DB"] == "obliviate"
+    assert pg["environment"]["POSTGRES_HOST"] == "127.0.0.1"
     assert any(str(v).endswith(":/var/lib/postgresql/data") for v in pg["volumes"])
 
 
-@pytest.mark.parametrize("name", sorted(OBLIVIATE_SERVICES))
+@pytest.mark.parametrize("name", sorted(COMPOSE_REPLICAS))
 def test_compose_obliviate_service(name: str) -> None:
     svc = _services()[name]
-    command, _ = OBLIVIATE_SERVICES[name]
+    role, port = COMPOSE_REPLICAS[name]
     assert svc["image"] == IMAGE
-    assert svc["command"] == command
+    assert _command(name) == OBLIVIATE_SERVICES[role][0]
     env = svc["environment"]
     assert isinstance(env, dict), f"{name}: environment must be a mapping"
     unknown = sorted(set(env) - _allowed_env())
     assert not unknown, (f"{name}: environment names that no layer's settings "
                          f"(OBLIVIATE_<FIELD>) nor EXTRA_ENV know: {unknown}")
     assert not REQUIRED_ENV - set(env), f"{name}: missing {sorted(REQUIRED_ENV - set(env))}"
-    assert env["OBLIVIATE_KAFKA_BOOTSTRAP"] == "kafka:9092"
+    assert env["OBLIVIATE_KAFKA_BOOTSTRAP"] == "127.0.0.1:19092"
     assert env["OBLIVIATE_MODEL_STORE"] == "/models"
     url = env["OBLIVIATE_DATABASE_URL"]
     assert url.startswith("postgresql+psycopg://obliviate:")
-    assert url.endswith("@postgres:5432/obliviate")
+    assert url.endswith("@127.0.0.1:15432/obliviate")
+    if role != "service":
+        assert env[f"OBLIVIATE_{role.upper()}_METRICS_PORT"] == str(port)
+    assert f"127.0.0.1:{port}/" in " ".join(svc["healthcheck"]["test"]), f"{name}: probe"
 
 
 def test_compose_obliviate_services_share_one_environment() -> None:
-    envs = [_services()[n]["environment"] for n in sorted(OBLIVIATE_SERVICES)]
+    envs = [{k: v for k, v in _services()[n]["environment"].items() if k not in REPLICA_ENV}
+            for n in sorted(COMPOSE_REPLICAS)]
     assert all(e == envs[0] for e in envs)
-    env = envs[0]
-    assert env["OBLIVIATE_WORKER_METRICS_PORT"] == str(OBLIVIATE_SERVICES["worker"][1])
-    assert env["OBLIVIATE_CONSUMER_METRICS_PORT"] == str(OBLIVIATE_SERVICES["consumer"][1])
+    workers = [_services()[n]["environment"]["OBLIVIATE_WORKER_NAME"]
+               for n, (role, _) in COMPOSE_REPLICAS.items() if role == "worker"]
+    assert len(set(workers)) == len(workers) == 2, "each worker replica claims under its name"
 
 
 _REQUIRED_VAR = re.compile(r"\$\{[A-Z0-9_]+:\?[^}]*\}")
@@ -307,15 +329,13 @@ def test_compose_commits_no_secrets() -> None:
     assert _REQUIRED_VAR.fullmatch(password), "the database password must come from the env"
     pg_password = _services()["postgres"]["environment"]["POSTGRES_PASSWORD"]
     assert _REQUIRED_VAR.fullmatch(pg_password)
-    gf_password = _services()["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
-    assert _REQUIRED_VAR.fullmatch(gf_password)
 
 
 def test_compose_model_store_is_shared_by_worker_and_service() -> None:
     def store(name: str) -> set[str]:
         return {v.split(":")[0] for v in _services()[name].get("volumes", [])
                 if v.split(":")[1] == "/models"}
-    assert store("service") and store("service") == store("worker")
+    assert store("service") and store("service") == store("worker") == store("service-2")
     assert store("service") <= set(_compose()["volumes"])
 
 
@@ -332,7 +352,7 @@ def test_compose_named_volumes_are_declared_and_bind_mounts_exist() -> None:
 
 def test_compose_healthchecks_and_dependencies() -> None:
     svc = _services()
-    assert "3000/healthz" in " ".join(svc["service"]["healthcheck"]["test"])
+    assert "13000/healthz" in " ".join(svc["service"]["healthcheck"]["test"])
     conditions = {"service_healthy", "service_completed_successfully", "service_started"}
     for name, s in svc.items():
         deps = s.get("depends_on", {})
@@ -342,9 +362,9 @@ def test_compose_healthchecks_and_dependencies() -> None:
             assert spec["condition"] in conditions
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in svc[dep], f"{name} waits for {dep}: no healthcheck"
-    for name in OBLIVIATE_SERVICES:
+    for name in COMPOSE_REPLICAS:
         assert svc[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert svc["consumer"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+    assert "broker" in svc["consumer"]["depends_on"]
 
 
 # --------------------------------------------------------------------------- prometheus
@@ -363,11 +383,11 @@ def _scrape_targets(job: dict[str, Any]) -> set[tuple[str, int]]:
 def test_prometheus_scrapes_every_obliviate_process() -> None:
     config = _load("prometheus/prometheus.yml")
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    for name, (_, port) in OBLIVIATE_SERVICES.items():
-        assert name in jobs, f"no scrape job {name!r}"
-        assert jobs[name].get("metrics_path", "/metrics") == "/metrics"
-        assert _scrape_targets(jobs[name]) == {(name, port)}, f"job {name} scrapes the wrong target"
-        assert name in _services()
+    for role in OBLIVIATE_SERVICES:
+        assert role in jobs, f"no scrape job {role!r}"
+        assert jobs[role].get("metrics_path", "/metrics") == "/metrics"
+        want = {("127.0.0.1", port) for r, port in COMPOSE_REPLICAS.values() if r == role}
+        assert _scrape_targets(jobs[role]) == want, f"job {role} scrapes the wrong targets"
 
 
 def test_prometheus_loads_the_alert_rules() -> None:
@@ -475,14 +495,14 @@ def test_dashboard_structure() -> None:
                    for t in targets)
 
 
-def test_grafana_provisioning_matches_compose() -> None:
+def test_grafana_provisioning() -> None:
+    """For a Grafana of the operator's own (Debian packages none): the data source is the
+    compose file's Prometheus, the provider reads the dashboards' folder."""
     (ds,) = _load("grafana/provisioning/datasources/prometheus.yml")["datasources"]
     assert ds["uid"] == "prometheus" and ds["type"] == "prometheus"
-    assert ds["url"] == "http://prometheus:9090"
+    assert ds["url"] == "http://127.0.0.1:19090"
     (provider,) = _load("grafana/provisioning/dashboards/obliviate.yml")["providers"]
-    mounts = dict(v.split(":")[:2] for v in _services()["grafana"]["volumes"])
-    assert mounts["./grafana/dashboards"] == provider["options"]["path"]
-    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert provider["options"]["path"]
 
 
 # --------------------------------------------------------------------------- kubernetes
@@ -588,13 +608,12 @@ def test_topics_are_created_with_the_documented_retention() -> None:
     s = LedgerSettings()
     want = {s.requests_topic: retention_configs(s.requests_retention_s),
             s.dead_letter_topic: retention_configs(s.dead_letter_retention_s)}
+    # compose's broker gets its topics from the consumer (`ensure_topics`, these configs)
     assert want == s.topic_configs()
-    compose = " ".join(_services()["kafka-init"]["command"])
     job = " ".join(_k8s("Job")["obliviate-kafka-topics"]["spec"]["template"]["spec"]
                    ["containers"][0]["args"])
-    for script, names in ((compose, {t: t for t in want}),
-                          (job, {s.requests_topic: "$OBLIVIATE_REQUESTS_TOPIC",
-                                 s.dead_letter_topic: "$OBLIVIATE_DEAD_LETTER_TOPIC"})):
+    for script, names in ((job, {s.requests_topic: "$OBLIVIATE_REQUESTS_TOPIC",
+                                 s.dead_letter_topic: "$OBLIVIATE_DEAD_LETTER_TOPIC"}),):
         for topic, cfg in want.items():
             create = next(c for c in script.split(";") if f"--topic {names[topic]} " in
                           c.replace('"', "") + " ")
@@ -604,10 +623,45 @@ def test_topics_are_created_with_the_documented_retention() -> None:
         want[s.requests_topic]["retention.ms"])
 
 
-def test_compose_publishes_only_the_service_beyond_this_host() -> None:
-    """Kafka (PLAINTEXT, no auth: producing to the requests topic deletes data),
-    Prometheus and Grafana listen on loopback only; the service is the public face."""
-    for name, svc in _services().items():
-        for port in svc.get("ports", []):
-            if name != "service":
-                assert str(port).startswith("127.0.0.1:"), (name, port)
+def test_compose_listens_on_loopback_only() -> None:
+    """On the host's network every listener binds 127.0.0.1: the broker (PLAINTEXT, no
+    auth: producing to the requests topic deletes data), PostgreSQL, Prometheus, the
+    metrics and the service (a proxy of the operator's publishes it)."""
+    svc = _services()
+    assert svc["postgres"]["environment"]["POSTGRES_HOST"] == "127.0.0.1"
+    assert "--web.listen-address=127.0.0.1:19090" in svc["prometheus"]["command"]
+    assert svc["service"]["environment"]["OBLIVIATE_METRICS_HOST"] == "127.0.0.1"
+    for name, s in svc.items():
+        assert not s.get("ports"), f"{name}: no port mapping on the host network"
+        command = s.get("command", [])
+        if "--host" in command:
+            assert command[command.index("--host") + 1] == "127.0.0.1", name
+        assert not any("0.0.0.0" in str(a) for a in command), name
+
+
+def _probe_path(test: list[str]) -> str:
+    """The path a compose healthcheck's URL asks for."""
+    url = next(a for a in test if a.startswith("http://"))
+    return "/" + url.split("/", 3)[3]
+
+
+@pytest.mark.parametrize("role", sorted(OBLIVIATE_SERVICES))
+def test_k8s_matches_compose(role: str) -> None:
+    """Kubernetes and compose run each role alike: the same arguments, environment names
+    (less what names a replica or a host), secrets handed in from outside, one key store
+    at the same path, and the liveness probe on the same path."""
+    name = next(n for n, (r, _) in COMPOSE_REPLICAS.items() if r == role)
+    compose = _services()[name]
+    container = _container(_k8s("Deployment")[f"obliviate-{role}"])
+    config = _k8s("ConfigMap")["obliviate-config"]["data"]
+    secret = _k8s("Secret")["obliviate-secrets"]["stringData"]
+    assert container.get("args") == _command(name)
+    host_only = {"OBLIVIATE_SERVICE_WORKERS"} | REPLICA_ENV
+    assert set(compose["environment"]) - host_only == (set(config) | set(secret)) - host_only
+    for key in SECRET_ENV:
+        assert _REQUIRED_VAR.search(compose["environment"][key]) and key in secret, key
+    assert config["OBLIVIATE_KEY_STORE_DIR"] == compose["environment"]["OBLIVIATE_KEY_STORE_DIR"]
+    k8s_mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert k8s_mounts == {v.split(":")[1] for v in compose["volumes"]}
+    assert container["livenessProbe"]["httpGet"]["path"] == _probe_path(
+        compose["healthcheck"]["test"])

@@ -47,7 +47,9 @@ _VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::([?-])([^}]*))?\}")
 def compose_env() -> dict[str, str]:
     """The environment compose gives every signing process, its ${VAR} filled in."""
     services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
-    envs = [services[name]["environment"] for name in SIGNING]
+    # less what names a worker replica (its claims' owner; one host, one network)
+    envs = [{k: v for k, v in services[name]["environment"].items()
+             if k != "OBLIVIATE_WORKER_NAME"} for name in SIGNING]
     assert all(e == envs[0] for e in envs), "the signing processes share one environment"
 
     def fill(m: re.Match) -> str:
