@@ -33,7 +33,7 @@ def warm() -> float:
     model.learner.add(ids[-2:], X[-2:], y[-2:])
     model.update_guard(added=list(ids[-2:]))
     model.certain(X[:10])
-    _warm_wide_indices(rng)
+    warm_wide_indices(rng)
     ServedModel.train("sisa", ids[:60], X[:60], y[:60],  # the compiled LOO schedule
                       {"n_shards": 1, "hidden": [4], "epochs_per_slice": 1})
     net = init_net(build_net("mlp", X.shape[1], 2, [4]), 0)  # and compiled Adam
@@ -43,7 +43,7 @@ def warm() -> float:
     return time.perf_counter() - t0
 
 
-def _warm_wide_indices(rng: np.random.Generator) -> None:
+def warm_wide_indices(rng: np.random.Generator) -> None:
     """The same DaRE paths on a table past 65,535 records, where the kernels take int32
     record indices instead of uint16 (another compiled variant): without it a sidecar's
     first fit and first deletion above that size paid about a minute of compiling."""
