@@ -739,7 +739,8 @@ def test_bundle_from_before_the_compiled_kernel_retrains_with_torch(tmp_path, mo
 
     resolved = ensemble.resolve_config
     monkeypatch.setattr(ensemble, "resolve_config",
-                        lambda params: {**resolved(params), "kernel": "torch"})
+                        lambda params, relu_mlp=None: {**resolved(params, relu_mlp),
+                                                       "kernel": "torch"})
     m = _model(n_shards=2, schedule=schedule).fit(X, y, record_ids=ids)
     monkeypatch.undo()
     m.save(tmp_path / "m")

@@ -255,7 +255,13 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
     from ledger.consumer import ensure_topics
     from ledger.local_broker import LocalBroker
     from service.demo.processes import OBLIVIATE, LocalSidecar, sidecar_env
-    from tests.bench.e2e_stream import PeakRSS, analyse, run_stream, wait_for_line
+    from tests.bench.e2e_stream import (
+        PeakRSS,
+        analyse,
+        run_stream,
+        wait_for_guard,
+        wait_for_line,
+    )
 
     tag = f"   [e2e n={n} {backend} {learner}]"
     work.mkdir(parents=True)
@@ -286,7 +292,8 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
                 stream = run_stream(
                     sidecar, ledger, registry.current_seq, s.kafka_bootstrap,
                     s.requests_topic, messages, args.rate, rows, False,
-                    ready=lambda: wait_for_line(work / "worker.log", "started", 900.0),
+                    ready=lambda: wait_for_line(work / "worker.log", "started", 900.0)
+                    + wait_for_guard(registry, 900.0),
                     drain_s=max(300.0, args.duration))
         finally:
             sidecar.stop()

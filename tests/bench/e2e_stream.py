@@ -82,6 +82,21 @@ def wait_for_line(path: Path, text: str, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+def wait_for_guard(registry: Any, timeout_s: float) -> float:
+    """Seconds until the current version owes no guard refit (at most `timeout_s`): a
+    version `model train` published before its guard answers every query noised, which
+    would make the idle phase measure the wait, not the guard."""
+    from jobs.orchestration.served_model import guard_owed
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        current = registry.current()
+        if current is not None and not guard_owed(current.manifest):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def share(before: tuple[float, float], after: tuple[float, float]) -> float:
     """The share of answers certain between two guard_counts."""
     certain, noised = after[0] - before[0], after[1] - before[1]
