@@ -122,6 +122,11 @@ class LogResetWatch:
     def recorded(self, partition: int, next_offset: int) -> None:
         self.next_offsets[partition] = next_offset
 
+    def refresh(self, next_offsets: dict[int, int]) -> None:
+        """The ledger's offsets as they are now: another consumer of the group may have
+        recorded a partition, or read its log again, since this one last held it."""
+        self.next_offsets = dict(next_offsets)
+
     def read_again(self, starts: dict[TopicPartition, int]) -> None:
         """The restarted partitions are read again from `starts`: the new log is the one
         to watch now."""
@@ -137,6 +142,8 @@ class LogResetWatch:
         if self._topic_id is None:
             self._topic_id = self._now_id
         elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it
+            if not assigned:  # nothing of it to read again here
+                self._topic_id = self._now_id
             return {tp: f"topic id changed from {self._topic_id} to {self._now_id}"
                     for tp in assigned}
         out = {}
@@ -205,6 +212,9 @@ class RequestConsumer:
                 polled = consumer.poll(timeout_ms=self.poll_timeout_ms,
                                        max_records=self.batch_size)
                 restarted = watch.restarted(consumer)
+                if restarted:  # confirmed against the ledger, not this consumer's memory
+                    watch.refresh(self.ledger.intake.next_offsets(self.topic))
+                    restarted = watch.restarted(consumer)
                 if restarted:  # what was polled may lie past a gap: read it all again
                     self._read_again(consumer, watch, restarted)
                     continue
