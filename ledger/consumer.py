@@ -141,9 +141,8 @@ class LogResetWatch:
         self._now_id = consumer._client.cluster.topic_id(self.topic) or self._topic_id
         if self._topic_id is None:
             self._topic_id = self._now_id
-        elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it
-            if not assigned:  # nothing of it to read again here
-                self._topic_id = self._now_id
+        elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it,
+            # also while a rebalance leaves nothing assigned (the group went with the log)
             return {tp: f"topic id changed from {self._topic_id} to {self._now_id}"
                     for tp in assigned}
         out = {}
@@ -216,6 +215,7 @@ class RequestConsumer:
                     watch.refresh(self.ledger.intake.next_offsets(self.topic))
                     restarted = watch.restarted(consumer)
                 if restarted:  # what was polled may lie past a gap: read it all again
+                    self._rewind(consumer, polled)  # the other partitions' records too
                     self._read_again(consumer, watch, restarted)
                     continue
                 if not polled:

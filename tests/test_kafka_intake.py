@@ -287,7 +287,7 @@ def test_broker_killed_under_a_running_consumer_loses_and_doubles_nothing(tmp_pa
         thread = _run_until(consumer, len(before))
         assert consumer.stats.messages == len(before)
         own.kill()
-        own.start()  # on the same port; the first send makes the topic again, as in deploy/
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"], timeout_s=15)  # same port
         produce(own.bootstrap, "req", after[:20])  # below the old end: offsets 0..19
         produce(own.bootstrap, "req", after[20:])  # then past it
         wait_for_messages(consumer, len(before) + len(after))
