@@ -3,7 +3,7 @@
 Delivery is at-least-once and the effect exactly-once: a batch is recorded in one
 transaction with each partition's next offset, dead letters flushed before it commits, and
 only then is offset+1 committed to Kafka. No message stops the consumer. The 6 s session
-timeout keeps group joins on tansu short.
+timeout keeps group joins on tansu short. A log that starts again is read from its start.
 See docs/ledger.md (Intake)."""
 
 from __future__ import annotations
@@ -104,6 +104,55 @@ class ConsumerStats:
         return sum(self.counts.values())
 
 
+class LogResetWatch:
+    """Notices a partition whose log started again below what the ledger recorded from it.
+
+    tansu's in-memory log is empty after a restart, and tansu answers a fetch past its end
+    with no records rather than OFFSET_OUT_OF_RANGE, so auto_offset_reset never fires: a
+    high watermark below the recorded next offset, or a new topic id (the topic was made
+    again), says so instead. Both come with fetches and metadata: checking costs nothing.
+    """
+
+    def __init__(self, topic: str, next_offsets: dict[int, int]) -> None:
+        self.topic = topic
+        self.next_offsets = dict(next_offsets)  # partition -> next offset recorded
+        self._topic_id: object = None
+        self._now_id: object = None
+
+    def recorded(self, partition: int, next_offset: int) -> None:
+        self.next_offsets[partition] = next_offset
+
+    def refresh(self, next_offsets: dict[int, int]) -> None:
+        """The ledger's offsets as they are now: another consumer of the group may have
+        recorded a partition, or read its log again, since this one last held it."""
+        self.next_offsets = dict(next_offsets)
+
+    def read_again(self, starts: dict[TopicPartition, int]) -> None:
+        """The restarted partitions are read again from `starts`: the new log is the one
+        to watch now."""
+        self._topic_id = self._now_id
+        for tp, start in starts.items():
+            self.recorded(tp.partition, start)
+
+    def restarted(self, consumer: KafkaConsumer) -> dict[TopicPartition, str]:
+        """The assigned partitions whose log started again, each with why it is thought so."""
+        assigned = [tp for tp in consumer.assignment() if tp.topic == self.topic]
+        # kafka-python keeps the topic ids of its metadata on its client, nowhere public
+        self._now_id = consumer._client.cluster.topic_id(self.topic) or self._topic_id
+        if self._topic_id is None:
+            self._topic_id = self._now_id
+        elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it,
+            # also while a rebalance leaves nothing assigned (the group went with the log)
+            return {tp: f"topic id changed from {self._topic_id} to {self._now_id}"
+                    for tp in assigned}
+        out = {}
+        for tp in assigned:
+            end, recorded = consumer.highwater(tp), self.next_offsets.get(tp.partition, 0)
+            if end is not None and end < recorded:
+                out[tp] = f"log ends at offset {end}, below the recorded {recorded}"
+        return out
+
+
 class RequestConsumer:
     """Consumes the requests topic into the ledger until stopped (or idle)."""
 
@@ -154,12 +203,21 @@ class RequestConsumer:
         producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
                                  max_request_size=self.dead_letter_max_bytes,
                                  client_id="obliviate-dead-letters")
+        watch = LogResetWatch(self.topic, self.ledger.intake.next_offsets(self.topic))
         last_message = time.monotonic()
         try:
             while not self._stop.is_set():
                 self.ledger.heads.maybe_sign()  # an idle tail gets its signed head too
                 polled = consumer.poll(timeout_ms=self.poll_timeout_ms,
                                        max_records=self.batch_size)
+                restarted = watch.restarted(consumer)
+                if restarted:  # confirmed against the ledger, not this consumer's memory
+                    watch.refresh(self.ledger.intake.next_offsets(self.topic))
+                    restarted = watch.restarted(consumer)
+                if restarted:  # what was polled may lie past a gap: read it all again
+                    self._rewind(consumer, polled)  # the other partitions' records too
+                    self._read_again(consumer, watch, restarted)
+                    continue
                 if not polled:
                     if idle_timeout_s is not None and \
                             time.monotonic() - last_message > idle_timeout_s:
@@ -168,6 +226,8 @@ class RequestConsumer:
                 last_message = time.monotonic()
                 results = self._process(consumer, producer, polled)
                 if results is not None:
+                    for tp, recs in polled.items():
+                        watch.recorded(tp.partition, recs[-1].offset + 1)
                     self.stats.add(results)
                     if on_batch is not None:
                         on_batch(results)
@@ -180,6 +240,25 @@ class RequestConsumer:
             consumer.close(autocommit=False)
             producer.close(timeout=5)
         return self.stats
+
+    def _read_again(self, consumer: KafkaConsumer, watch: LogResetWatch,
+                    restarted: dict[TopicPartition, str]) -> None:
+        """Seek each restarted partition to its new beginning and lower the ledger's
+        offset to it (a `source_reset` event): intake knows a request read twice by its id."""
+        try:
+            starts = consumer.beginning_offsets(list(restarted), timeout_ms=5000)
+        except KafkaError as exc:  # the broker is not back yet: the next poll tries again
+            log.warning("cannot read the restarted log's beginning (%s); retrying", exc)
+            time.sleep(self.retry_backoff_s)
+            return
+        for tp, start in starts.items():
+            self.ledger.intake.restart_source(tp.topic, tp.partition, start, restarted[tp])
+            log.warning("%s/%d started again (%s): reading it from offset %d", tp.topic,
+                        tp.partition, restarted[tp], start)
+            metrics.LOG_RESETS.inc()
+            consumer.seek(tp, start)
+            self._recorded[tp] = OffsetAndMetadata(start, "", -1)
+        watch.read_again(starts)
 
     def _process(self, consumer: KafkaConsumer, producer: KafkaProducer,
                  polled: dict[TopicPartition, list[Any]]) -> list[IntakeResult] | None:

@@ -22,3 +22,8 @@ DEAD_LETTERS = Counter(
     "obliviate_dead_letters",
     "Messages sent to the dead-letter topic.",
 )
+LOG_RESETS = Counter(
+    "obliviate_consumer_log_resets",
+    "Times the consumer found a requests partition's log started again (a broker that "
+    "lost it) and read it from its beginning.",
+)

@@ -75,6 +75,13 @@ class LocalBroker:
                 self._proc.wait()
         self._proc = None
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it: its in-memory log is lost with it."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
     def __enter__(self) -> LocalBroker:
         return self.start()
 

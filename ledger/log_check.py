@@ -61,7 +61,7 @@ class LogFacts:
 
     # the kinds `see` reads: the lifecycle's and those whose payload it parses
     KINDS = frozenset(REQUEST_STATUSES) | {"received", "applied", "records_loaded", "rejected",
-                                           "duplicate"}
+                                           "duplicate", "source_reset"}
 
     def __init__(self) -> None:
         self.kind: dict[str, str] = {}  # request -> its last lifecycle event's kind
@@ -89,7 +89,8 @@ class LogFacts:
             self.first.setdefault(rid, e.seq)
             if e.kind == "received":
                 self.received.setdefault(rid, e.seq)
-        if e.kind not in ("received", "applied", "records_loaded", "rejected", "duplicate"):
+        if e.kind not in ("received", "applied", "records_loaded", "rejected", "duplicate",
+                          "source_reset"):
             return
         try:
             payload = json.loads(e.payload)
@@ -105,7 +106,10 @@ class LogFacts:
                 self.loads.append((e.seq, payload.get("schema_sha256"),
                                    payload.get("n_features"), payload.get("classes") or []))
             source = payload.get("source") or {}
-            if source.get("kind") == "kafka" and source.get("topic") is not None:
+            if e.kind == "source_reset":  # the log started again: as if before its first
+                self.offsets[(source["topic"], int(source["partition"]))] = (
+                    int(payload["next_offset"]) - 1, e.seq)
+            elif source.get("kind") == "kafka" and source.get("topic") is not None:
                 self.offsets[(source["topic"], int(source["partition"] or 0))] = (
                     int(source["offset"]), e.seq)
         except (ValueError, TypeError, KeyError, AttributeError):

@@ -11,9 +11,10 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 
 from ledger import intake_metrics as metrics
+from ledger.appender import ChainAppender
 from ledger.chain import iso, utc_now
 from ledger.db import writing
 from ledger.error_text import first_line
@@ -90,6 +91,33 @@ class RequestIntake:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.coalesce(func.sum(OFFSETS.c.next_offset), 0))
                                     .where(OFFSETS.c.topic == topic)).scalar())
+
+    def next_offsets(self, topic: str) -> dict[int, int]:
+        """Each partition's next offset to record from `topic`: what a new log must reach."""
+        with self.engine.connect() as conn:
+            return dict(conn.execute(select(OFFSETS.c.partition, OFFSETS.c.next_offset)
+                                     .where(OFFSETS.c.topic == topic)).all())
+
+    def restart_source(self, topic: str, partition: int, next_offset: int,
+                       reason: str) -> int | None:
+        """The partition's log started again below what was recorded (a broker that lost
+        it): lower its next offset to `next_offset`, so the new log's messages are not
+        skipped as redeliveries, with a `source_reset` event that `verify` follows.
+        Returns the event's seq, or None when nothing recorded was above `next_offset`."""
+        with writing(self.engine) as conn:
+            where = (OFFSETS.c.topic == topic, OFFSETS.c.partition == partition)
+            old = conn.execute(select(OFFSETS.c.next_offset).where(*where)).scalar()
+            if old is None or old <= next_offset:
+                return None
+            appender = ChainAppender(conn)
+            seq = appender.append("source_reset", None, {
+                "source": {"kind": "kafka", "topic": topic, "partition": partition},
+                "next_offset": next_offset, "previous_next_offset": old, "reason": reason,
+            }, iso(utc_now()))
+            appender.flush(conn)
+            conn.execute(update(OFFSETS).where(*where).values(next_offset=next_offset))
+            self._heads.take_if_due(conn, seq)
+        return seq
 
     def _record_batch(self, messages: Sequence[IncomingMessage],
                       parsed: list[RequestMessage | InvalidRequest],

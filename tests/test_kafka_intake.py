@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaConsumer
 from kafka.admin import KafkaAdminClient
+from prometheus_client import REGISTRY
 from sqlalchemy import text
 
 from ledger.consumer import RequestConsumer
@@ -234,3 +235,91 @@ def test_consumer_survives_a_broker_that_goes_away(tmp_path) -> None:
         assert not thread.is_alive() and not errors, errors
     assert consumer.stats.messages == 50
     assert ledger.verify().ok
+
+
+
+def _requests(n_before: int) -> tuple[list, list]:
+    """Distinct valid requests, split in those sent before the broker's crash and after."""
+    firsts: dict = {}
+    for m in stream(160, seed_=5):
+        if isinstance(m, dict):
+            firsts.setdefault(m["request_id"], m)
+    ordered = list(firsts.values())
+    return ordered[:n_before], ordered[n_before:]
+
+
+def _run_until(consumer: RequestConsumer, n: int, timeout_s: float = 30) -> threading.Thread:
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    wait_for_messages(consumer, n, timeout_s)
+    return thread
+
+
+def wait_for_messages(consumer: RequestConsumer, n: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while consumer.stats.messages < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _each_once(ledger: Ledger, requests: list) -> None:
+    received = Counter(e["request_id"] for e in ledger.events.export()
+                       if e["kind"] == "received")
+    ids = {m["request_id"] for m in requests}
+    assert set(received) == ids, f"lost: {sorted(ids - set(received))}"
+    assert max(received.values()) == 1, "a request was recorded twice"
+    assert event_counts(ledger)["source_reset"] == 1
+    assert ledger.verify().ok
+
+
+def test_broker_killed_under_a_running_consumer_loses_and_doubles_nothing(tmp_path) -> None:
+    """tansu's in-memory log starts again at offset 0 after a crash, below the consumer's
+    position and the ledger's recorded offset: what is produced after it is still taken."""
+    from ledger.consumer import ensure_topics
+
+    ledger = make_ledger(tmp_path)
+    before, after = _requests(60)
+    resets = REGISTRY.get_sample_value("obliviate_consumer_log_resets_total") or 0
+    own = LocalBroker()
+    try:
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"])
+        produce(own.bootstrap, "req", before)
+        consumer = RequestConsumer(ledger, own.bootstrap, "req", "req.dead", group_id="g")
+        thread = _run_until(consumer, len(before))
+        assert consumer.stats.messages == len(before)
+        own.kill()
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"], timeout_s=15)  # same port
+        produce(own.bootstrap, "req", after[:20])  # below the old end: offsets 0..19
+        produce(own.bootstrap, "req", after[20:])  # then past it
+        wait_for_messages(consumer, len(before) + len(after))
+        consumer.stop()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        own.stop()
+    assert consumer.stats.counts == {"accepted": len(before) + len(after)}
+    _each_once(ledger, before + after)
+    assert REGISTRY.get_sample_value("obliviate_consumer_log_resets_total") == resets + 1
+
+
+def test_consumer_started_on_a_restarted_broker_reads_its_new_log(tmp_path) -> None:
+    """The broker lost its log while no consumer ran: a new consumer finds the log's end
+    below the ledger's recorded offset (no topic id to compare) and reads it all."""
+    from ledger.consumer import ensure_topics
+
+    ledger = make_ledger(tmp_path)
+    before, after = _requests(60)
+    own = LocalBroker()
+    try:
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"])
+        produce(own.bootstrap, "req", before)
+        consumer = RequestConsumer(ledger, own.bootstrap, "req", "req.dead", group_id="g")
+        consume_until(consumer, len(before))
+        own.kill()
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"], timeout_s=15)
+        produce(own.bootstrap, "req", after[:30])
+        consumer = RequestConsumer(ledger, own.bootstrap, "req", "req.dead", group_id="g")
+        consume_until(consumer, len(after[:30]))
+    finally:
+        own.stop()
+    assert consumer.stats.counts == {"accepted": 30}
+    _each_once(ledger, before + after[:30])

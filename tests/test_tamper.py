@@ -540,6 +540,23 @@ def test_an_edited_kafka_offset_is_caught_by_verify(signed: Ledger, edit, messag
                             "records a message of that partition") for p in problems(signed))
 
 
+def test_a_restarted_kafka_log_is_taken_and_its_offsets_still_checked(signed: Ledger) -> None:
+    """A broker that lost its log numbers from 0 again: after `restart_source` the new
+    log's messages are accepted, not skipped as redeliveries, and verify follows the
+    `source_reset` event, still catching an edited offset."""
+    kafka(signed, "reqs", (0, delete("k0", "r000")), (1, delete("k1", "r001")))
+    assert signed.intake.restart_source("reqs", 0, 0, "log ends at offset 0") is not None
+    assert signed.intake.restart_source("reqs", 0, 0, "again") is None  # nothing above 0
+    assert signed.verify().ok, signed.verify().problems
+    kafka(signed, "reqs", (0, delete("k2", "r002")), (1, delete("k1", "r001")))
+    kinds = [e["kind"] for e in signed.events.export()][-3:]
+    assert kinds == ["source_reset", "received", "duplicate"], kinds
+    assert signed.intake.next_offsets("reqs") == {0: 2}
+    assert signed.verify().ok, signed.verify().problems
+    tamper(signed, update(OFFSETS).values(next_offset=5))
+    assert any("messages would be skipped" in p for p in problems(signed))
+
+
 # ---------------------------------------------------------------------------- the registry
 def _published(ledger: Ledger) -> tuple[Ledger, Registry, list[str]]:
     """A worker's real history: train v1, a deletion (v2), an addition (v3), both verified
