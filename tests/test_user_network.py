@@ -421,7 +421,8 @@ def test_the_game_learner_trains_a_user_network_and_retrains_it_exactly(
     network (dropout seeded, so a retrain is the same bits); its deletion is approximate,
     its exact retrain verifies by content hash, and the version pins and carries the
     source as SISA's do."""
-    X, y = _table(120)
+    X, y = _table(124)
+    X, y, X_new, y_new = X[:120], y[:120], X[120:], y[120:]
     ids = np.array(_ids(120), dtype=object)
     model = ServedModel.train("game", ids, X, y, {"network": MLP, **GAME_SMALL,
                                                   "network_params": {"hidden": 16}})
@@ -432,10 +433,12 @@ def test_the_game_learner_trains_a_user_network_and_retrains_it_exactly(
     assert isinstance(learner.net_[2], torch.nn.Dropout)  # the user's module is served
     train = learner.record_ids_[learner.train_mask_]
     learner.delete(train[:3])
+    learner.add(np.array(_ids(4, "n"), dtype=object), X_new, y_new)  # fine-tuned, approximate
     assert model.forgetting == "approximate" and not learner.verify().exact
     exact = model.exact_replacement()
     assert exact.forgetting == "exact" and exact.learner.verify().exact
-    man = manifest(exact, seq=2, parent=None, ledger_seq=0, training_set=(117, "root"),
+    assert set(_ids(4, "n")) <= set(exact.learner.record_ids_[exact.learner.train_mask_])
+    man = manifest(exact, seq=2, parent=None, ledger_seq=0, training_set=(121, "root"),
                    change={"op": "exact_retrain"})
     assert man["network"]["sha256"] == source and man["forgetting"] == "exact"
     exact.save(tmp_path / "v2")
