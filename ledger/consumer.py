@@ -137,8 +137,7 @@ class LogResetWatch:
     def restarted(self, consumer: KafkaConsumer) -> dict[TopicPartition, str]:
         """The assigned partitions whose log started again, each with why it is thought so."""
         assigned = [tp for tp in consumer.assignment() if tp.topic == self.topic]
-        # kafka-python keeps the topic ids of its metadata on its client, nowhere public
-        self._now_id = consumer._client.cluster.topic_id(self.topic) or self._topic_id
+        self._now_id = topic_id(consumer, self.topic) or self._topic_id
         if self._topic_id is None:
             self._topic_id = self._now_id
         elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it,
@@ -151,6 +150,15 @@ class LogResetWatch:
             if end is not None and end < recorded:
                 out[tp] = f"log ends at offset {end}, below the recorded {recorded}"
         return out
+
+
+def topic_id(consumer: KafkaConsumer, topic: str) -> object:
+    """The topic id of `topic` in the consumer's metadata, or None where this kafka-python
+    does not keep one: it keeps them on its client, nowhere public (its 3.x series, pinned
+    in pyproject.toml and checked by a test); without it the end-offset check remains."""
+    cluster = getattr(getattr(consumer, "_client", None), "cluster", None)
+    lookup = getattr(cluster, "topic_id", None)
+    return lookup(topic) if callable(lookup) else None
 
 
 class RequestConsumer:

@@ -99,7 +99,8 @@ def _versions_in_order(conn: Any) -> tuple[list[str], dict[str, int]]:
 def exactness_chain(ledger: Ledger, version: str, since: int) -> dict[str, Any]:
     """Whether an exactness check covers `version` (first published at event `since`):
     the links from it to a version whose retrain from scratch gave the served hash, each
-    an exact update of its parent or a new guard of the same learner. `covered` False,
+    an exact update of its parent or a new guard of the same learner (an approximate
+    version's first link is the exact retrain that replaced it). `covered` False,
     with `why`, when no checked version covers it yet (or the chain breaks)."""
     with ledger.engine.connect() as conn:
         rows = conn.execute(select(EVENTS.c.seq, EVENTS.c.kind, EVENTS.c.payload,
@@ -121,11 +122,20 @@ def exactness_chain(ledger: Ledger, version: str, since: int) -> dict[str, Any]:
     guarantee = _payload(published[version]).get("guarantee") if version in published else None
     out: dict[str, Any] = {"version": version, "guarantee": guarantee, "covered": False,
                            "links": [], "checked": None, "why": None}
-    if guarantee != "exact":
-        out["why"] = f"{version} is {guarantee or 'of an unknown guarantee'}, not exact"
-        return out
     at = version
-    for nxt in [*order[order.index(version) + 1:], None]:
+    if guarantee != "exact":
+        # an approximate version (the game's) is covered by the exact retrain that
+        # replaced it: a retrain from scratch on the same records, checked by hash
+        e = next((published[v] for v in order if version in _replaces(published[v])), None)
+        if e is None:
+            out["why"] = (f"{version} is {guarantee or 'of an unknown guarantee'}, not "
+                          "exact, and no exact retrain has replaced it yet")
+            return out
+        out["links"].append({"version": e.model_version, "parent": version,
+                             "event_seq": e.seq, "kind": e.kind, "change": "exact retrain",
+                             "guarantee": "exact"})
+        at = e.model_version
+    for nxt in [*order[order.index(at) + 1:], None]:
         if at in checks:
             seq, check = checks[at]
             if check.get("guarantee") == "exact" and check.get("exact") is True:
@@ -153,6 +163,13 @@ def exactness_chain(ledger: Ledger, version: str, since: int) -> dict[str, Any]:
     out["why"] = (f"no checked version covers it yet: the exactness check has run on neither "
                   f"{version} nor a later exact update of it")
     return out
+
+
+def _replaces(e: Any) -> list[str]:
+    """The approximate versions a publication event's exact retrain replaces (none for
+    any other event)."""
+    p = _payload(e)
+    return p.get("replaces") or (p.get("change") or {}).get("replaces") or []
 
 
 def receipt(ledger: Ledger, request_id: str) -> dict[str, Any]:

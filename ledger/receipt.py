@@ -409,7 +409,8 @@ def _check_claims(rid: str, claims: dict[str, Any], events: dict[int, dict[str, 
 def _check_exactness(first: str, applied: dict[str, Any], claim: dict[str, Any],
                      events: dict[int, dict[str, Any]], out: Verdict) -> None:
     """Each link a later publication of an exact update (or of a new guard only) of the
-    link before, in log order; the last one's exactness check passed."""
+    link before, in log order, the first one the exact retrain that replaced `first` if
+    that was approximate; the last one's exactness check passed."""
     if not claim.get("covered"):
         out.facts.append(f"exactness of {first}: not proven yet ({claim.get('why')})")
         return
@@ -422,7 +423,14 @@ def _check_exactness(first: str, applied: dict[str, Any], claim: dict[str, Any],
                                 "event of the receipt, or out of order")
             return
         p = payload_of(ev)
-        if not ((ev["kind"] == "applied" and p.get("guarantee") == "exact")
+        if version == first and payload_of(applied).get("guarantee") != "exact":
+            # an approximate version: only a retrain that names it as replaced covers it
+            if first not in (p.get("replaces") or (p.get("change") or {}).get("replaces")
+                             or []):
+                out.problems.append(f"event {ev['seq']} does not replace the approximate "
+                                    f"{first} with an exact retrain")
+                return
+        elif not ((ev["kind"] == "applied" and p.get("guarantee") == "exact")
                 or ev["kind"] == "guard_refreshed"
                 or (ev["kind"] == "verified" and not p.get("in_place"))):
             out.problems.append(f"event {ev['seq']} publishes {link['version']} by "

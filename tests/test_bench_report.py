@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "tests" / "bench" / "report.py"
 sys.path.insert(0, str(REPORT.parent))
-from report import read_table  # noqa: E402
+from report import main, read_table  # noqa: E402
 
 DOC = """# Benchmarks
 
@@ -89,6 +89,20 @@ def test_no_markers_or_no_results_change_nothing_and_say_why_in_one_line(
     assert empty.stderr.strip() == "report.py: no RESULT line in the input: nothing to write"
     assert "Traceback" not in missing.stderr + empty.stderr
     assert doc.read_text() == DOC
+
+
+def test_a_stage_with_a_table_of_its_own_gets_its_rows_there(tmp_path: Path) -> None:
+    doc, log = tmp_path / "benchmarks.md", tmp_path / "run.log"
+    doc.write_text(DOC.replace("text after", "<!-- bench_x.e2e:begin -->\n"
+                               "<!-- bench_x.e2e:end -->\n\ntext after"))
+    log.write_text("RESULT stage=e2e n=10 p50_s=1.5\nRESULT stage=dare n=10 fit_s=2\n")
+    assert main([str(log), "--doc", str(doc), "--bench", "bench_x", "--machine", "m"]) == 0
+    text = doc.read_text()
+    first = text[:text.index("<!-- bench_x:end")]
+    e2e = text[text.index("<!-- bench_x.e2e:begin"):]
+    assert [r.get("stage") for r in read_table(first)[1]] == ["dare", "", ""]
+    header, rows = read_table(e2e)
+    assert [r["p50_s"] for r in rows] == ["1.5"] and "fit_s" not in header
 
 
 def test_every_benchmark_has_a_table_the_script_can_rewrite() -> None:

@@ -19,7 +19,7 @@ from kafka.admin import KafkaAdminClient
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
-from ledger.consumer import RequestConsumer
+from ledger.consumer import RequestConsumer, topic_id
 from ledger.local_broker import LocalBroker
 from ledger.producer import produce, request_stream
 from ledger.store import Ledger
@@ -236,6 +236,18 @@ def test_consumer_survives_a_broker_that_goes_away(tmp_path) -> None:
     assert consumer.stats.messages == 50
     assert ledger.verify().ok
 
+
+
+def test_the_kafka_client_keeps_the_topic_ids_the_reset_watch_reads(broker, topics) -> None:
+    """LogResetWatch reads topic ids off kafka-python's client (nowhere public): this
+    fails, rather than the watch going half-blind, on a kafka-python that moved them."""
+    c = KafkaConsumer(topics[0], bootstrap_servers=broker.bootstrap,
+                      enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        c.poll(timeout_ms=1000)
+        assert topic_id(c, topics[0]) not in (None, "")
+    finally:
+        c.close()
 
 
 def _requests(n_before: int) -> tuple[list, list]:

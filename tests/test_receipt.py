@@ -98,6 +98,35 @@ def test_forgotten_proves_the_first_version_without_the_record_exact(signed: Led
     assert forgotten(signed, "d2")["exactness_chain"]["covered"] is True
 
 
+GAME_SMALL = {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
+              "third_fraction": 0.25}
+
+
+def test_a_game_deletion_is_proven_exact_by_the_retrain_that_replaced_its_version(
+        signed: Ledger) -> None:
+    """The game serves a deletion at once from an approximate version; the chain of its
+    receipt runs to the exact retrain that replaced that version, and checks offline."""
+    reg = Registry(signed.engine, name=f"r{uuid.uuid4().hex[:8]}")
+    w = Worker(signed, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=3600.0))
+    w.bootstrap("game", GAME_SMALL)
+    model = reg.load(reg.current().version)
+    held = set(model.holdout_ids().tolist())
+    rec = next(r for r in model.learner.record_ids_.tolist() if r not in held)
+    assert signed.receive(delete("g1", rec)).status == "accepted"
+    assert w.step()
+    approx = reg.current().version
+    pending = forgotten(signed, "g1")["exactness_chain"]
+    assert not pending["covered"] and "no exact retrain has replaced it yet" in pending["why"]
+    run_checks(w, signed)
+    chain = forgotten(signed, "g1")["exactness_chain"]
+    assert chain["covered"] and chain["links"][0]["parent"] == approx
+    assert chain["links"][0]["change"] == "exact retrain"
+    verdict = checker.check(json.loads(json.dumps(receipt(signed, "g1"))), PUBLIC_KEY)
+    assert verdict.ok, verdict.problems
+    assert any(f"exactness of {approx}: 1 exact update(s)" in f for f in verdict.facts)
+
+
 def test_a_new_training_between_breaks_the_chain(signed: Ledger) -> None:
     """A later version that is not an update of the first one (seeds rotated: a retrain
     with other seeds) says nothing of it, however well it is checked."""

@@ -18,6 +18,7 @@ from jobs.orchestration.served_model import ForestModel, ServedModel
 from jobs.orchestration.update_pass import plan as _plan
 from jobs.orchestration.worker import Worker, WorkerConfig
 from ledger.chain import utc_now
+from ledger.forgotten import forgotten
 from ledger.models import RecordPayload, Request, TrainingRecord
 from ledger.store import Ledger
 from service import service_metrics as metrics
@@ -194,6 +195,12 @@ def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_r
     assert verified["model_version"] == exact.version
     assert verified["payload"]["exactness"]["exact"] is True
     assert verified["payload"]["replaces"] == [approx.version]
+    # the deletion's report links the approximate version to the retrain that replaced it
+    chain = forgotten(ledger, "g1")["exactness_chain"]
+    assert chain["covered"] is True and chain["checked"]["version"] == exact.version
+    assert chain["links"] == [{"version": exact.version, "parent": approx.version,
+                               "event_seq": verified["seq"], "kind": "verified",
+                               "change": "exact retrain", "guarantee": "exact"}]
     # the ledger and the registry agree on every publication, the retrain's included
     assert verify_registry(ledger, reg) == [] and ledger.verify().ok
 
@@ -210,6 +217,7 @@ def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_r
     assert again.manifest["change"]["replaces"] == [second.version, first.version]
     assert again.manifest["forgetting"] == "exact"
     assert {ledger.history(f"g{i}")["request"]["status"] for i in (2, 3)} == {"verified"}
+    assert forgotten(ledger, "g2")["exactness_chain"]["checked"]["version"] == again.version
 
 
 def _answers(promise: str) -> float:

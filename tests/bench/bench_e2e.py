@@ -54,7 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.bench.e2e_stream import analyse, run_stream  # noqa: E402
+from tests.bench.e2e_stream import analyse, run_stream, wait_for_guard  # noqa: E402
 
 RATE = 50.0
 
@@ -71,18 +71,6 @@ def _shard_retrain_seconds(ds, params: dict) -> float:  # noqa: ANN001 - dataset
         model.learner.delete(np.array([rid], dtype=object))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def _await_complete_guard(registry, timeout_s: float) -> float:  # noqa: ANN001 - Registry
-    """Seconds until the current version's guard is complete (bounds in), at most
-    `timeout_s`."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        cur = registry.current()
-        if cur is not None and (cur.manifest["guard"].get("bound") or {}).get("complete"):
-            break
-        time.sleep(0.5)
-    return time.monotonic() - t0
 
 
 def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.0,
@@ -123,7 +111,7 @@ def run(learner: str, n_requests: int, n_records: int, shard_bound_s: float = 0.
         def bounds_in() -> float:
             if shard_bound_s <= 0:
                 return 0.0
-            waited = _await_complete_guard(registry, 1800.0)
+            waited = wait_for_guard(registry, 1800.0, bounds=True)
             print(f"[{learner}] guard complete (bounds in) after {waited:.0f} s", flush=True)
             return waited
 

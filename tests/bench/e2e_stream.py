@@ -82,16 +82,18 @@ def wait_for_line(path: Path, text: str, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def wait_for_guard(registry: Any, timeout_s: float) -> float:
+def wait_for_guard(registry: Any, timeout_s: float, bounds: bool = False) -> float:
     """Seconds until the current version owes no guard refit (at most `timeout_s`): a
     version `model train` published before its guard answers every query noised, which
-    would make the idle phase measure the wait, not the guard."""
+    would make the idle phase measure the wait, not the guard. `bounds`: until its bounds
+    are complete too (SISA's shard bounds arrive one guard job at a time)."""
     from jobs.orchestration.served_model import guard_owed
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         current = registry.current()
-        if current is not None and not guard_owed(current.manifest):
+        if current is not None and not guard_owed(current.manifest) and (
+                not bounds or (current.manifest["guard"].get("bound") or {}).get("complete")):
             break
         time.sleep(0.5)
     return time.monotonic() - t0

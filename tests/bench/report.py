@@ -10,6 +10,8 @@ standard input). Each becomes a row of the table between ``<!-- bench_x:begin --
 without ``=`` goes to ``kind``) and a ``note``. The new rows go on top; the rows already
 there stay below them, since the table is the benchmark's history, except those of the
 same date, machine and command, which the new run replaces (``--replace``: keep none).
+A row whose ``stage`` has a table of its own (markers ``bench_x.STAGE``) goes to that one,
+so that a benchmark of several stages keeps one readable table per stage.
 Standard library only, so it runs wherever a benchmark does.
 """
 
@@ -108,13 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     run = {"date": args.date, "machine": args.machine,
            "command": args.command or f"{args.bench}.py"}
     try:
-        text = rewrite(args.doc.read_text(), args.bench, [run | r for r in results],
-                       args.replace)
+        text = args.doc.read_text()
+        for table, rows in by_table(text, args.bench, results).items():
+            text = rewrite(text, table, [run | r for r in rows], args.replace)
+            print(f"{args.doc}: {table}: {len(rows)} row(s) written", file=sys.stderr)
     except (OSError, ValueError) as exc:
         ap.error(f"{args.doc}: {exc}")
     args.doc.write_text(text)
-    print(f"{args.doc}: {args.bench}: {len(results)} row(s) written", file=sys.stderr)
     return 0
+
+
+def by_table(doc: str, bench: str, rows: list[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
+    """The rows grouped by the table they go to: ``bench.STAGE`` where the document has
+    that table, else ``bench``."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        own = f"{bench}.{row.get('stage')}"
+        out.setdefault(own if f"<!-- {own}:begin -->" in doc else bench, []).append(row)
+    return out
 
 
 if __name__ == "__main__":
