@@ -37,9 +37,13 @@ $(BROWSER): $(STAMP)
 	  (apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver)
 	touch $(BROWSER)
 
+# pytest-xdist: TEST_WORKERS processes share the tests (each its own broker, PostgreSQL
+# schemas per test); the suite waits on the processes it starts a good part of the time.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(KERNELS) $(BROWSER)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The fast tier (docs/development.md): unit and property tests, no process started (no
 # broker, no `obliviate` subprocess, no BentoML server, no browser), no `slow` test.

@@ -308,7 +308,10 @@ def test_broker_killed_under_a_running_consumer_loses_and_doubles_nothing(tmp_pa
         assert not thread.is_alive()
     finally:
         own.stop()
-    assert consumer.stats.counts == {"accepted": len(before) + len(after)}
+    # what was fetched from the new log before its new topic id was seen is read again:
+    # the ledger knows those requests and answers `duplicate` (on a loaded machine only)
+    assert consumer.stats.counts["accepted"] == len(before) + len(after)
+    assert set(consumer.stats.counts) <= {"accepted", "duplicate"}
     _each_once(ledger, before + after)
     assert REGISTRY.get_sample_value("obliviate_consumer_log_resets_total") == resets + 1
 

@@ -102,13 +102,14 @@ GAME_SMALL = {"hidden": [8], "epochs": 5, "rounds": 5, "attack_steps": 50,
               "third_fraction": 0.25}
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the chain reads events only
 def test_a_game_deletion_is_proven_exact_by_the_retrain_that_replaced_its_version(
         signed: Ledger) -> None:
     """The game serves a deletion at once from an approximate version; the chain of its
     receipt runs to the exact retrain that replaced that version, and checks offline."""
     reg = Registry(signed.engine, name=f"r{uuid.uuid4().hex[:8]}")
     w = Worker(signed, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
-                                         guard_after_idle_s=3600.0))
+                                         guard_after_idle_s=3600.0, destroy_grace_s=0.0))
     w.bootstrap("game", GAME_SMALL)
     model = reg.load(reg.current().version)
     held = set(model.holdout_ids().tolist())
