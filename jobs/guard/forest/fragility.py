@@ -290,10 +290,16 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
     8 distinct values (no sort), else by sorting its values."""
     P = cand.attr.shape[1]
     nt = rows.shape[0]
+    # a slot has at most as many groups as records or distinct values (few in a table)
+    G = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a >= 0:
+            G = max(G, min(nt, rec.voff[a + 1] - rec.voff[a]))
     of = np.empty((P, nt), np.int64)
     n = np.zeros(P, np.int64)
-    g_rank = np.empty((P, nt), np.int64)
-    g_cnt = np.zeros((P, nt, C), np.int64)
+    g_rank = np.empty((P, G), np.int64)
+    g_cnt = np.zeros((P, G, C), np.int64)
     entry = np.empty((P, k + 16), np.int64)
     prio = np.empty((P, k + 16), np.int64)
     lab = np.empty(nt, np.int64)
@@ -347,7 +353,7 @@ def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
     first k listed pairs (an end of one of them; a vanishing group whose pair (prev,
     next) may rank among them, or that leaves the attribute constant)."""
     P = cand.attr.shape[1]
-    near = np.zeros((P, grp.of.shape[1]), np.bool_)
+    near = np.zeros((P, grp.rank.shape[1]), np.bool_)
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
@@ -449,7 +455,7 @@ def _signatures(ci, grp, near, cand, k):  # pragma: no cover - compiled
     each); and each slot's number of such codes. Records of one label and the same code
     in every slot are decided alike."""
     P = cand.attr.shape[1]
-    code = np.zeros((P, grp.of.shape[1]), np.int64)
+    code = np.zeros((P, grp.rank.shape[1]), np.int64)
     radix = np.ones(P, np.int64)
     for s in range(P):
         if cand.attr[ci, s] < 0:
@@ -479,6 +485,20 @@ def _memo_at(keys, key):  # pragma: no cover - compiled
     while keys[h] != key and keys[h] != -1:
         h = (h + 1) & mask
     return h
+
+
+@njit(cache=True)
+def _memo_grown(keys, vals):  # pragma: no cover - compiled
+    """The table twice as large, with the same entries (it starts small: a node's
+    records share a few hundred signatures, and a small table stays in cache)."""
+    big = np.full(2 * keys.shape[0], -1, np.int64)
+    big_vals = np.zeros(2 * keys.shape[0], np.bool_)
+    for h in range(keys.shape[0]):
+        if keys[h] != -1:
+            at = _memo_at(big, keys[h])
+            big[at] = keys[h]
+            big_vals[at] = vals[h]
+    return big, big_vals
 
 
 @njit(cache=True)
@@ -516,17 +536,17 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     span = float(C)
     for s in range(P):
         span *= radix[s]
-    size = 1
-    if use_margin and span < 2.0**62:
-        while size < 2 * min(float(nt), span):
-            size *= 2
-    keys = np.full(size, -1, np.int64)
-    vals = np.zeros(size, np.bool_)
+    memo = use_margin and span < 2.0**62  # the keys below are exact
+    keys = np.full(256 if memo else 1, -1, np.int64)
+    vals = np.zeros(keys.shape[0], np.bool_)
+    held = 0
+    pure = np.zeros(C, np.bool_)  # the node turns pure without a record of class c
+    for c in range(C):
+        pure[c], _lab = _pure_without(cnt, c)
     for j in range(nt):
         r = rows[j]
         c = rec.y[r]
-        pure, _lab = _pure_without(cnt, c)
-        if pure:
+        if pure[c]:
             out[j] = True
             continue
         key = c
@@ -542,7 +562,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
             out[j] = short
             continue
         h = -1
-        if size > 1:
+        if memo:
             h = _memo_at(keys, key)
             if keys[h] == key:
                 out[j] = vals[h]
@@ -551,9 +571,12 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
             out[j] = _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel)
         else:
             out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
-        if h >= 0:
+        if memo:
             keys[h] = key
             vals[h] = out[j]
+            held += 1
+            if 2 * held > keys.shape[0]:
+                keys, vals = _memo_grown(keys, vals)
 
 
 @njit(cache=True)
