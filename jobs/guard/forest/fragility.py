@@ -22,12 +22,15 @@ from jobs.learners.dare.search_kernels import _TAG_THR, _sort_keys, h2, mix, sco
 _S32 = np.uint64(32)
 
 
-def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True
+def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True,
+                    tally: dict[str, int] | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the internal `nodes` (default: all), the records fragile at each: (nodes,
     off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
-    the per-record rule where a node is far from a tie (the same answer; False decides
-    every record, for tests)."""
+    the per-record rule where a node is far from a tie and decide each signature once
+    (the same answer; False decides every record, for tests). `tally` (if given) counts
+    what it cost: ``visited`` (node, record) pairs, ``rule_runs`` of the greedy per-record
+    rule."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -40,7 +43,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
-    frag = _fragile(
+    frag, runs = _fragile(
         nodes, rows, off, slot_of,
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
         _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
@@ -49,6 +52,9 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
         len(nodes), np.int64)
     if len(rows):
         cnt[np.diff(off) == 0] = 0
+    if tally is not None:
+        tally["visited"] = tally.get("visited", 0) + len(rows)
+        tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
     return nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64), rows[frag]
 
 
@@ -240,8 +246,10 @@ def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
 @njit(cache=True, parallel=True)
 def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
              ):  # pragma: no cover - compiled
-    """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests")."""
+    """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests"),
+    and per node how often the greedy per-record rule ran."""
     frag = np.zeros(rows.shape[0], np.bool_)
+    runs = np.zeros(nodes.shape[0], np.int64)
     top = rec.rank.max() if rec.rank.size else 0
     rbits = 1
     while (np.int64(1) << rbits) <= top:
@@ -262,8 +270,9 @@ def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
               or cand.split_r1[ci] != nd.r1[v]):
             out[:] = True  # the lists do not explain the split: assume the worst
         else:
-            _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin, rbits)
-    return frag
+            runs[i] = _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin,
+                                      rbits)
+    return frag, runs
 
 
 @njit(cache=True)
@@ -504,7 +513,8 @@ def _memo_grown(keys, vals):  # pragma: no cover - compiled
 @njit(cache=True)
 def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
                     ):  # pragma: no cover - compiled
-    """out[j] for each record rows[j] of greedy node v (candidate lists ci)."""
+    """out[j] for each record rows[j] of greedy node v (candidate lists ci); returns how
+    often the per-record rule ran."""
     C = nd.cnt.shape[1]
     P = cand.attr.shape[1]
     k = rule.k
@@ -540,6 +550,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     keys = np.full(256 if memo else 1, -1, np.int64)
     vals = np.zeros(keys.shape[0], np.bool_)
     held = 0
+    runs = 0
     pure = np.zeros(C, np.bool_)  # the node turns pure without a record of class c
     for c in range(C):
         pure[c], _lab = _pure_without(cnt, c)
@@ -567,6 +578,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
             if keys[h] == key:
                 out[j] = vals[h]
                 continue
+        runs += 1
         if look:
             out[j] = _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel)
         else:
@@ -577,6 +589,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
             held += 1
             if 2 * held > keys.shape[0]:
                 keys, vals = _memo_grown(keys, vals)
+    return runs
 
 
 @njit(cache=True)
