@@ -457,17 +457,20 @@ def _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore):  # pragma: no cover - 
 
 
 @njit(cache=True)
-def _signatures(ci, grp, near, cand, k):  # pragma: no cover - compiled
+def _signatures(ci, grp, near, cand, k, split):  # pragma: no cover - compiled
     """Per slot and value group, what the per-record rule reads of a record there: its
     group (``k + 1 +`` its index among the slot's near groups) where the group is near,
     else how many of the first k listed thresholds lie below it (which fixes its side of
     each); and each slot's number of such codes. Records of one label and the same code
-    in every slot are decided alike."""
+    in every slot are decided alike. `split` (attribute, lower value rank) where the
+    margin holds: the listed pairs a record leaves as they are then lose to the split
+    whatever its sides, so only its side of the split counts (fewer signatures)."""
     P = cand.attr.shape[1]
     code = np.zeros((P, grp.rank.shape[1]), np.int64)
     radix = np.ones(P, np.int64)
     for s in range(P):
-        if cand.attr[ci, s] < 0:
+        a = cand.attr[ci, s]
+        if a < 0:
             continue
         kk = min(k, cand.length[ci, s])
         thr = np.sort(cand.e_r1[cand.off[ci, s]:cand.off[ci, s] + kk])
@@ -479,8 +482,10 @@ def _signatures(ci, grp, near, cand, k):  # pragma: no cover - compiled
             if near[s, g]:
                 code[s, g] = k + 1 + n_near
                 n_near += 1
-            else:
+            elif split[0] < 0:
                 code[s, g] = below
+            elif a == split[0] and grp.rank[s, g] > split[1]:
+                code[s, g] = 1  # right of the split
         radix[s] = k + 1 + n_near
     return code, radix
 
@@ -542,7 +547,9 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     # the rule reads a record only through its label and its signature codes: decide each
     # (label, codes) once (ties make a few hundred of them stand for a node's records);
     # not when every record is to be decided on its own (use_margin False, for tests)
-    code, radix = _signatures(ci, grp, near, cand, k)
+    code, radix = _signatures(ci, grp, near, cand, k,
+                              (np.int64(nd.attr[v]), np.int64(nd.r1[v])) if fast
+                              else (np.int64(-1), np.int64(-1)))
     span = float(C)
     for s in range(P):
         span *= radix[s]
