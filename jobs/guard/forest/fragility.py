@@ -43,15 +43,11 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
-    frag, runs = _fragile(
+    frag, cnt, runs = _fragile(
         nodes, rows, off, slot_of,
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
         _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
         _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
-    cnt = np.add.reduceat(frag.astype(np.int64), off[:-1]) if len(rows) else np.zeros(
-        len(nodes), np.int64)
-    if len(rows):
-        cnt[np.diff(off) == 0] = 0
     if tally is not None:
         tally["visited"] = tally.get("visited", 0) + len(rows)
         tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
@@ -247,8 +243,9 @@ def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
 def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
              ):  # pragma: no cover - compiled
     """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests"),
-    and per node how often the greedy per-record rule ran."""
+    and per node how many are fragile and how often the greedy per-record rule ran."""
     frag = np.zeros(rows.shape[0], np.bool_)
+    cnt = np.zeros(nodes.shape[0], np.int64)
     runs = np.zeros(nodes.shape[0], np.int64)
     top = rec.rank.max() if rec.rank.size else 0
     rbits = 1
@@ -272,7 +269,8 @@ def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
         else:
             runs[i] = _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin,
                                       rbits)
-    return frag, runs
+        cnt[i] = out.sum()
+    return frag, cnt, runs
 
 
 @njit(cache=True)
