@@ -214,6 +214,7 @@ def stage_guard(n: int, quick: bool) -> list[dict]:
         f"{g['acc']:.4f}, at eps 0 {g['acc_eps0']:.4f}")
     return [{"stage": "guard", "n": n, "fit_s": g["fit_s"], "fit_cpu_s": g["fit_cpu_s"],
              "incr10_s": g["incr10_s"], "incr_vs_fit": g["incr10_s"] / g["fit_s"],
+             "incr_vs_fit_cpu": g["incr10_cpu_s"] / g["fit_cpu_s"],
              "certified": g["certified"], "acc": g["acc"], "acc_eps0": g["acc_eps0"],
              "peak_rss_mb": g["peak_rss_mb"]}]
 

@@ -154,7 +154,8 @@ class ForestGuard:
             touched = np.array(sorted({st.node_of[int(u)] for u in nodes.tolist()}),
                                dtype=np.int64)
             kept, dropped = self._kept(st, touched)
-        node, prec, dom = fragile_pairs(self.forest, st, nodes if incremental else None)
+        tally: dict[str, int] = {}
+        node, prec, dom = fragile_pairs(self.forest, st, nodes if incremental else None, tally)
         if incremental:
             node, prec, dom = highest_pairs(st, *below_dropped(self.forest, st, touched, dropped,
                                                            node, prec, dom))
@@ -176,7 +177,7 @@ class ForestGuard:
             detail={"incremental": bool(incremental), "pairs_grown": int(len(node)),
                     "exact_pairs": int((pairs.root >= 0).sum()),
                     "subtree_nodes": int(len(pairs.leaf)), "deferred_pairs": late,
-                    "complete": complete})
+                    "complete": complete, **tally})
         self._install(st, pairs, rep)
         return rep
 

@@ -22,12 +22,15 @@ from jobs.learners.dare.search_kernels import _TAG_THR, _sort_keys, h2, mix, sco
 _S32 = np.uint64(32)
 
 
-def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True
+def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True,
+                    tally: dict[str, int] | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the internal `nodes` (default: all), the records fragile at each: (nodes,
     off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
-    the per-record rule where a node is far from a tie (the same answer; False decides
-    every record, for tests)."""
+    the per-record rule where a node is far from a tie and decide each signature once
+    (the same answer; False decides every record, for tests). `tally` (if given) counts
+    what it cost: ``visited`` (node, record) pairs, ``rule_runs`` of the greedy per-record
+    rule."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -40,15 +43,14 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
-    frag = _fragile(
+    frag, cnt, runs = _fragile(
         nodes, rows, off, slot_of,
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
         _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
         _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
-    cnt = np.add.reduceat(frag.astype(np.int64), off[:-1]) if len(rows) else np.zeros(
-        len(nodes), np.int64)
-    if len(rows):
-        cnt[np.diff(off) == 0] = 0
+    if tally is not None:
+        tally["visited"] = tally.get("visited", 0) + len(rows)
+        tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
     return nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64), rows[frag]
 
 
@@ -240,17 +242,15 @@ def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
 @njit(cache=True, parallel=True)
 def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
              ):  # pragma: no cover - compiled
-    """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests")."""
-    C = nd.cnt.shape[1]
-    P = cand.attr.shape[1]
+    """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests"),
+    and per node how many are fragile and how often the greedy per-record rule ran."""
     frag = np.zeros(rows.shape[0], np.bool_)
-    memo_size = C * (rule.k + 1) ** P
+    cnt = np.zeros(nodes.shape[0], np.int64)
+    runs = np.zeros(nodes.shape[0], np.int64)
     top = rec.rank.max() if rec.rank.size else 0
     rbits = 1
     while (np.int64(1) << rbits) <= top:
         rbits += 1
-    if memo_size > 1 << 16:
-        memo_size = 0
     for i in prange(nodes.shape[0]):  # nodes are independent: one thread each
         v = nodes[i]
         nt = off[i + 1] - off[i]
@@ -267,9 +267,10 @@ def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
               or cand.split_r1[ci] != nd.r1[v]):
             out[:] = True  # the lists do not explain the split: assume the worst
         else:
-            _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin, memo_size,
-                            rbits)
-    return frag
+            runs[i] = _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin,
+                                      rbits)
+        cnt[i] = out.sum()
+    return frag, cnt, runs
 
 
 @njit(cache=True)
@@ -296,10 +297,16 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
     8 distinct values (no sort), else by sorting its values."""
     P = cand.attr.shape[1]
     nt = rows.shape[0]
+    # a slot has at most as many groups as records or distinct values (few in a table)
+    G = 0
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a >= 0:
+            G = max(G, min(nt, rec.voff[a + 1] - rec.voff[a]))
     of = np.empty((P, nt), np.int64)
     n = np.zeros(P, np.int64)
-    g_rank = np.empty((P, nt), np.int64)
-    g_cnt = np.zeros((P, nt, C), np.int64)
+    g_rank = np.empty((P, G), np.int64)
+    g_cnt = np.zeros((P, G, C), np.int64)
     entry = np.empty((P, k + 16), np.int64)
     prio = np.empty((P, k + 16), np.int64)
     lab = np.empty(nt, np.int64)
@@ -353,7 +360,7 @@ def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
     first k listed pairs (an end of one of them; a vanishing group whose pair (prev,
     next) may rank among them, or that leaves the attribute constant)."""
     P = cand.attr.shape[1]
-    near = np.zeros((P, grp.of.shape[1]), np.bool_)
+    near = np.zeros((P, grp.rank.shape[1]), np.bool_)
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
@@ -448,28 +455,84 @@ def _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore):  # pragma: no cover - 
 
 
 @njit(cache=True)
-def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size, rbits
+def _signatures(ci, grp, near, cand, k, split):  # pragma: no cover - compiled
+    """Per slot and value group, what the per-record rule reads of a record there: its
+    group (``k + 1 +`` its index among the slot's near groups) where the group is near,
+    else how many of the first k listed thresholds lie below it (which fixes its side of
+    each); and each slot's number of such codes. Records of one label and the same code
+    in every slot are decided alike. `split` (attribute, lower value rank) where the
+    margin holds: the listed pairs a record leaves as they are then lose to the split
+    whatever its sides, so only its side of the split counts (fewer signatures)."""
+    P = cand.attr.shape[1]
+    code = np.zeros((P, grp.rank.shape[1]), np.int64)
+    radix = np.ones(P, np.int64)
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        kk = min(k, cand.length[ci, s])
+        thr = np.sort(cand.e_r1[cand.off[ci, s]:cand.off[ci, s] + kk])
+        below = 0
+        n_near = 0
+        for g in range(grp.n[s]):  # groups ascend in rank
+            while below < kk and thr[below] < grp.rank[s, g]:
+                below += 1
+            if near[s, g]:
+                code[s, g] = k + 1 + n_near
+                n_near += 1
+            elif split[0] < 0:
+                code[s, g] = below
+            elif a == split[0] and grp.rank[s, g] > split[1]:
+                code[s, g] = 1  # right of the split
+        radix[s] = k + 1 + n_near
+    return code, radix
+
+
+@njit(cache=True)
+def _memo_at(keys, key):  # pragma: no cover - compiled
+    """The slot of `key` in the open-addressed table `keys` (-1: free): where it is, or
+    the free slot where it goes."""
+    mask = keys.shape[0] - 1
+    h = np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(20)) & mask
+    while keys[h] != key and keys[h] != -1:
+        h = (h + 1) & mask
+    return h
+
+
+@njit(cache=True)
+def _memo_grown(keys, vals):  # pragma: no cover - compiled
+    """The table twice as large, with the same entries (it starts small: a node's
+    records share a few hundred signatures, and a small table stays in cache)."""
+    big = np.full(2 * keys.shape[0], -1, np.int64)
+    big_vals = np.zeros(2 * keys.shape[0], np.bool_)
+    for h in range(keys.shape[0]):
+        if keys[h] != -1:
+            at = _memo_at(big, keys[h])
+            big[at] = keys[h]
+            big_vals[at] = vals[h]
+    return big, big_vals
+
+
+@njit(cache=True)
+def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
                     ):  # pragma: no cover - compiled
-    """out[j] for each record rows[j] of greedy node v (candidate lists ci)."""
+    """out[j] for each record rows[j] of greedy node v (candidate lists ci); returns how
+    often the per-record rule ran."""
     C = nd.cnt.shape[1]
     P = cand.attr.shape[1]
     k = rule.k
     nt = rows.shape[0]
     cnt = nd.cnt[v]
     nk = nd.key[v]
-    memo = np.full(memo_size, -1, np.int8)
     sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
                      np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_),
                      np.zeros(P * k, np.int64), np.zeros(P * k, np.int64))
-    L = np.zeros((1, C), np.int64)
-    R = np.zeros((1, C), np.int64)
-    cnt_after = np.zeros(C, np.int64)
     grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits)
     # only records whose deletion changes the listed pairs (value groups at their ends; a
     # vanishing group whose new pair may rank among the first k) or makes the node pure
     # need the per-record rule: for the others the first k pairs stay as listed, with the
     # record taken from one side. Far from a tie (the margin) those are stable without a
-    # look; near one they are scored, once per (label, sides)
+    # look; near one they are scored
     # each listed pair's score with one record of class c taken from its left or right
     # side (the same integers score1 gets, so the same bits)
     lscore = _listed_scores(ci, cnt, nt, cand, rule)
@@ -479,81 +542,103 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, memo_size
     for s in range(P):
         if cand.attr[ci, s] >= 0 and cand.length[ci, s] < k and not cand.all_pairs[ci, s]:
             short = True
+    # the rule reads a record only through its label and its signature codes: decide each
+    # (label, codes) once (ties make a few hundred of them stand for a node's records);
+    # not when every record is to be decided on its own (use_margin False, for tests)
+    code, radix = _signatures(ci, grp, near, cand, k,
+                              (np.int64(nd.attr[v]), np.int64(nd.r1[v])) if fast
+                              else (np.int64(-1), np.int64(-1)))
+    span = float(C)
+    for s in range(P):
+        span *= radix[s]
+    memo = use_margin and span < 2.0**62  # the keys below are exact
+    keys = np.full(256 if memo else 1, -1, np.int64)
+    vals = np.zeros(keys.shape[0], np.bool_)
+    held = 0
+    runs = 0
+    pure = np.zeros(C, np.bool_)  # the node turns pure without a record of class c
+    for c in range(C):
+        pure[c], _lab = _pure_without(cnt, c)
     for j in range(nt):
         r = rows[j]
         c = rec.y[r]
-        pure, _lab = _pure_without(cnt, c)
-        if pure:
+        if pure[c]:
             out[j] = True
             continue
+        key = c
+        mult = C
         look = False
         for s in range(P):
-            if cand.attr[ci, s] >= 0 and near[s, grp.of[s, j]]:
-                look = True
-                break
-        if not look:
-            if fast or short:
-                out[j] = short
-            else:
-                out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
+            if cand.attr[ci, s] >= 0:
+                cd = code[s, grp.of[s, j]]
+                look = look or cd > k
+                key += cd * mult
+                mult *= radix[s]
+        if not look and (fast or short):
+            out[j] = short
             continue
-        bad, modified, nsel = _select(j, r, c, ci, nk, grp, rec, cand, k, sel)
-        if bad:
-            out[j] = True
-            continue
-        # records with one label and the same side of every selected threshold score
-        # the same: remember the outcome per (label, sides) where nothing else moved
-        code = -1
-        if not modified and memo.shape[0] > 0:
-            code = c
-            mult = C
-            for s in range(P):
-                if cand.attr[ci, s] < 0:
-                    continue
-                below = 0
-                for q in range(min(k, cand.length[ci, s])):
-                    if cand.e_r1[cand.off[ci, s] + q] < rec.rank[cand.attr[ci, s], r]:
-                        below += 1
-                code += below * mult
-                mult *= k + 1
-            if memo[code] >= 0:
-                out[j] = memo[code] == 1
+        h = -1
+        if memo:
+            h = _memo_at(keys, key)
+            if keys[h] == key:
+                out[j] = vals[h]
                 continue
-        for cc in range(C):
-            cnt_after[cc] = cnt[cc] - (1 if cc == c else 0)
-        best = -np.inf
-        bi = -1
-        for q in range(nsel):
-            if sel.listed[q] >= 0:  # the same integers, so the same score (-inf: a side
-                sc = lscore[sel.listed[q], sel.side[q], c]  # under min_samples_leaf)
-            else:
-                nl = 0
-                for cc in range(C):
-                    nl += sel.left[q, cc]
-                nr = (nt - 1) - nl
-                if nl < rule.msl or nr < rule.msl:
-                    continue
-                for cc in range(C):
-                    L[0, cc] = sel.left[q, cc]
-                    R[0, cc] = cnt_after[cc] - sel.left[q, cc]
-                sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
-            if sc > best:
-                best = sc
-                bi = q
-        out[j] = (bi < 0 or cand.attr[ci, sel.slot[bi]] != nd.attr[v]
-                  or sel.r1[bi] != nd.r1[v] or sel.merged[bi])
-        if code >= 0:
-            memo[code] = 1 if out[j] else 0
+        runs += 1
+        if look:
+            out[j] = _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel)
+        else:
+            out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
+        if memo:
+            keys[h] = key
+            vals[h] = out[j]
+            held += 1
+            if 2 * held > keys.shape[0]:
+                keys, vals = _memo_grown(keys, vals)
+    return runs
+
+
+@njit(cache=True)
+def _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel
+                ):  # pragma: no cover - compiled
+    """Whether deleting record r (the node's j-th, label c), which changes the listed
+    pairs, moves greedy node v's split: the first k pairs of every slot after the deletion,
+    scored (the earliest on equal scores wins, as the split search)."""
+    C = nd.cnt.shape[1]
+    nt = grp.of.shape[1]
+    bad, nsel = _select(j, r, c, ci, nk, grp, rec, cand, rule.k, sel)
+    if bad:
+        return True
+    L = np.zeros((1, C), np.int64)
+    R = np.zeros((1, C), np.int64)
+    best = -np.inf
+    bi = -1
+    for q in range(nsel):
+        if sel.listed[q] >= 0:  # the same integers, so the same score (-inf: a side
+            sc = lscore[sel.listed[q], sel.side[q], c]  # under min_samples_leaf)
+        else:
+            nl = 0
+            for cc in range(C):
+                nl += sel.left[q, cc]
+            nr = (nt - 1) - nl
+            if nl < rule.msl or nr < rule.msl:
+                continue
+            for cc in range(C):
+                L[0, cc] = sel.left[q, cc]
+                R[0, cc] = nd.cnt[v, cc] - (1 if cc == c else 0) - sel.left[q, cc]
+            sc = score1(L, 0, R, 0, nl, nr, rule.gini, rule.tab)
+        if sc > best:
+            best = sc
+            bi = q
+    return (bi < 0 or cand.attr[ci, sel.slot[bi]] != nd.attr[v]
+            or sel.r1[bi] != nd.r1[v] or sel.merged[bi])
 
 
 @njit(cache=True)
 def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - compiled
     """The first k pairs of every slot after deleting record r (the node's j-th, label c)
-    into `sel`: (bad: could not be told, modified: not the listed pairs as they are,
-    how many)."""
+    into `sel`: (bad: could not be told, how many)."""
     P = cand.attr.shape[1]
     C = grp.cnt.shape[2]
-    modified = False
     nsel = 0
     base = 0  # the slot's first row in the listed scores (_listed_scores' order)
     for s in range(P):
@@ -564,7 +649,7 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
         w = grp.of[s, j]
         alive = grp.cnt[s, w].sum() > 1  # w's group keeps records
         if not alive and ng == 2:
-            return True, modified, nsel  # the attribute turns constant: the slots shift
+            return True, nsel  # the attribute turns constant: the slots shift
         has_prev = w > 0
         has_next = w + 1 < ng
         pp, lp = _group_pure(grp.cnt[s], w - 1) if has_prev else (False, -1)
@@ -588,14 +673,13 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
             if new_pair:
                 if q < m:
                     if new_prio == grp.prio[s, q]:
-                        return True, modified, nsel  # a priority tie: order by indices
+                        return True, nsel  # a priority tie: order by indices
                     use_new = new_prio < grp.prio[s, q]
                 elif cand.all_pairs[ci, s]:
                     use_new = True
                 else:
-                    return True, modified, nsel  # beyond the known list: place unknown
+                    return True, nsel  # beyond the known list: place unknown
             if use_new:
-                modified = True
                 for cc in range(C):  # the counts of groups 0..w-1
                     sel.left[nsel, cc] = 0
                     for g in range(w):
@@ -617,10 +701,8 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
             if gq == w - 1:  # (prev, w)
                 if alive:
                     if pp and pw and lp == lw:
-                        modified = True
                         continue  # turns invalid
                 else:
-                    modified = True
                     if not has_next:
                         continue  # (prev, w) with no next: gone
                     if pp and pn and lp == ln_:
@@ -628,10 +710,8 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
                     merged = True
             elif gq == w:  # (w, next)
                 if not alive:
-                    modified = True
                     continue  # disappears with w
                 if pw and pn and lw == ln_:
-                    modified = True
                     continue  # turns invalid
             xl = rec.rank[a, r] <= cand.e_r1[E]
             sel.r1[nsel] = cand.e_r1[E]
@@ -647,6 +727,6 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
             nsel += 1
             taken += 1
         if taken < k and not cand.all_pairs[ci, s]:
-            return True, modified, nsel  # fewer than k known pairs: the search looks further
+            return True, nsel  # fewer than k known pairs: the search looks further
         base += min(k, cand.length[ci, s])
-    return False, modified, nsel
+    return False, nsel

@@ -231,13 +231,15 @@ class FragilePairs:
             n=np.concatenate([p.n for p in parts]).astype(np.int64))
 
 
-def fragile_pairs(forest: DaREForest, st: ForestStructure, nodes: np.ndarray | None) -> tuple[
-        np.ndarray, np.ndarray, np.ndarray]:
+def fragile_pairs(forest: DaREForest, st: ForestStructure, nodes: np.ndarray | None,
+                  tally: dict[str, int] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(compact node, record position, domain override or NaN) of every record's highest
     fragile node, among `nodes` (forest ids; None: all) and, for records whose deletion
-    moves a value domain, every random node on that attribute."""
+    moves a value domain, every random node on that attribute; `tally`: as
+    :func:`fragile_records`."""
     pos = _positions(forest)
-    done, off, slots = fragile_records(forest, nodes)
+    done, off, slots = fragile_records(forest, nodes, tally=tally)
     comp = np.array([st.node_of[int(u)] for u in done.tolist()], dtype=np.int64)
     sizes = np.diff(off)
     node = np.repeat(comp, sizes)
