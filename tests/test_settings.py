@@ -1,5 +1,5 @@
 """Settings by layer: each layer reads its own OBLIVIATE_* variables, the same way, and the
-README's configuration table lists every one under the layer that reads it."""
+configuration table of docs/configuration.md lists every one under the layer that reads it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ledger.config import LedgerSettings
 from ledger.env_settings import EnvSettings
 from service.service_settings import ServiceSettings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 LAYERS: dict[str, type[EnvSettings]] = {"the ledger": LedgerSettings, "the jobs": JobSettings,
                                         "the service": ServiceSettings}
 # every variable the one Settings class of before the split read: none lost, none renamed
@@ -33,10 +33,12 @@ ADDED_SINCE = {"OBLIVIATE_MODEL_STORE", "OBLIVIATE_METRICS_HOST",
                "OBLIVIATE_CUDA_MEMORY_FRACTION"}
 
 
-def _readme_sections() -> dict[str, set[str]]:
-    """The README's configuration table: its variables under each bold layer row."""
-    text = README.read_text()
-    table = text[text.index("## Configuration"):text.index("## Commands")]
+def _table_sections() -> dict[str, set[str]]:
+    """docs/configuration.md's table: its variables under each bold layer row."""
+    text = CONFIGURATION.read_text()
+    start = text.index("| variable | default: meaning |")
+    end = text.find("\n\n", start)
+    table = text[start:] if end < 0 else text[start:end]
     sections: dict[str, set[str]] = {}
     current = None
     for line in table.splitlines():
@@ -55,8 +57,8 @@ def test_no_variable_is_lost_or_read_by_two_layers() -> None:
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_the_readme_lists_each_layers_variables_under_it(layer: str) -> None:
-    assert _readme_sections()[layer] == LAYERS[layer].variables()
+def test_the_configuration_table_lists_each_layers_variables_under_it(layer: str) -> None:
+    assert _table_sections()[layer] == LAYERS[layer].variables()
 
 
 def test_every_layer_reads_its_variables_the_same_way(monkeypatch) -> None:
