@@ -109,56 +109,64 @@ class LogResetWatch:
 
     tansu's in-memory log is empty after a restart, and tansu answers a fetch past its end
     with no records rather than OFFSET_OUT_OF_RANGE, so auto_offset_reset never fires: a
-    high watermark below the recorded next offset, or a new topic id (the topic was made
-    again), says so instead. Both come with fetches and metadata: checking costs nothing.
+    topic id other than the one the ledger recorded the partition's offset under (the
+    topic was made again), or a high watermark below the recorded next offset, says so
+    instead. Both come with fetches and metadata: checking costs nothing. The recorded
+    ids also catch a log that restarted while no consumer ran and has grown past the old
+    end since.
     """
 
-    def __init__(self, topic: str, next_offsets: dict[int, int]) -> None:
+    def __init__(self, topic: str, next_offsets: dict[int, int],
+                 topic_ids: dict[int, str]) -> None:
         self.topic = topic
         self.next_offsets = dict(next_offsets)  # partition -> next offset recorded
-        self._topic_id: object = None
-        self._now_id: object = None
+        self.topic_ids = dict(topic_ids)  # partition -> the topic id it was recorded under
+        self.now_id: str | None = None  # the topic id in the consumer's metadata
 
     def recorded(self, partition: int, next_offset: int) -> None:
+        """A batch was recorded from the log the last check saw (its id went with it)."""
         self.next_offsets[partition] = next_offset
+        if self.now_id is not None:
+            self.topic_ids[partition] = self.now_id
 
-    def refresh(self, next_offsets: dict[int, int]) -> None:
+    def refresh(self, next_offsets: dict[int, int], topic_ids: dict[int, str]) -> None:
         """The ledger's offsets as they are now: another consumer of the group may have
         recorded a partition, or read its log again, since this one last held it."""
         self.next_offsets = dict(next_offsets)
+        self.topic_ids = dict(topic_ids)
 
     def read_again(self, starts: dict[TopicPartition, int]) -> None:
         """The restarted partitions are read again from `starts`: the new log is the one
         to watch now."""
-        self._topic_id = self._now_id
         for tp, start in starts.items():
             self.recorded(tp.partition, start)
 
     def restarted(self, consumer: KafkaConsumer) -> dict[TopicPartition, str]:
         """The assigned partitions whose log started again, each with why it is thought so."""
         assigned = [tp for tp in consumer.assignment() if tp.topic == self.topic]
-        self._now_id = topic_id(consumer, self.topic) or self._topic_id
-        if self._topic_id is None:
-            self._topic_id = self._now_id
-        elif self._now_id != self._topic_id:  # kept until `read_again` has seen to it,
-            # also while a rebalance leaves nothing assigned (the group went with the log)
-            return {tp: f"topic id changed from {self._topic_id} to {self._now_id}"
-                    for tp in assigned}
+        self.now_id = topic_id(consumer, self.topic) or self.now_id
         out = {}
         for tp in assigned:
+            was = self.topic_ids.get(tp.partition)
+            if was is None and self.now_id is not None and tp.partition in self.next_offsets:
+                was = self.topic_ids[tp.partition] = self.now_id  # a ledger before ids
+            if was is not None and self.now_id is not None and was != self.now_id:
+                out[tp] = f"topic id changed from {was} to {self.now_id}"
+                continue
             end, recorded = consumer.highwater(tp), self.next_offsets.get(tp.partition, 0)
             if end is not None and end < recorded:
                 out[tp] = f"log ends at offset {end}, below the recorded {recorded}"
         return out
 
 
-def topic_id(consumer: KafkaConsumer, topic: str) -> object:
+def topic_id(consumer: KafkaConsumer, topic: str) -> str | None:
     """The topic id of `topic` in the consumer's metadata, or None where this kafka-python
     does not keep one: it keeps them on its client, nowhere public (its 3.x series, pinned
     in pyproject.toml and checked by a test); without it the end-offset check remains."""
     cluster = getattr(getattr(consumer, "_client", None), "cluster", None)
     lookup = getattr(cluster, "topic_id", None)
-    return lookup(topic) if callable(lookup) else None
+    found = lookup(topic) if callable(lookup) else None
+    return None if found is None else str(found)
 
 
 class RequestConsumer:
@@ -211,7 +219,8 @@ class RequestConsumer:
         producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
                                  max_request_size=self.dead_letter_max_bytes,
                                  client_id="obliviate-dead-letters")
-        watch = LogResetWatch(self.topic, self.ledger.intake.next_offsets(self.topic))
+        watch = LogResetWatch(self.topic, self.ledger.intake.next_offsets(self.topic),
+                              self.ledger.intake.topic_ids(self.topic))
         last_message = time.monotonic()
         try:
             while not self._stop.is_set():
@@ -220,7 +229,8 @@ class RequestConsumer:
                                        max_records=self.batch_size)
                 restarted = watch.restarted(consumer)
                 if restarted:  # confirmed against the ledger, not this consumer's memory
-                    watch.refresh(self.ledger.intake.next_offsets(self.topic))
+                    watch.refresh(self.ledger.intake.next_offsets(self.topic),
+                                  self.ledger.intake.topic_ids(self.topic))
                     restarted = watch.restarted(consumer)
                 if restarted:  # what was polled may lie past a gap: read it all again
                     self._rewind(consumer, polled)  # the other partitions' records too
@@ -232,7 +242,7 @@ class RequestConsumer:
                         break
                     continue
                 last_message = time.monotonic()
-                results = self._process(consumer, producer, polled)
+                results = self._process(consumer, producer, polled, watch.now_id)
                 if results is not None:
                     for tp, recs in polled.items():
                         watch.recorded(tp.partition, recs[-1].offset + 1)
@@ -260,7 +270,8 @@ class RequestConsumer:
             time.sleep(self.retry_backoff_s)
             return
         for tp, start in starts.items():
-            self.ledger.intake.restart_source(tp.topic, tp.partition, start, restarted[tp])
+            self.ledger.intake.restart_source(tp.topic, tp.partition, start, restarted[tp],
+                                              watch.now_id)
             log.warning("%s/%d started again (%s): reading it from offset %d", tp.topic,
                         tp.partition, restarted[tp], start)
             metrics.LOG_RESETS.inc()
@@ -269,8 +280,13 @@ class RequestConsumer:
         watch.read_again(starts)
 
     def _process(self, consumer: KafkaConsumer, producer: KafkaProducer,
-                 polled: dict[TopicPartition, list[Any]]) -> list[IntakeResult] | None:
-        msgs = [IncomingMessage(rec.value, "kafka", rec.topic, rec.partition, rec.offset)
+                 polled: dict[TopicPartition, list[Any]], log_id: str | None
+                 ) -> list[IntakeResult] | None:
+        """Record a polled batch (from the log whose topic id is `log_id`, the one the
+        reset check just saw) in one ledger transaction, dead-letter what it rejected and
+        commit the offsets; None when the ledger could not take it (retried)."""
+        msgs = [IncomingMessage(rec.value, "kafka", rec.topic, rec.partition, rec.offset,
+                                log_id if rec.topic == self.topic else None)
                 for recs in polled.values() for rec in recs]
 
         def dead_letter(pairs: list[tuple[IncomingMessage, IntakeResult]]) -> None:

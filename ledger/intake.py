@@ -40,6 +40,7 @@ class IncomingMessage:
     topic: str | None = None
     partition: int | None = None
     offset: int | None = None
+    topic_id: str | None = None  # the log's (Kafka's topic id), recorded with the offset
 
     def source_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"kind": self.source}
@@ -89,6 +90,7 @@ class BatchIntake:
         self.duplicates: list[str] = []
         self.offsets: dict[tuple[str, int], int] = {}
         self.next_offset: dict[tuple[str, int], int] = {}
+        self.topic_ids: dict[tuple[str, int], str] = {}
         valid = [p for p in parsed if isinstance(p, RequestMessage)]
         ids = list({p.request_id for p in valid})
         self.seen: set[str] = set()
@@ -123,6 +125,8 @@ class BatchIntake:
                 return IntakeResult("redelivered", getattr(p, "request_id", None))
             if msg.offset is not None:
                 self.next_offset[key] = max(self.next_offset.get(key, 0), msg.offset + 1)
+                if msg.topic_id is not None:
+                    self.topic_ids[key] = msg.topic_id
         if isinstance(p, InvalidRequest):
             return self._reject(msg, p.request_id, p.reason, None)
         if p.request_id in self.seen:
@@ -214,13 +218,16 @@ class BatchIntake:
             conn.execute(update(REQUESTS).where(REQUESTS.c.request_id == rid)
                          .values(duplicate_count=REQUESTS.c.duplicate_count + n))
         for (topic, partition), nxt in self.next_offset.items():
+            values = {"next_offset": nxt}
+            if (topic, partition) in self.topic_ids:
+                values["topic_id"] = self.topic_ids[(topic, partition)]
             if (topic, partition) in self.offsets:
                 conn.execute(update(OFFSETS).where(OFFSETS.c.topic == topic,
                                                    OFFSETS.c.partition == partition)
-                             .values(next_offset=nxt))
+                             .values(**values))
             else:
                 conn.execute(insert(OFFSETS), {"topic": topic, "partition": partition,
-                                               "next_offset": nxt})
+                                               **values})
 
 
 def message_bytes(value: bytes | str | dict[str, Any] | None) -> bytes:

@@ -189,13 +189,15 @@ class SignedHead(SQLModel, table=True):
 
 
 class SourceOffset(SQLModel, table=True):
-    """The next Kafka offset to record per partition, written in the batch's transaction."""
+    """The next Kafka offset to record per partition, written in the batch's transaction,
+    with the topic id of the log it counts in (a log started again has a new one)."""
 
     __tablename__ = "source_offsets"
 
     topic: str = Field(max_length=255, primary_key=True)
     partition: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
     next_offset: int = Field(sa_type=BigInteger)
+    topic_id: str | None = Field(default=None, max_length=64)
 
 
 class DatasetSchema(SQLModel, table=True):

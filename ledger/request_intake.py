@@ -98,24 +98,39 @@ class RequestIntake:
             return dict(conn.execute(select(OFFSETS.c.partition, OFFSETS.c.next_offset)
                                      .where(OFFSETS.c.topic == topic)).all())
 
+    def topic_ids(self, topic: str) -> dict[int, str]:
+        """Each partition's topic id as recorded with its offset (none before the first
+        batch, or from a ledger older than migration 0008)."""
+        with self.engine.connect() as conn:
+            return dict(conn.execute(select(OFFSETS.c.partition, OFFSETS.c.topic_id)
+                                     .where(OFFSETS.c.topic == topic,
+                                            OFFSETS.c.topic_id.is_not(None))).all())
+
     def restart_source(self, topic: str, partition: int, next_offset: int,
-                       reason: str) -> int | None:
+                       reason: str, topic_id: str | None = None) -> int | None:
         """The partition's log started again below what was recorded (a broker that lost
         it): lower its next offset to `next_offset`, so the new log's messages are not
-        skipped as redeliveries, with a `source_reset` event that `verify` follows.
-        Returns the event's seq, or None when nothing recorded was above `next_offset`."""
+        skipped as redeliveries, with a `source_reset` event that `verify` follows; the
+        new log's `topic_id` is recorded with it. Returns the event's seq, or None when
+        nothing recorded was above `next_offset` (the topic id is recorded all the same)."""
         with writing(self.engine) as conn:
             where = (OFFSETS.c.topic == topic, OFFSETS.c.partition == partition)
             old = conn.execute(select(OFFSETS.c.next_offset).where(*where)).scalar()
-            if old is None or old <= next_offset:
+            if old is None:
+                return None
+            ids = {} if topic_id is None else {"topic_id": topic_id}
+            if old <= next_offset:
+                if ids:
+                    conn.execute(update(OFFSETS).where(*where).values(**ids))
                 return None
             appender = ChainAppender(conn)
             seq = appender.append("source_reset", None, {
                 "source": {"kind": "kafka", "topic": topic, "partition": partition},
                 "next_offset": next_offset, "previous_next_offset": old, "reason": reason,
+                **ids,
             }, iso(utc_now()))
             appender.flush(conn)
-            conn.execute(update(OFFSETS).where(*where).values(next_offset=next_offset))
+            conn.execute(update(OFFSETS).where(*where).values(next_offset=next_offset, **ids))
             self._heads.take_if_due(conn, seq)
         return seq
 

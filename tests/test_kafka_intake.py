@@ -316,6 +316,37 @@ def test_broker_killed_under_a_running_consumer_loses_and_doubles_nothing(tmp_pa
     assert REGISTRY.get_sample_value("obliviate_consumer_log_resets_total") == resets + 1
 
 
+def test_consumer_started_after_the_new_log_grew_past_the_old_end_reads_it_all(
+        tmp_path) -> None:
+    """The broker lost its log while no consumer ran, and the new log has grown past the
+    offset the ledger recorded: its end says nothing, the topic id recorded with the
+    offsets does; the new log is read from its beginning, not from the old offset."""
+    from ledger.consumer import ensure_topics
+
+    ledger = make_ledger(tmp_path)
+    before, after = _requests(40)
+    assert len(after) > len(before) + 10
+    own = LocalBroker()
+    try:
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"])
+        produce(own.bootstrap, "req", before)
+        consume_until(RequestConsumer(ledger, own.bootstrap, "req", "req.dead",
+                                      group_id="g"), len(before))
+        old_id = ledger.intake.topic_ids("req")
+        assert old_id and old_id[0]
+        own.kill()
+        ensure_topics(own.start().bootstrap, ["req", "req.dead"], timeout_s=15)
+        produce(own.bootstrap, "req", after)  # past offset 40 before anyone reads it
+        consumer = RequestConsumer(ledger, own.bootstrap, "req", "req.dead", group_id="g")
+        consume_until(consumer, len(after))
+    finally:
+        own.stop()
+    assert consumer.stats.counts == {"accepted": len(after)}
+    _each_once(ledger, before + after)
+    assert ledger.intake.topic_ids("req")[0] != old_id[0]  # the new log's, recorded
+    assert ledger.intake.next_offsets("req") == {0: len(after)}
+
+
 def test_consumer_started_on_a_restarted_broker_reads_its_new_log(tmp_path) -> None:
     """The broker lost its log while no consumer ran: a new consumer finds the log's end
     below the ledger's recorded offset (no topic id to compare) and reads it all."""

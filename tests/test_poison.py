@@ -352,6 +352,7 @@ def test_every_text_column_intake_writes_holds_what_validation_lets_through() ->
         ("training_records", "record_hash"): 64, ("training_records", "state"): len("pending"),
         ("training_records", "added_by"): ident, ("training_records", "purged_by"): 0,
         ("record_payloads", "record_id"): ident, ("source_offsets", "topic"): kafka_topic,
+        ("source_offsets", "topic_id"): len("01a221b3-6c10-7260-92f0-d077722d6d0a"),  # a UUID
     }
     limited = {(t.name, c.name): c.type.length for t in (REQUESTS, EVENTS, RECORDS, PAYLOADS,
                                                           OFFSETS)

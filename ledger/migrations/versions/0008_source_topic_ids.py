@@ -1,0 +1,25 @@
+"""The Kafka topic id each partition's offset was recorded under (`source_offsets`).
+
+A broker that lost its log (tansu keeps it in memory) numbers the new log from 0 again
+under a new topic id. A consumer running across the restart sees the id change; one
+started after it, once the new log has grown past the recorded offset, could tell only
+from the id the ledger recorded. See docs/ledger.md (Intake from Kafka).
+
+Revision ID: 0008_source_topic_ids
+Revises: 0007_binary_features
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from ledger.migrations import ops
+
+revision = "0008_source_topic_ids"
+down_revision = "0007_binary_features"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    ops.add_column("source_offsets", sa.Column("topic_id", sa.String(64)))
