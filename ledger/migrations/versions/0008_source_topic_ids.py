@@ -1,9 +1,8 @@
 """The Kafka topic id each partition's offset was recorded under (`source_offsets`).
 
-A broker that lost its log (tansu keeps it in memory) numbers the new log from 0 again
-under a new topic id. A consumer running across the restart sees the id change; one
-started after it, once the new log has grown past the recorded offset, could tell only
-from the id the ledger recorded. See docs/ledger.md (Intake from Kafka).
+A broker that lost its log numbers the new one from 0 under a new topic id; a consumer
+started after the new log grew past the recorded offset can tell only from the id the
+ledger recorded. See docs/ledger.md (Intake from Kafka).
 
 Revision ID: 0008_source_topic_ids
 Revises: 0007_binary_features
