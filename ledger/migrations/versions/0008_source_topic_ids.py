@@ -2,7 +2,7 @@
 
 A broker that lost its log numbers the new one from 0 under a new topic id; a consumer
 started after the new log grew past the recorded offset can tell only from the id the
-ledger recorded. See docs/ledger.md (Intake from Kafka).
+ledger recorded. See docs/ledger.md (Intake).
 
 Revision ID: 0008_source_topic_ids
 Revises: 0007_binary_features
