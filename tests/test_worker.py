@@ -220,6 +220,25 @@ def test_game_deletion_is_served_approximate_at_once_then_replaced_by_an_exact_r
     assert forgotten(ledger, "g2")["exactness_chain"]["checked"]["version"] == again.version
 
 
+def test_superseded_versions_are_destroyed_under_a_stream_that_never_pauses(
+        seeded60: Ledger) -> None:
+    """Retention runs at most once a second whether or not a batch came: a stream that
+    never lets the worker idle still sees superseded versions destroyed after their grace
+    (else a full model store would fail every publish, so every pass, for ever)."""
+    from jobs.orchestration.retention import destroyed_versions
+
+    ledger = seeded60
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+    w = Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
+                                         guard_after_idle_s=3600.0, destroy_grace_s=0.0))
+    w.bootstrap("dare", SMALL["dare"])
+    for i in range(3):
+        ledger.receive({"request_id": f"s{i}", "op": "delete", "record_ids": [f"r{i:03d}"]})
+        time.sleep(1.05)  # the retention pass's own throttle
+        assert w.step() and not ledger.lifecycle.requests_with_status("received")
+    assert len(destroyed_versions(reg)) >= 2
+
+
 def _answers(promise: str) -> float:
     return REGISTRY.get_sample_value("obliviate_answers_total", {"promise": promise}) or 0.0
 

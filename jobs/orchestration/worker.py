@@ -240,6 +240,10 @@ class Worker:
             return self.guard.run(overdue=True)
         if self.guard.check_due() and self.guard.run():
             return True
+        # under a steady stream too (at most once a second): were it to wait for a pass
+        # without a batch, a model store filled by versions past their grace would fail
+        # every publish, so every pass, for ever
+        retained = self._retention_pass()
         batch = self.updates.claim()
         if batch:
             self.guard.updated()
@@ -254,7 +258,7 @@ class Worker:
                 raise
             return True
         rotated = self.seeds is not None and self.seeds.run()
-        return rotated or self.guard.run() or self._retention_pass()
+        return rotated or self.guard.run() or retained
 
     def _retention_pass(self) -> bool:
         """At most once a second: destroy the versions a deletion superseded once their
