@@ -675,3 +675,26 @@ def test_hashes_and_saved_bundles_are_the_bits_of_before(name, tmp_path):
     loaded.delete(ids[[40]])
     got.append(loaded.content_hash())
     assert tuple(got) == PINNED[name]
+
+
+def test_the_content_hash_is_remembered_until_the_forest_changes() -> None:
+    """A worker pass asks for the hash several times (the manifest, the bundle, the guard):
+    computed once per state, and never stale after a deletion, an addition or set_params."""
+    X, y = load_breast_cancer(return_X_y=True)
+    ids = np.array([f"r{i:03d}" for i in range(len(y))], dtype=object)
+    f = DaREForest(n_estimators=3, max_depth=3, k=3, random_state=0).fit(X, y, record_ids=ids)
+
+    def recomputed() -> str:
+        f._hash_memo = None
+        return f.content_hash()
+
+    first = f.content_hash()
+    assert f.content_hash() is first  # remembered
+    f.delete(["r001"])
+    after = f.content_hash()
+    assert after != first and after == recomputed()
+    f.add(["n1"], X[:1], y[:1])
+    added = f.content_hash()
+    assert added != after and added == recomputed()
+    f.set_params(k=4)
+    assert f.content_hash() != added  # the parameters are part of the hash
