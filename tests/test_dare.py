@@ -698,3 +698,31 @@ def test_the_content_hash_is_remembered_until_the_forest_changes() -> None:
     assert added != after and added == recomputed()
     f.set_params(k=4)
     assert f.content_hash() != added  # the parameters are part of the hash
+
+
+def test_compaction_renumbers_the_value_index_as_a_fresh_ranking_would() -> None:
+    """A save compacts the store and renumbers the value ranks in linear time
+    (values.rerank_kept): the same index as ranking the kept records from scratch, on a
+    table of ties where deletions make values vanish; and the forest stays exact."""
+    import dataclasses
+
+    from jobs.learners.dare.records import compact_store
+    from jobs.learners.dare.values import rerank
+
+    rng = np.random.default_rng(3)
+    X = rng.integers(0, 6, size=(400, 5)).astype(float)
+    X[:, 4] = rng.normal(size=400)
+    y = (X[:, 0] + rng.integers(0, 3, size=400) > 3).astype(int)
+    ids = np.array([f"r{i:03d}" for i in range(400)], dtype=object)
+    f = DaREForest(n_estimators=4, max_depth=4, k=3, random_state=1).fit(X, y, record_ids=ids)
+    for batch in (ids[:30], ids[30:31], ids[100:220]):
+        f.delete(batch)
+        compact_store(f.state_)
+        fresh, _ = rerank(f.state_.records, None)
+        for field in dataclasses.fields(fresh):
+            got, want = getattr(f.state_.values, field.name), getattr(fresh, field.name)
+            n = f.state_.records.n_slots
+            if field.name == "rank":
+                got, want = got[:, :n], want[:, :n]
+            assert np.array_equal(got, want), field.name
+        assert f.verify().exact

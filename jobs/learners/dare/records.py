@@ -78,7 +78,7 @@ def compact_store(st: ForestState) -> None:
     slot_at[held] = new[slot_at[held]]
     rec.n_slots = m
     rec.slot = {rid: k for k, rid in enumerate(rec.ids.tolist())}
-    reindex(st)
+    reindex(st, new)
     _forget_cutoffs(st)
     # what freed nodes and cache slots last held is no longer anyone's state
     st.nodes.thr[~st.nodes.used] = 0.0

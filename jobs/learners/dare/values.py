@@ -24,39 +24,77 @@ def rerank(rec: RecordStore, old: ValueIndex | None) -> tuple[ValueIndex, list[n
         rank = old.rank if old.rank.shape[1] >= rec.capacity else None
     if rank is None:
         rank = np.zeros((p, rec.capacity), dtype=np.int32)
-    vals, voff = [], [0]
+    vals, rstart = [], []
     gorder = np.empty((p, n), dtype=np.int32)
-    rstart, roff = [], [0]
     for a in range(p):
         u, inv = np.unique(rec.X[a, :n], return_inverse=True)
         rank[a, :n] = inv
         vals.append(u)
-        voff.append(voff[-1] + len(u))
         gorder[a] = np.argsort(inv, kind="stable")
-        rs = np.zeros(len(u) + 1, dtype=np.int32)
-        np.cumsum(np.bincount(inv, minlength=len(u)), out=rs[1:])
-        rstart.append(rs)
-        roff.append(roff[-1] + len(u) + 1)
-    all_vals = np.concatenate(vals) if vals else np.zeros(0)
-    nvals_max = max((len(v) for v in vals), default=1)
-    # the compiled kernels read a record's ranks together: record-major, 16 bits where
-    # they fit (one cache line per record on tables of up to 32 features)
-    dt = np.uint16 if nvals_max <= 65_535 else np.int32
-    index = ValueIndex(
-        rank=rank, rank_rm=np.ascontiguousarray(rank.T, dtype=dt), vals=all_vals,
-        vmix=_mix(all_vals.view(_U64) + _GOLD),  # value half of the pair priority
-        voff=np.array(voff, dtype=np.int64), gorder=gorder, rstart=np.concatenate(rstart),
-        roff=np.array(roff, dtype=np.int64), nvals_max=nvals_max,
-    )  # fmt: skip
+        rstart.append(_run_starts(inv, len(u)))
+    index = _value_index(rank, vals, gorder, rstart)
     if old_vals is None:
         return index, None
     return index, [np.searchsorted(vals[a], old_vals[a]).astype(np.int32) for a in range(p)]
 
 
-def reindex(st: ForestState) -> None:
-    """Re-rank the records (after slots were added or dropped) and translate the ranks
-    stored in nodes, caches and value group tables."""
-    st.values, remap = rerank(st.records, st.values)
+def rerank_kept(rec: RecordStore, old: ValueIndex, new_slot: np.ndarray
+                ) -> tuple[ValueIndex, list[np.ndarray]]:
+    """What :func:`rerank` gives after slots were only dropped (`new_slot`: old slot ->
+    new, -1 where dropped; `old.rank` already holds the kept slots' columns), in linear
+    time: the kept values keep their order, so ranks are renumbered, not sorted again,
+    and the old global order, filtered, is the new one (a save compacts the store each
+    time: sorting every attribute again took 1.5 s at 10^5 rows)."""
+    p, n = rec.X.shape[0], rec.n_slots
+    rank = old.rank
+    vals, rstart, remap = [], [], []
+    gorder = np.empty((p, n), dtype=np.int32)
+    for a in range(p):
+        cnt = np.bincount(rank[a, :n], minlength=int(old.voff[a + 1] - old.voff[a]))
+        present = cnt > 0
+        # np.searchsorted(new values, old values), as rerank gives it: a vanished value
+        # maps to where it would be inserted
+        to_new = (np.cumsum(present) - present).astype(np.int32)
+        rank[a, :n] = to_new[rank[a, :n]]
+        vals.append(old.vals[old.voff[a] : old.voff[a + 1]][present])
+        slots = new_slot[old.gorder[a]]
+        gorder[a] = slots[slots >= 0]
+        rstart.append(np.concatenate([[0], np.cumsum(cnt[present])]).astype(np.int32))
+        remap.append(to_new)
+    return _value_index(rank, vals, gorder, rstart), remap
+
+
+def _run_starts(inv: np.ndarray, n_values: int) -> np.ndarray:
+    rs = np.zeros(n_values + 1, dtype=np.int32)
+    np.cumsum(np.bincount(inv, minlength=n_values), out=rs[1:])
+    return rs
+
+
+def _value_index(rank: np.ndarray, vals: list[np.ndarray], gorder: np.ndarray,
+                 rstart: list[np.ndarray]) -> ValueIndex:
+    all_vals = np.concatenate(vals) if vals else np.zeros(0)
+    nvals_max = max((len(v) for v in vals), default=1)
+    # the compiled kernels read a record's ranks together: record-major, 16 bits where
+    # they fit (one cache line per record on tables of up to 32 features)
+    dt = np.uint16 if nvals_max <= 65_535 else np.int32
+    return ValueIndex(
+        rank=rank, rank_rm=np.ascontiguousarray(rank.T, dtype=dt), vals=all_vals,
+        vmix=_mix(all_vals.view(_U64) + _GOLD),  # value half of the pair priority
+        voff=np.concatenate([[0], np.cumsum([len(v) for v in vals])]).astype(np.int64),
+        gorder=gorder, rstart=np.concatenate(rstart),
+        roff=np.concatenate([[0], np.cumsum([len(v) + 1 for v in vals])]).astype(np.int64),
+        nvals_max=nvals_max,
+    )  # fmt: skip
+
+
+def reindex(st: ForestState, new_slot: np.ndarray | None = None) -> None:
+    """Re-rank the records (after slots were added or dropped; `new_slot`: only dropped,
+    old slot -> new) and translate the ranks stored in nodes, caches and value group
+    tables."""
+    if new_slot is None:
+        st.values, remap = rerank(st.records, st.values)
+    else:
+        st.values, remap = rerank_kept(st.records, st.values, new_slot)
     _remap_ranks(st, remap)
 
 
