@@ -286,7 +286,7 @@ class RequestConsumer:
         reset check just saw) in one ledger transaction, dead-letter what it rejected and
         commit the offsets; None when the ledger could not take it (retried)."""
         msgs = [IncomingMessage(rec.value, "kafka", rec.topic, rec.partition, rec.offset,
-                                log_id if rec.topic == self.topic else None)
+                                log_id)
                 for recs in polled.values() for rec in recs]
 
         def dead_letter(pairs: list[tuple[IncomingMessage, IntakeResult]]) -> None:

@@ -128,6 +128,29 @@ def test_a_game_deletion_is_proven_exact_by_the_retrain_that_replaced_its_versio
     assert any(f"exactness of {approx}: 1 exact update(s)" in f for f in verdict.facts)
 
 
+def test_an_approximate_versions_first_link_must_be_the_retrain_that_replaced_it() -> None:
+    """The receipt's own check: for a deletion first served by an approximate version, a
+    passing exact retrain covers it only if its publication names that version as
+    replaced (another version's retrain, or a plain publication, proves nothing of it)."""
+    applied = {"seq": 5, "model_version": "v2", "payload": {"guarantee": "approximate"}}
+    check = {"guarantee": "exact", "exact": True, "served_hash": "h", "retrained_hash": "h"}
+
+    def verdict(payload: dict) -> checker.Verdict:
+        ev = {"seq": 9, "kind": "verified", "model_version": "v3",
+              "payload": {"exactness": check, **payload}}
+        claim = {"covered": True, "links": [{"version": "v3", "parent": "v2", "event_seq": 9}],
+                 "checked": {"version": "v3", "event_seq": 9}}
+        out = checker.Verdict()
+        checker._check_exactness("v2", applied, claim, {9: ev}, out)
+        return out
+
+    assert verdict({"replaces": ["v2"]}).ok
+    for payload in ({"replaces": ["v1"]}, {}):
+        bad = verdict(payload)
+        assert bad.problems == ["event 9 does not replace the approximate v2 with an exact "
+                                "retrain"], payload
+
+
 def test_a_new_training_between_breaks_the_chain(signed: Ledger) -> None:
     """A later version that is not an update of the first one (seeds rotated: a retrain
     with other seeds) says nothing of it, however well it is checked."""

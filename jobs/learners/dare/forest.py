@@ -307,10 +307,12 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
             "classes": [repr(c) for c in self.classes_.tolist()],
             "n_features": st.n_features,
         }  # fmt: skip
+        # remembered as (state, header, hash) until the state changes: a worker pass asks
+        # three times (manifest, bundle, guard), 0.6 s each at 10^5 rows
         key = json.dumps(header, sort_keys=True)
-        memo = getattr(self, "_hash_memo", None)  # (state, header, hash): a worker pass
-        if memo is not None and memo[0] is st and memo[1] == key:  # asks 3 times, 0.6 s
-            return memo[2]                                          # each at 10^5 rows
+        memo = getattr(self, "_hash_memo", None)
+        if memo is not None and memo[0] is st and memo[1] == key:
+            return memo[2]
         digest = hashing.content_hash(st, header)
         self._hash_memo = (st, key, digest)
         return digest

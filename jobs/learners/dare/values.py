@@ -31,7 +31,7 @@ def rerank(rec: RecordStore, old: ValueIndex | None) -> tuple[ValueIndex, list[n
         rank[a, :n] = inv
         vals.append(u)
         gorder[a] = np.argsort(inv, kind="stable")
-        rstart.append(_run_starts(inv, len(u)))
+        rstart.append(_run_starts(np.bincount(inv, minlength=len(u))))
     index = _value_index(rank, vals, gorder, rstart)
     if old_vals is None:
         return index, None
@@ -59,14 +59,15 @@ def rerank_kept(rec: RecordStore, old: ValueIndex, new_slot: np.ndarray
         vals.append(old.vals[old.voff[a] : old.voff[a + 1]][present])
         slots = new_slot[old.gorder[a]]
         gorder[a] = slots[slots >= 0]
-        rstart.append(np.concatenate([[0], np.cumsum(cnt[present])]).astype(np.int32))
+        rstart.append(_run_starts(cnt[present]))
         remap.append(to_new)
     return _value_index(rank, vals, gorder, rstart), remap
 
 
-def _run_starts(inv: np.ndarray, n_values: int) -> np.ndarray:
-    rs = np.zeros(n_values + 1, dtype=np.int32)
-    np.cumsum(np.bincount(inv, minlength=n_values), out=rs[1:])
+def _run_starts(counts: np.ndarray) -> np.ndarray:
+    """Where each value's run starts in the global order (and the end), from its count."""
+    rs = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=rs[1:])
     return rs
 
 
