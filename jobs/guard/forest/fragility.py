@@ -356,11 +356,15 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
 
 @njit(cache=True)
 def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
-    """Per slot and value group: whether deleting one record of the group can change the
-    first k listed pairs (an end of one of them; a vanishing group whose pair (prev,
-    next) may rank among them, or that leaves the attribute constant)."""
+    """Per slot, value group and label: whether deleting one record of that label from
+    the group can change the first k listed pairs. At an end of one of them only if the
+    group vanishes or turns pure (then a pair through it may turn invalid); a group that
+    stays, impure or pure as before, keeps every listed pair valid, and the record only
+    leaves its side of each (as for any other record). Elsewhere a vanishing group whose
+    pair (prev, next) may rank among them, or that leaves the attribute constant."""
     P = cand.attr.shape[1]
-    near = np.zeros((P, grp.rank.shape[1]), np.bool_)
+    C = grp.cnt.shape[2]
+    near = np.zeros((P, grp.rank.shape[1], C), np.bool_)
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
@@ -369,19 +373,22 @@ def _near(ci, nk, grp, rec, cand, k):  # pragma: no cover - compiled
         kk = min(k, m)
         ng = grp.n[s]
         for q in range(kk):
-            near[s, grp.entry[s, q]] = True
-            if grp.entry[s, q] + 1 < ng:
-                near[s, grp.entry[s, q] + 1] = True
+            for g in range(grp.entry[s, q], min(grp.entry[s, q] + 2, ng)):
+                tot = grp.cnt[s, g].sum()
+                was_pure, _lab = _group_pure(grp.cnt[s], g)
+                for c in range(C):
+                    if grp.cnt[s, g, c] > 0:
+                        turns_pure, _lab = _pure_without(grp.cnt[s, g], c)
+                        near[s, g, c] = tot == 1 or (turns_pure and not was_pure)
         for g in range(ng):
             if grp.cnt[s, g].sum() != 1:
                 continue  # the group keeps records
-            if ng == 2:
-                near[s, g] = True  # the attribute may turn constant
-            elif 0 < g < ng - 1 and (
+            if ng == 2 or (0 < g < ng - 1 and (
                     m < k or kk == 0
                     or _prio(nk, a, rec.vmix, rec.voff[a], grp.rank[s, g - 1])
-                    <= grp.prio[s, kk - 1]):
-                near[s, g] = True  # (prev, next) may enter the first k
+                    <= grp.prio[s, kk - 1])):
+                # the attribute may turn constant; or (prev, next) may enter the first k
+                near[s, g, :] = True
     return near
 
 
@@ -456,15 +463,17 @@ def _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore):  # pragma: no cover - 
 
 @njit(cache=True)
 def _signatures(ci, grp, near, cand, k, split):  # pragma: no cover - compiled
-    """Per slot and value group, what the per-record rule reads of a record there: its
-    group (``k + 1 +`` its index among the slot's near groups) where the group is near,
-    else how many of the first k listed thresholds lie below it (which fixes its side of
-    each); and each slot's number of such codes. Records of one label and the same code
-    in every slot are decided alike. `split` (attribute, lower value rank) where the
-    margin holds: the listed pairs a record leaves as they are then lose to the split
-    whatever its sides, so only its side of the split counts (fewer signatures)."""
+    """Per slot and value group, what the per-record rule reads of a record there: where
+    the group is near for the record's label (`near[s, g, c]`), the group (``near_code``:
+    ``k + 1 +`` its index among the slot's near groups), else (``far_code``) how many of
+    the first k listed thresholds lie below it (which fixes its side of each); and each
+    slot's number of such codes. Records of one label and the same code in every slot are
+    decided alike. `split` (attribute, lower value rank) where the margin holds: the listed
+    pairs a record leaves as they are then lose to the split whatever its sides, so only
+    its side of the split counts (fewer signatures)."""
     P = cand.attr.shape[1]
-    code = np.zeros((P, grp.rank.shape[1]), np.int64)
+    near_code = np.zeros((P, grp.rank.shape[1]), np.int64)
+    far_code = np.zeros((P, grp.rank.shape[1]), np.int64)
     radix = np.ones(P, np.int64)
     for s in range(P):
         a = cand.attr[ci, s]
@@ -477,15 +486,15 @@ def _signatures(ci, grp, near, cand, k, split):  # pragma: no cover - compiled
         for g in range(grp.n[s]):  # groups ascend in rank
             while below < kk and thr[below] < grp.rank[s, g]:
                 below += 1
-            if near[s, g]:
-                code[s, g] = k + 1 + n_near
+            if near[s, g].any():
+                near_code[s, g] = k + 1 + n_near
                 n_near += 1
-            elif split[0] < 0:
-                code[s, g] = below
+            if split[0] < 0:
+                far_code[s, g] = below
             elif a == split[0] and grp.rank[s, g] > split[1]:
-                code[s, g] = 1  # right of the split
+                far_code[s, g] = 1  # right of the split
         radix[s] = k + 1 + n_near
-    return code, radix
+    return near_code, far_code, radix
 
 
 @njit(cache=True)
@@ -545,7 +554,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     # the rule reads a record only through its label and its signature codes: decide each
     # (label, codes) once (ties make a few hundred of them stand for a node's records);
     # not when every record is to be decided on its own (use_margin False, for tests)
-    code, radix = _signatures(ci, grp, near, cand, k,
+    near_code, far_code, radix = _signatures(ci, grp, near, cand, k,
                               (np.int64(nd.attr[v]), np.int64(nd.r1[v])) if fast
                               else (np.int64(-1), np.int64(-1)))
     span = float(C)
@@ -570,8 +579,12 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
         look = False
         for s in range(P):
             if cand.attr[ci, s] >= 0:
-                cd = code[s, grp.of[s, j]]
-                look = look or cd > k
+                g = grp.of[s, j]
+                if near[s, g, c]:
+                    cd = near_code[s, g]
+                    look = True
+                else:
+                    cd = far_code[s, g]
                 key += cd * mult
                 mult *= radix[s]
         if not look and (fast or short):
