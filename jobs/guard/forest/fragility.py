@@ -28,7 +28,8 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     """For the internal `nodes` (default: all), the records fragile at each: (nodes,
     off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
     the per-record rule where a node is far from a tie and decide each signature once
-    (the same answer; False decides every record, for tests). `tally` (if given) counts
+    (the same answer; False decides every record by the full rule, which scores the
+    first k pairs after its deletion: for tests). `tally` (if given) counts
     what it cost: ``visited`` (node, record) pairs, ``rule_runs`` of the greedy per-record
     rule."""
     v = dv.view(forest)
@@ -587,6 +588,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
                     cd = far_code[s, g]
                 key += cd * mult
                 mult *= radix[s]
+        look = look or not use_margin  # for tests: the full rule decides every record
         if not look and (fast or short):
             out[j] = short
             continue
