@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -25,7 +25,7 @@ from ledger.db import among, insert_rows
 from ledger.error_text import first_line
 from ledger.models import DatasetSchema
 from ledger.sealed_payloads import PayloadSealer
-from ledger.tables import LOOKUP_CHUNK, OFFSETS, RECORDS, REQUESTS, SEALED
+from ledger.tables import LOOKUP_CHUNK, OFFSETS, RECORDS, REQUEST_RECORDS, REQUESTS, SEALED
 from ledger.validation import InvalidRequest, RequestMessage, parse_request
 
 log = logging.getLogger("obliviate.ledger")
@@ -85,6 +85,7 @@ class BatchIntake:
         self.conn, self.sealer = conn, sealer
         self.appender = ChainAppender(conn)
         self.request_rows: list[dict[str, Any]] = []
+        self.request_record_rows: list[dict[str, Any]] = []
         self.record_rows: list[dict[str, Any]] = []
         self.payload_rows: list[dict[str, Any]] = []
         self.duplicates: list[str] = []
@@ -168,6 +169,7 @@ class BatchIntake:
             "source_partition": msg.partition, "source_offset": msg.offset,
             "received_at": self.now, "received_seq": seq, "status": "received",
             "duplicate_count": 0})
+        self.request_record_rows += request_record_rows(p.request_id, record_ids, seq)
         return IntakeResult("accepted", p.request_id, None, tuple(record_ids), seq, p.op)
 
     def _resolve(self, p: RequestMessage) -> tuple[tuple[str, ...], bool]:
@@ -213,6 +215,7 @@ class BatchIntake:
         insert_rows(conn, RECORDS, self.record_rows)
         insert_rows(conn, SEALED, self.payload_rows)
         insert_rows(conn, REQUESTS, self.request_rows)
+        insert_rows(conn, REQUEST_RECORDS, self.request_record_rows)
         self.appender.flush(conn)
         for rid, n in Counter(self.duplicates).items():
             conn.execute(update(REQUESTS).where(REQUESTS.c.request_id == rid)
@@ -228,6 +231,29 @@ class BatchIntake:
             else:
                 conn.execute(insert(OFFSETS), {"topic": topic, "partition": partition,
                                                **values})
+
+
+def request_record_rows(request_id: str, record_ids: Iterable[str],
+                        received_seq: int) -> list[dict[str, Any]]:
+    """The `request_records` rows of a request: each record id it names, once, so that
+    a subject's requests are found by index rather than by reading every request."""
+    return [{"record_id": r, "received_seq": received_seq, "request_id": request_id}
+            for r in dict.fromkeys(record_ids)]
+
+
+def backfill_request_records(conn: Connection, batch: int = 10_000) -> int:
+    """Write the `request_records` rows of the requests already stored (migration 0009),
+    `batch` requests at a time in the order of their ids; returns how many rows."""
+    last, n = 0, 0
+    cols = (REQUESTS.c.id, REQUESTS.c.request_id, REQUESTS.c.record_ids,
+            REQUESTS.c.received_seq)
+    while rows := conn.execute(select(*cols).where(REQUESTS.c.id > last)
+                               .order_by(REQUESTS.c.id).limit(batch)).all():
+        links = [row for r in rows
+                 for row in request_record_rows(r.request_id, r.record_ids, r.received_seq)]
+        insert_rows(conn, REQUEST_RECORDS, links)
+        last, n = rows[-1].id, n + len(links)
+    return n
 
 
 def message_bytes(value: bytes | str | dict[str, Any] | None) -> bytes:

@@ -2,7 +2,8 @@
 
 `events` is the tamper-evident part (insert-only, each row carrying its predecessor's hash;
 `checkpoints` and `signed_heads` hold Merkle roots over its prefixes). `requests` and
-`training_records` are working state whose every change an event announces;
+`training_records` are working state whose every change an event announces
+(`request_records` indexes the requests by the record ids they name);
 `record_payloads` and `sealed_payloads` hold records' data until a purge deletes the row.
 See docs/ledger.md (Tables)."""
 
@@ -46,6 +47,23 @@ class Request(SQLModel, table=True):
     claimed_by: str | None = Field(default=None, max_length=128)
     claimed_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     duplicate_count: int = 0
+
+
+class RequestRecord(SQLModel, table=True):
+    """Each record id a request names, keyed by (record id, the request's `received_seq`):
+    the index a subject's requests page reads, instead of every request's `record_ids`.
+
+    Written in the transaction that inserts the request, never changed. A purge leaves
+    the rows, as it leaves the record's id in `training_records` and in the request's
+    `record_ids`: ids are not the data a deletion removes.
+    """
+
+    __tablename__ = "request_records"
+
+    record_id: str = Field(max_length=128, primary_key=True)
+    received_seq: int = Field(sa_type=BigInteger, primary_key=True,
+                              sa_column_kwargs={"autoincrement": False})
+    request_id: str = Field(max_length=128)
 
 
 class Event(SQLModel, table=True):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, Select, func, select, union, update
 
 from ledger.appender import ChainAppender
 from ledger.chain import iso, utc_now
@@ -21,7 +21,7 @@ from ledger.models import Request
 from ledger.purge_maintenance import PurgeMaintenance, note_purge
 from ledger.record_store import purge_records
 from ledger.sealed_payloads import PayloadSealer
-from ledger.tables import RECORDS, REQUESTS
+from ledger.tables import RECORDS, REQUEST_RECORDS, REQUESTS
 from ledger.tree_heads import TreeHeads
 
 log = logging.getLogger("obliviate.ledger")
@@ -158,22 +158,23 @@ class RequestLifecycle:
                             after: int = 0) -> list[dict[str, Any]]:
         """The requests about a subject (by subject id, or naming any of its records) in
         the order they were received: the first `limit` received after event `after`
-        (the next page starts after the last `received_seq` of this one)."""
-        out: list[dict[str, Any]] = []
+        (the next page starts after the last `received_seq` of this one).
+
+        Two index reads (`requests.subject_id`; `request_records` by the subject's
+        record ids), each cut to `limit`, so a page costs the same at any ledger size."""
+        own = select(RECORDS.c.record_id).where(RECORDS.c.subject_id == subject_id)
+        by_subject = select(REQUESTS.c.request_id, REQUESTS.c.received_seq).where(
+            REQUESTS.c.subject_id == subject_id, REQUESTS.c.received_seq > after)
+        by_record = select(REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.received_seq).where(
+            REQUEST_RECORDS.c.record_id.in_(own), REQUEST_RECORDS.c.received_seq > after)
+        found = union(_first(by_subject, limit), _first(by_record, limit)).subquery()
+        q = (select(REQUESTS).join(found, found.c.request_id == REQUESTS.c.request_id)
+             .order_by(REQUESTS.c.received_seq).limit(limit))
         with self.engine.connect() as conn:
-            own = set(conn.execute(select(RECORDS.c.record_id)
-                                   .where(RECORDS.c.subject_id == subject_id)).scalars())
-            for r in conn.execute(select(REQUESTS).where(REQUESTS.c.received_seq > after)
-                                  .order_by(REQUESTS.c.received_seq)
-                                  .execution_options(yield_per=5000)):
-                if r.subject_id == subject_id or own.intersection(r.record_ids):
-                    out.append({"request_id": r.request_id, "op": r.op, "status": r.status,
-                                "subject_id": r.subject_id, "record_ids": list(r.record_ids),
-                                "received_at": iso(r.received_at),
-                                "received_seq": r.received_seq})
-                    if limit is not None and len(out) >= limit:
-                        break
-        return out
+            return [{"request_id": r.request_id, "op": r.op, "status": r.status,
+                     "subject_id": r.subject_id, "record_ids": list(r.record_ids),
+                     "received_at": iso(r.received_at), "received_seq": r.received_seq}
+                    for r in conn.execute(q)]
 
     def status_counts(self) -> dict[str, int]:
         """How many requests are in each lifecycle state."""
@@ -201,6 +202,14 @@ def _requests_in_state(conn: Connection, request_ids: Sequence[str], state: str,
                              f"can become {target!r}")
         out.append(Request.model_validate(dict(r._mapping)))
     return out
+
+
+def _first(q: Select, limit: int | None) -> Select:
+    """`q`'s first `limit` rows by received_seq, as a select a UNION can take (SQLite
+    refuses ORDER BY and LIMIT on a member of a compound select itself)."""
+    if limit is None:
+        return q
+    return select(*q.order_by(q.selected_columns.received_seq).limit(limit).subquery().c)
 
 
 def _set_status(conn: Connection, request_ids: Sequence[str], status: str) -> None:

@@ -10,6 +10,7 @@ from ledger.models import (
     PurgeMaintenanceState,
     RecordPayload,
     Request,
+    RequestRecord,
     SealedPayload,
     SignedHead,
     SourceOffset,
@@ -18,6 +19,7 @@ from ledger.models import (
 
 EVENTS = Event.__table__
 REQUESTS = Request.__table__
+REQUEST_RECORDS = RequestRecord.__table__
 RECORDS = TrainingRecord.__table__
 PAYLOADS = RecordPayload.__table__
 SEALED = SealedPayload.__table__

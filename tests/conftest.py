@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 
 from ledger.local_broker import LocalBroker
 from ledger.store import Ledger
@@ -79,6 +79,22 @@ def seed(ledger: Ledger, n: int = 30, n_features: int = 4, per_subject: int = 3)
     ledger.records.load([f"r{i:03d}" for i in range(n)],
                         [f"s{i // per_subject:02d}" for i in range(n)],
                         rng.random((n, n_features)), np.arange(n) % 3, name="toy")
+
+
+def requests_of_subject_by_scan(ledger: Ledger, subject: str) -> list[dict]:
+    """A subject's requests as its page found them before `request_records`: every request
+    read and matched in Python (what the indexed query is held to)."""
+    from ledger.chain import iso
+    from ledger.tables import RECORDS, REQUESTS
+
+    with ledger.engine.connect() as conn:
+        own = set(conn.execute(select(RECORDS.c.record_id)
+                               .where(RECORDS.c.subject_id == subject)).scalars())
+        return [{"request_id": r.request_id, "op": r.op, "status": r.status,
+                 "subject_id": r.subject_id, "record_ids": list(r.record_ids),
+                 "received_at": iso(r.received_at), "received_seq": r.received_seq}
+                for r in conn.execute(select(REQUESTS).order_by(REQUESTS.c.received_seq))
+                if r.subject_id == subject or own.intersection(r.record_ids)]
 
 
 @pytest.fixture

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from ledger import merkle
 from ledger.chain import event_leaf
 from ledger.intake import IncomingMessage
 from ledger.store import Ledger
-from tests.conftest import HMAC_KEY, seed
+from tests.conftest import HMAC_KEY, requests_of_subject_by_scan, seed
 
 
 def delete(rid: str, *records: str, subject: str | None = None) -> dict:
@@ -354,3 +356,53 @@ def test_auditor_recomputes_exported_events_without_the_database(seeded: Ledger)
     for ev in seeded.events.export():
         assert event_hash(ev["seq"], ev["request_id"], ev["kind"], canonical_json(ev["payload"]),
                           ev["model_version"], ev["created_at"], ev["prev_hash"]) == ev["hash"]
+
+
+def test_a_subjects_requests_are_those_found_by_subject_or_by_record(seeded: Ledger) -> None:
+    """The page the index serves is the one every request read and matched in Python gave,
+    on both backends, and its pages joined are the whole list at every size."""
+    for msg in (delete("d1", "r003"), delete("d2", subject="s02"),  # s01 owns r003..r005
+                delete("d3", "r004", subject="s01"), add("a1", "n1", subject="s01"),
+                delete("d4", "r005", "r006"), delete("d5", "r009")):
+        assert seeded.receive(msg).status == "accepted", msg
+    # a request that names s01's record under another subject id (intake refuses one
+    # today; an edited row stands for it): found by the record, and by its own subject
+    tamper(seeded, "UPDATE requests SET subject_id = 's07' WHERE request_id = 'd1'")
+    apply_all(seeded)
+    pages = seeded.lifecycle.requests_of_subject
+    assert [r["request_id"] for r in pages("s01")] == ["d1", "d3", "a1", "d4"]
+    for subject in ("s01", "s02", "s07", "s99", "nobody"):
+        whole = pages(subject)
+        assert whole == requests_of_subject_by_scan(seeded, subject), subject
+        for limit in (1, 2, 3):
+            joined, after = [], 0
+            while page := pages(subject, limit, after):
+                assert len(page) <= limit
+                joined, after = joined + page, page[-1]["received_seq"]
+            assert joined == whole, (subject, limit)
+    d3 = pages("s01")[1]
+    assert d3["subject_id"] == "s01" and d3["record_ids"] == ["r004"] \
+        and d3["status"] == "verified" and d3["op"] == "delete"
+    assert pages("s01", 10, d3["received_seq"]) == pages("s01")[2:]
+    assert [r["request_id"] for r in pages("s07")] == ["d1"]
+    assert pages("s01", 0) == []
+
+
+def test_a_subjects_page_reads_requests_by_index_only(tmp_path: Path) -> None:
+    """No timing: SQLite's plan for the page searches each table it reads by an index and
+    scans none, so a page does not grow with the ledger."""
+    led = Ledger(f"sqlite:///{tmp_path / 'plan.db'}", HMAC_KEY)
+    seed(led)
+    assert led.receive(delete("d1", "r003")).status == "accepted"
+    captured: list[tuple[str, Any]] = []
+    event.listen(led.engine, "before_cursor_execute",
+                 lambda conn, cursor, sql, params, *_: captured.append((sql, params)))
+    assert [r["request_id"] for r in led.lifecycle.requests_of_subject("s01", 5, 0)] == ["d1"]
+    sql, params = captured[-1]
+    with led.engine.connect() as conn:
+        plan = [row[-1] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
+    led.close()
+    tables = ("requests", "request_records", "training_records")
+    assert all(any(step.startswith(f"SEARCH {t} USING INDEX") for step in plan)
+               for t in tables), plan
+    assert not [step for step in plan if step.split()[:2] in (["SCAN", t] for t in tables)], plan

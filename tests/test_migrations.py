@@ -29,7 +29,7 @@ from ledger import merkle, migrations, subtree_store
 from ledger.chain import event_leaf
 from ledger.db import make_engine
 from ledger.store import Ledger
-from tests.conftest import HMAC_KEY
+from tests.conftest import HMAC_KEY, requests_of_subject_by_scan, seed
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -101,6 +101,11 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
         assert ids("seed_lineages", "lineage") == ["v000001"]
         assert ids("guard_usage", "version") == ["v000001"]
         statuses = dict(conn.execute(text("SELECT request_id, status FROM requests")).all())
+        # 0009 indexed each record id the old requests name
+        links = conn.execute(text("SELECT record_id, received_seq, request_id "
+                                  "FROM request_records")).all()
+        assert sorted(links) == sorted((rec, r["received_seq"], r["request_id"])
+                                       for r in old["requests"] for rec in r["record_ids"]["$json"])
         assert statuses == {r["request_id"]: r["status"] for r in old["requests"]}
         # the data of live and pending records moved to record_payloads (0007: as float64
         # bytes), none of the purged
@@ -135,6 +140,50 @@ def test_a_database_of_the_previous_schema_is_upgraded_and_keeps_its_data(db_url
     again.close()
 
 
+def test_0009_indexes_the_requests_of_a_ledger_from_before_it(db_url: str) -> None:
+    """A ledger taken back to 0008 (0009's downgrade drops `request_records`) and opened
+    again is back-filled with what intake wrote, a request whose subject id is another's
+    included, and each subject's page is what reading every request gave; the back-fill
+    reads its requests in batches."""
+    from alembic import command
+    from alembic.config import Config
+
+    from ledger.intake import backfill_request_records
+
+    led = Ledger(db_url, HMAC_KEY)
+    seed(led)
+    for msg in ({"request_id": "d1", "op": "delete", "record_ids": ["r003", "r007"]},
+                {"request_id": "d2", "op": "delete", "subject_id": "s01"},
+                {"request_id": "d3", "op": "delete", "record_ids": ["r010"]}):
+        assert led.receive(msg).status == "accepted"
+    with led.engine.connect() as conn:
+        written = sorted(conn.execute(text("SELECT * FROM request_records")).all())
+    assert len(written) == 6
+    with led.engine.begin() as conn:
+        cfg = Config()
+        cfg.set_main_option("script_location", str(migrations.SCRIPT_LOCATION))
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0008_source_topic_ids")
+        conn.execute(text("UPDATE requests SET subject_id = 's05' WHERE request_id = 'd3'"))
+    assert "request_records" not in inspect(led.engine).get_table_names()
+    assert migrations.current(led.engine) == "0008_source_topic_ids"
+    led.close()
+
+    again = Ledger(db_url, HMAC_KEY)
+    assert again.schema_upgrade.before == "0008_source_topic_ids"
+    with again.engine.connect() as conn:
+        assert sorted(conn.execute(text("SELECT * FROM request_records")).all()) == written
+    for subject in ("s01", "s02", "s03", "s05"):
+        assert (again.lifecycle.requests_of_subject(subject)
+                == requests_of_subject_by_scan(again, subject)), subject
+    assert [r["request_id"] for r in again.lifecycle.requests_of_subject("s05")] == ["d3"]
+    with again.engine.begin() as conn:  # two requests a batch: the last one alone
+        conn.execute(text("DELETE FROM request_records"))
+        assert backfill_request_records(conn, batch=2) == len(written)
+        assert sorted(conn.execute(text("SELECT * FROM request_records")).all()) == written
+    again.close()
+
+
 def test_a_new_database_at_head_is_what_the_models_declare(db_url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
@@ -150,8 +199,9 @@ def test_a_new_database_at_head_is_what_the_models_declare(db_url: str) -> None:
         diff = compare_metadata(ctx, SQLModel.metadata)
     # every table=True model of the sidecar is declared, and the database is just that
     assert {t.name for t in SQLModel.metadata.sorted_tables} == {
-        "requests", "events", "training_records", "record_payloads", "purge_maintenance",
-        "checkpoints", "signed_heads", "merkle_nodes", "source_offsets", "dataset_schema",
+        "requests", "request_records", "events", "training_records", "record_payloads",
+        "purge_maintenance", "checkpoints", "signed_heads", "merkle_nodes", "source_offsets",
+        "dataset_schema",
         "model_versions", "model_pointer", "sealed_payloads", "model_version_counters",
         "seed_lineages", "guard_usage"}
     assert diff == [], diff

@@ -334,7 +334,7 @@ def test_every_text_column_intake_writes_holds_what_validation_lets_through() ->
     intake can put there: validated ids and times, or values the ledger makes itself."""
     from ledger.chain import iso, utc_now
     from ledger.models import REQUEST_STATUSES
-    from ledger.tables import EVENTS, OFFSETS, PAYLOADS, RECORDS, REQUESTS
+    from ledger.tables import EVENTS, OFFSETS, PAYLOADS, RECORDS, REQUEST_RECORDS, REQUESTS
 
     ident, kafka_topic = validation.MAX_ID_LENGTH, 249  # Kafka refuses longer topic names
     longest = {
@@ -352,10 +352,11 @@ def test_every_text_column_intake_writes_holds_what_validation_lets_through() ->
         ("training_records", "record_hash"): 64, ("training_records", "state"): len("pending"),
         ("training_records", "added_by"): ident, ("training_records", "purged_by"): 0,
         ("record_payloads", "record_id"): ident, ("source_offsets", "topic"): kafka_topic,
+        ("request_records", "record_id"): ident, ("request_records", "request_id"): ident,
         ("source_offsets", "topic_id"): len("01a221b3-6c10-7260-92f0-d077722d6d0a"),  # a UUID
     }
     limited = {(t.name, c.name): c.type.length for t in (REQUESTS, EVENTS, RECORDS, PAYLOADS,
-                                                          OFFSETS)
+                                                          OFFSETS, REQUEST_RECORDS)
                for c in t.c if getattr(c.type, "length", None)}
     assert set(limited) == set(longest), "a column was added: say what intake writes there"
     too_long = {k: (longest[k], n) for k, n in limited.items() if longest[k] > n}

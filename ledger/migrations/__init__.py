@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("obliviate.ledger")
 
 # The newest revision in versions/ (a test holds this to Alembic's own view of the chain).
-HEAD = "0008_source_topic_ids"
+HEAD = "0009_request_records"
 VERSION_TABLE = "alembic_version"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 _LOCK_KEY = 0x0B11_71A80  # PostgreSQL advisory lock: one upgrade at a time
