@@ -120,6 +120,16 @@ def test_sound_against_all_loo_forests(name):
     top = np.sort(scores, axis=1)
     margin = top[:, -1] - top[:, -2]
     assert certain[margin > 2 * delta + guard.tol].all()
+    # leaves too large to read per query (every leaf here, with leaf_scan 0) are bounded
+    # per class: never tighter than the exact sums, and still above every LOO forest's
+    exact_q = guard._query
+    guard._query = exact_q._replace(leaf_scan=0)
+    _, b_delta, b_H = guard.bounds(Q)
+    _, b_certain = guard.certain(Q)
+    guard._query = exact_q
+    assert (b_H >= H - 1e-12).all() and (b_delta >= delta - 1e-12).all()
+    assert (gain <= b_H + 1e-12).all() and (b_delta >= true_change - 1e-12).all()
+    assert agree[b_certain].all() and not (b_certain & ~certain).any()
 
     # accuracy at eps = 0 (uncertain answers uniform) vs the plain forest
     plain = forest.predict(Xte)

@@ -29,7 +29,7 @@ from jobs.guard.forest.pairs import (
     merge_kept,
     path_keys,
 )
-from jobs.guard.forest.routing_kernels import PairIndex, QueryArrays, gains, route
+from jobs.guard.forest.routing_kernels import LEAF_SCAN, PairIndex, QueryArrays, gains, route
 from jobs.guard.label_guard import LabelGuard
 from jobs.learners.base import (
     check_features,
@@ -268,7 +268,7 @@ class ForestGuard:
         w_off, w_rec, _ = pairs.by_node(len(st.kind), False)
         self._query = QueryArrays(st.kernel(), PairIndex(f_off, f_rec, f_root, w_off, w_rec),
                                   pairs.pool(), int(self.forest.n_records_),
-                                  int(st.depth.max(initial=0)))
+                                  int(st.depth.max(initial=0)), LEAF_SCAN)
         self.forest_hash = rep.forest_hash
         self.fit_report = rep
         self._summary = self._summarise()
