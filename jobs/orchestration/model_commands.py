@@ -30,7 +30,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "a restarted worker takes back its own claims")
     p.add_argument("--batch-window", type=float, default=0.1,
                    help="after claiming a lone request, wait this long for more")
-    p.add_argument("--max-batch", type=int, default=1000)
+    p.add_argument("--max-batch", type=int, default=10_000)
     p.add_argument("--guard-max-wait", type=float, default=60.0, metavar="SECONDS",
                    help="once the current version has waited this long for its guard, "
                         "requests wait for the refit (default 60; inf: never)")
