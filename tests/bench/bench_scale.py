@@ -211,12 +211,12 @@ def stage_guard(n: int, quick: bool) -> list[dict]:
     g = measure_guard(*coded_table(n))
     log(f"   fit {g['fit_s']:.1f} s ({g['fit_cpu_s']:.1f} s CPU), update after 10 "
         f"deletions {g['incr10_s']:.2f} s, certified {g['certified']:.3f}, acc "
-        f"{g['acc']:.4f}, at eps 0 {g['acc_eps0']:.4f}")
+        f"{g['acc']:.4f}, at eps 0 {g['acc_eps0']:.4f}; a query {g['query_ms']:.2f} ms CPU")
     return [{"stage": "guard", "n": n, "fit_s": g["fit_s"], "fit_cpu_s": g["fit_cpu_s"],
              "incr10_s": g["incr10_s"], "incr_vs_fit": g["incr10_s"] / g["fit_s"],
              "incr_vs_fit_cpu": g["incr10_cpu_s"] / g["fit_cpu_s"],
              "certified": g["certified"], "acc": g["acc"], "acc_eps0": g["acc_eps0"],
-             "peak_rss_mb": g["peak_rss_mb"]}]
+             "query_ms": g["query_ms"], "peak_rss_mb": g["peak_rss_mb"]}]
 
 
 def stage_e2e(n: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
