@@ -165,8 +165,11 @@ class RequestLifecycle:
         own = select(RECORDS.c.record_id).where(RECORDS.c.subject_id == subject_id)
         by_subject = select(REQUESTS.c.request_id, REQUESTS.c.received_seq).where(
             REQUESTS.c.subject_id == subject_id, REQUESTS.c.received_seq > after)
+        # distinct before the cut: a request naming several of the subject's records is one
+        # row of the page (cut first, its rows could fill `limit` and hide a later request)
         by_record = select(REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.received_seq).where(
-            REQUEST_RECORDS.c.record_id.in_(own), REQUEST_RECORDS.c.received_seq > after)
+            REQUEST_RECORDS.c.record_id.in_(own), REQUEST_RECORDS.c.received_seq > after
+        ).distinct()
         found = union(_first(by_subject, limit), _first(by_record, limit)).subquery()
         q = (select(REQUESTS).join(found, found.c.request_id == REQUESTS.c.request_id)
              .order_by(REQUESTS.c.received_seq).limit(limit))

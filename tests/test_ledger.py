@@ -361,17 +361,21 @@ def test_auditor_recomputes_exported_events_without_the_database(seeded: Ledger)
 def test_a_subjects_requests_are_those_found_by_subject_or_by_record(seeded: Ledger) -> None:
     """The page the index serves is the one every request read and matched in Python gave,
     on both backends, and its pages joined are the whole list at every size."""
-    for msg in (delete("d1", "r003"), delete("d2", subject="s02"),  # s01 owns r003..r005
+    for msg in (delete("d0", "r003", "r004"),  # two of s01's records in one request
+                delete("d1", "r003"), delete("d2", subject="s02"),  # s01 owns r003..r005
                 delete("d3", "r004", subject="s01"), add("a1", "n1", subject="s01"),
                 delete("d4", "r005", "r006"), delete("d5", "r009")):
         assert seeded.receive(msg).status == "accepted", msg
     # a request that names s01's record under another subject id (intake refuses one
     # today; an edited row stands for it): found by the record, and by its own subject
     tamper(seeded, "UPDATE requests SET subject_id = 's07' WHERE request_id = 'd1'")
+    tamper(seeded, "UPDATE requests SET subject_id = 's08' WHERE request_id = 'd0'")
     apply_all(seeded)
     pages = seeded.lifecycle.requests_of_subject
-    assert [r["request_id"] for r in pages("s01")] == ["d1", "d3", "a1", "d4"]
-    for subject in ("s01", "s02", "s07", "s99", "nobody"):
+    assert [r["request_id"] for r in pages("s01")] == ["d0", "d1", "d3", "a1", "d4"]
+    # d0 names two of s01's records: one row, and a page of two is d0 and d1, not d0, d3
+    assert [r["request_id"] for r in pages("s01", 2)] == ["d0", "d1"]
+    for subject in ("s01", "s02", "s07", "s08", "s99", "nobody"):
         whole = pages(subject)
         assert whole == requests_of_subject_by_scan(seeded, subject), subject
         for limit in (1, 2, 3):
@@ -380,10 +384,10 @@ def test_a_subjects_requests_are_those_found_by_subject_or_by_record(seeded: Led
                 assert len(page) <= limit
                 joined, after = joined + page, page[-1]["received_seq"]
             assert joined == whole, (subject, limit)
-    d3 = pages("s01")[1]
+    d3 = pages("s01")[2]
     assert d3["subject_id"] == "s01" and d3["record_ids"] == ["r004"] \
         and d3["status"] == "verified" and d3["op"] == "delete"
-    assert pages("s01", 10, d3["received_seq"]) == pages("s01")[2:]
+    assert pages("s01", 10, d3["received_seq"]) == pages("s01")[3:]
     assert [r["request_id"] for r in pages("s07")] == ["d1"]
     assert pages("s01", 0) == []
 
