@@ -24,7 +24,16 @@ from ledger.models import DatasetSchema
 from ledger.record_check import RecordCheck
 from ledger.sealed_payloads import PayloadSealer
 from ledger.signing import head_dict
-from ledger.tables import CHECKPOINTS, HEADS, OFFSETS, PAYLOADS, RECORDS, REQUESTS, SEALED
+from ledger.tables import (
+    CHECKPOINTS,
+    HEADS,
+    OFFSETS,
+    PAYLOADS,
+    RECORDS,
+    REQUEST_RECORDS,
+    REQUESTS,
+    SEALED,
+)
 from ledger.tree_heads import TreeHeads
 
 
@@ -60,6 +69,7 @@ class LedgerVerifier:
                 conn.execute(select(DatasetSchema.__table__)).first(), notes))
             problems.extend(facts.check_offsets(conn.execute(select(OFFSETS)).all()))
             problems.extend(_orphan_payloads(conn))
+            problems.extend(_request_index(conn))
         return VerifyResult(not problems, walk.n_events, len(checkpoints), n_records, problems,
                             heads=len(heads), notes=notes,
                             verified_head=_good_head(heads, covered, problems)
@@ -206,6 +216,25 @@ def _check_requests(conn: Connection, last_kind: dict[str, str], facts: LogFacts
         problems.extend(facts.check_request(r))
     problems.extend(facts.requests_without_rows(status_of))
     return status_of
+
+
+def _request_index(conn: Connection) -> list[Problem]:
+    """`request_records` (what a subject's requests page reads) against the record ids
+    each request names (which the events hold the requests to): an edited index could
+    hide a request from its subject's page."""
+    want = {(r.request_id, rid, r.received_seq)
+            for r in conn.execute(select(REQUESTS.c.request_id, REQUESTS.c.record_ids,
+                                         REQUESTS.c.received_seq)
+                                  .execution_options(yield_per=10_000))
+            for rid in r.record_ids}
+    have = set(conn.execute(select(REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.record_id,
+                                   REQUEST_RECORDS.c.received_seq)).tuples())
+    return ([Problem(f"request {q}", f"names record {rid} but request_records does not "
+                     "list it (its subject's requests page would not show it)")
+             for q, rid, _ in sorted(want - have)]
+            + [Problem(f"request {q}", f"request_records lists record {rid} at event {seq}, "
+                       "which the request does not name there")
+               for q, rid, seq in sorted(have - want)])
 
 
 def _orphan_payloads(conn: Connection) -> list[Problem]:

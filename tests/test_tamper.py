@@ -179,6 +179,20 @@ def test_a_deleted_request_row_is_caught_by_verify(signed: Ledger) -> None:
                for p in found), found
 
 
+def test_an_edited_request_index_is_caught_by_verify(signed: Ledger) -> None:
+    """request_records serves a subject's requests page: a row taken out would hide a
+    request from it, a row put in would show one that names none of its records."""
+    some_requests(signed, 3)
+    tamper(signed, "DELETE FROM request_records WHERE request_id = 'q1'")
+    tamper(signed, "UPDATE request_records SET record_id = 'r009' WHERE request_id = 'q2'")
+    found = problems(signed)
+    assert any(p.startswith("request q1: names record r001 but request_records does not")
+               for p in found), found
+    assert any(p.startswith("request q2: request_records lists record r009") for p in found)
+    assert any(p.startswith("request q2: names record r002") for p in found), found
+    assert not any(p.startswith("request q0") for p in found), found
+
+
 def test_forged_events_appended_with_valid_hashes_are_caught_by_verify(signed: Ledger) -> None:
     some_requests(signed, 3, applied=False)
     assert signed.verify().ok
