@@ -227,8 +227,8 @@ def _request_index(conn: Connection) -> list[Problem]:
                                          REQUESTS.c.received_seq)
                                   .execution_options(yield_per=10_000))
             for rid in r.record_ids}
-    have = set(conn.execute(select(REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.record_id,
-                                   REQUEST_RECORDS.c.received_seq)).tuples())
+    have = {tuple(r) for r in conn.execute(select(
+        REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.record_id, REQUEST_RECORDS.c.received_seq))}
     return ([Problem(f"request {q}", f"names record {rid} but request_records does not "
                      "list it (its subject's requests page would not show it)")
              for q, rid, _ in sorted(want - have)]
