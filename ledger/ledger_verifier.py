@@ -62,14 +62,14 @@ class LedgerVerifier:
             walk = walk_events(conn, LogWalk(), checkpoints, heads, covered, facts, problems)
             self._check_tail(covered, walk, bool(heads) or self._heads.public_key is not None,
                              problems, notes)
-            status_of = _check_requests(conn, walk.last_kind, facts, problems)
+            status_of, named = _check_requests(conn, walk.last_kind, facts, problems)
             n_records = self._records.run(conn, status_of, facts, problems)
             problems.extend(facts.check_loaded())
             problems.extend(facts.check_schema(
                 conn.execute(select(DatasetSchema.__table__)).first(), notes))
             problems.extend(facts.check_offsets(conn.execute(select(OFFSETS)).all()))
             problems.extend(_orphan_payloads(conn))
-            problems.extend(_request_index(conn))
+            problems.extend(_request_index(conn, named))
         return VerifyResult(not problems, walk.n_events, len(checkpoints), n_records, problems,
                             heads=len(heads), notes=notes,
                             verified_head=_good_head(heads, covered, problems)
@@ -203,38 +203,39 @@ def _consistent(conn: Connection, old: dict[str, Any], new: Any) -> list[Problem
 
 
 def _check_requests(conn: Connection, last_kind: dict[str, str], facts: LogFacts,
-                    problems: list[Problem]) -> dict[str, str]:
-    """Each request's status against its last event; returns the statuses by request id."""
+                    problems: list[Problem]
+                    ) -> tuple[dict[str, str], set[tuple[str, str, int]]]:
+    """Each request's status against its last event; returns the statuses by request id
+    and (request, record id, received_seq) of every record id a request names (one read
+    of the requests serves both)."""
     status_of: dict[str, str] = {}
+    named: set[tuple[str, str, int]] = set()
     for r in conn.execute(select(REQUESTS.c.request_id, REQUESTS.c.status,
-                                 REQUESTS.c.received_seq)):
+                                 REQUESTS.c.received_seq, REQUESTS.c.record_ids)
+                          .execution_options(yield_per=10_000)):
         status_of[r.request_id] = r.status
+        named.update((r.request_id, rid, r.received_seq) for rid in r.record_ids)
         if last_kind.get(r.request_id) != r.status:
             problems.append(Problem(f"request {r.request_id}", f"status {r.status!r} "
                                     f"disagrees with its last event "
                                     f"{last_kind.get(r.request_id)!r}"))
         problems.extend(facts.check_request(r))
     problems.extend(facts.requests_without_rows(status_of))
-    return status_of
+    return status_of, named
 
 
-def _request_index(conn: Connection) -> list[Problem]:
+def _request_index(conn: Connection, named: set[tuple[str, str, int]]) -> list[Problem]:
     """`request_records` (what a subject's requests page reads) against the record ids
-    each request names (which the events hold the requests to): an edited index could
-    hide a request from its subject's page."""
-    want = {(r.request_id, rid, r.received_seq)
-            for r in conn.execute(select(REQUESTS.c.request_id, REQUESTS.c.record_ids,
-                                         REQUESTS.c.received_seq)
-                                  .execution_options(yield_per=10_000))
-            for rid in r.record_ids}
+    each request names (`named`, which the events hold the requests to): an edited index
+    could hide a request from its subject's page."""
     have = {tuple(r) for r in conn.execute(select(
         REQUEST_RECORDS.c.request_id, REQUEST_RECORDS.c.record_id, REQUEST_RECORDS.c.received_seq))}
     return ([Problem(f"request {q}", f"names record {rid} but request_records does not "
                      "list it (its subject's requests page would not show it)")
-             for q, rid, _ in sorted(want - have)]
+             for q, rid, _ in sorted(named - have)]
             + [Problem(f"request {q}", f"request_records lists record {rid} at event {seq}, "
                        "which the request does not name there")
-               for q, rid, seq in sorted(have - want)])
+               for q, rid, seq in sorted(have - named)])
 
 
 def _orphan_payloads(conn: Connection) -> list[Problem]:

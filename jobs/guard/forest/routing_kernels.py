@@ -150,12 +150,7 @@ def gains(Q, qa):  # pragma: no cover - compiled
                 u = path[j]
                 for e in range(f_off[u], f_off[u + 1]):  # exact pair: its grown subtree
                     x = f_rec[e]
-                    m = loc[x]
-                    if m < 0:
-                        m = nt
-                        loc[x] = m
-                        who[m] = x
-                        nt += 1
+                    m, nt = _meet(loc, who, x, nt)
                     if big and stamp[x] != t:
                         _replace(corr, corr_d, m, dcs, y[x], cnt[k, y[x]] > 0)
                     stamp[x] = t
@@ -168,12 +163,7 @@ def gains(Q, qa):  # pragma: no cover - compiled
                         lo[m, c] += dc
                 for e in range(w_off[u], w_off[u + 1]):  # worst-case pair
                     x = w_rec[e]
-                    m = loc[x]
-                    if m < 0:
-                        m = nt
-                        loc[x] = m
-                        who[m] = x
-                        nt += 1
+                    m, nt = _meet(loc, who, x, nt)
                     if big and stamp[x] != t:
                         _replace(corr, corr_d, m, dcs, y[x], cnt[k, y[x]] > 0)
                     stamp[x] = t
@@ -186,12 +176,7 @@ def gains(Q, qa):  # pragma: no cover - compiled
                 x = rec[e]
                 if stamp[x] == t or nl <= 1:
                     continue
-                m = loc[x]
-                if m < 0:
-                    m = nt
-                    loc[x] = m
-                    who[m] = x
-                    nt += 1
+                m, nt = _meet(loc, who, x, nt)
                 yx = y[x]
                 for c in range(C):
                     dc = (cnt[k, c] - (1.0 if c == yx else 0.0)) / (nl - 1) - p[c]
@@ -225,6 +210,19 @@ def gains(Q, qa):  # pragma: no cover - compiled
             stamp[x] = -1
             loc[x] = -1
     return H, delta
+
+
+@njit(cache=True)
+def _meet(loc, who, x, nt):  # pragma: no cover - compiled
+    """Record x's row among the records a query met (a new one at `nt` the first time),
+    and how many rows are in use."""
+    m = loc[x]
+    if m < 0:
+        m = nt
+        loc[x] = m
+        who[m] = x
+        nt += 1
+    return m, nt
 
 
 @njit(cache=True)
