@@ -66,6 +66,38 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     admin.dispose()
 
 
+@pytest.fixture(scope="module")
+def pg_database() -> Iterator[str]:
+    """A PostgreSQL database of the module's own. VACUUM FULL keeps the rows an open
+    snapshot in the same database may still see, and other test processes share the
+    `test` database: a module that scans files for purged bytes needs its own."""
+    if _PG_REASON:
+        pytest.skip(_PG_REASON)
+    name = f"own_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    yield POSTGRES_URL.rsplit("/", 1)[0] + "/" + name
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def own_db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """Like `db_url`, but PostgreSQL's schema is in the module's own database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.db'}"
+        return
+    base = request.getfixturevalue("pg_database")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(base)
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    engine.dispose()
+    yield f"{base}?options=-csearch_path%3D{schema}"
+
+
 @pytest.fixture
 def ledger(db_url: str) -> Iterator[Ledger]:
     led = Ledger(db_url, HMAC_KEY, checkpoint_every=10)

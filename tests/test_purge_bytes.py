@@ -34,39 +34,16 @@ from sqlalchemy import create_engine, text
 from ledger.chain import legacy_record_fingerprint
 from ledger.db import sqlite_files, sqlite_path
 from ledger.store import Ledger
-from tests.conftest import _PG_REASON, HMAC_KEY, POSTGRES_URL
+from tests.conftest import HMAC_KEY
 from tests.db_files import db_files, is_superuser, pg_files, relation_paths
 
 N, D = 30, 14  # records r000.., subjects s00.. of 3 records each, D features
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def pg_database() -> Iterator[str]:
-    if _PG_REASON:
-        pytest.skip(_PG_REASON)
-    name = f"purge_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield POSTGRES_URL.rsplit("/", 1)[0] + "/" + name
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'ledger.db'}"
-        return
-    base = request.getfixturevalue("pg_database")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(base)
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    engine.dispose()
-    yield f"{base}?options=-csearch_path%3D{schema}"
+@pytest.fixture
+def url(own_db_url: str) -> str:
+    return own_db_url
 
 
 @pytest.fixture
