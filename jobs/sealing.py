@@ -48,10 +48,12 @@ def write_file(path: str | Path, data: bytes) -> None:
     """Write `data` to `path`, sealed when a key is in context."""
     p = Path(path)
     key = _KEY.get()
-    if key is not None:
-        nonce = os.urandom(_NONCE_BYTES)
-        data = MAGIC + nonce + AESGCM(key).encrypt(nonce, data, _aad(p))
-    p.write_bytes(data)
+    with p.open("wb") as f:
+        if key is not None:  # in parts: joined, a model of a GB was copied once more
+            nonce = os.urandom(_NONCE_BYTES)
+            f.write(MAGIC + nonce)
+            data = AESGCM(key).encrypt(nonce, data, _aad(p))
+        f.write(data)
 
 
 def read_file(path: str | Path) -> bytes:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import numpy as np
-from sqlalchemy import Connection, Engine, delete, insert, select, update
+from sqlalchemy import Connection, Engine, bindparam, delete, insert, select, update
 from sqlmodel import Session
 
 from ledger import merkle
@@ -51,6 +51,9 @@ class RecordStore:
         self._key = hmac_key
         self._heads = heads
         self._schema: DatasetSchema | None = None
+        # record id -> fingerprint: fixed once the record is received (its row is never
+        # rewritten), so a worker's digests read only the records new since the last one
+        self._fingerprints: dict[str, bytes] = {}
 
     def schema(self) -> DatasetSchema | None:
         """The feature schema; fixed once set, so it is read once per process."""
@@ -191,15 +194,20 @@ class RecordStore:
         fingerprints (the ledger keeps them after a purge) can recompute it without
         seeing any record.
         """
-        ids = [str(r) for r in record_ids]
-        fps: list[bytes] = []
-        with self.engine.connect() as conn:
-            for i in range(0, len(ids), LOOKUP_CHUNK):
-                fps.extend(bytes.fromhex(h) for h in conn.execute(
-                    select(RECORDS.c.record_hash)
-                    .where(RECORDS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK]))).scalars())
-        if len(fps) != len(set(ids)):
-            raise KeyError(f"{len(set(ids)) - len(fps)} record id(s) are not in the ledger")
+        ids = set(map(str, record_ids))
+        known = self._fingerprints
+        new = [r for r in ids if r not in known]
+        for i in range(0, len(new), LOOKUP_CHUNK):
+            with self.engine.connect() as conn:
+                known.update((r, bytes.fromhex(h)) for r, h in conn.execute(
+                    select(RECORDS.c.record_id, RECORDS.c.record_hash)
+                    .where(RECORDS.c.record_id.in_(new[i:i + LOOKUP_CHUNK]))))
+        missing = sum(r not in known for r in new)
+        if missing:
+            raise KeyError(f"{missing} record id(s) are not in the ledger")
+        if len(known) > 2 * len(ids):  # keep about one training set's worth
+            self._fingerprints = {r: known[r] for r in ids}
+        fps = [known[r] for r in ids]
         fps.sort()
         return len(fps), merkle.root([merkle.leaf_hash(f) for f in fps]).hex()
 
@@ -215,20 +223,32 @@ class RecordStore:
             return None
 
 
-def purge_records(conn: Connection, record_ids: Sequence[str], request_id: str,
-                  now: datetime) -> tuple[dict[str, str], int, list[str]]:
-    """Delete the records' raw data; (their fingerprints, how many payload rows went,
-    the records whose sealed payload went: their keys are to be destroyed)."""
-    ids = list(record_ids)
-    fps = dict(conn.execute(select(RECORDS.c.record_id, RECORDS.c.record_hash)
-                            .where(RECORDS.c.record_id.in_(ids))).all())
-    n = conn.execute(delete(PAYLOADS).where(PAYLOADS.c.record_id.in_(ids))).rowcount
-    sealed = list(conn.execute(delete(SEALED).where(SEALED.c.record_id.in_(ids))
-                               .returning(SEALED.c.record_id)).scalars())
-    conn.execute(update(RECORDS)
-                 .where(RECORDS.c.record_id.in_(ids), RECORDS.c.state != "purged")
-                 .values(state="purged", purged_at=now, purged_by=request_id))
-    return fps, n + len(sealed), sealed
+def purge_records(conn: Connection, by_request: Sequence[tuple[str, Sequence[str]]],
+                  now: datetime) -> tuple[dict[str, dict[str, str]], int, list[str]]:
+    """Delete the raw data of the records each request names, for a batch of requests at
+    once (a statement per request cost 2 ms each: 4 s a pass at 10^6 records); (each
+    request's fingerprints, how many payload rows went, the records whose sealed payload
+    went: their keys are to be destroyed). A record named twice is purged by the first."""
+    ids = sorted({str(i) for _, rids in by_request for i in rids})
+    fps: dict[str, str] = {}
+    n = 0
+    sealed: list[str] = []
+    for i in range(0, len(ids), LOOKUP_CHUNK):
+        chunk = ids[i:i + LOOKUP_CHUNK]
+        fps.update(conn.execute(select(RECORDS.c.record_id, RECORDS.c.record_hash)
+                                .where(RECORDS.c.record_id.in_(chunk))).all())
+        n += conn.execute(delete(PAYLOADS).where(PAYLOADS.c.record_id.in_(chunk))).rowcount
+        sealed += conn.execute(delete(SEALED).where(SEALED.c.record_id.in_(chunk))
+                               .returning(SEALED.c.record_id)).scalars()
+    rows = [{"b_id": str(i), "b_by": req} for req, rids in by_request for i in rids]
+    if rows:
+        conn.execute(update(RECORDS)
+                     .where(RECORDS.c.record_id == bindparam("b_id"),
+                            RECORDS.c.state != "purged")
+                     .values(state="purged", purged_at=now, purged_by=bindparam("b_by")),
+                     rows)
+    return ({req: {str(i): fps[str(i)] for i in rids if str(i) in fps}
+             for req, rids in by_request}, n + len(sealed), sealed)
 
 
 def _check_table(record_ids: Sequence[str], subject_ids: Sequence[str | None], X: np.ndarray,

@@ -86,19 +86,19 @@ class RequestLifecycle:
         Returns the number of records whose data was purged: when it is not 0, call
         `PurgeMaintenance.run()` (on SQLite this method has already run it).
         """
-        purged, sealed = 0, []
         with writing(self.engine) as conn:
             now = utc_now()
             reqs = _requests_in_state(conn, request_ids, "claimed", "applied")
             appender = ChainAppender(conn)
+            fps, purged, sealed = purge_records(
+                conn, [(r.request_id, r.record_ids) for r in reqs if r.op == "delete"], now)
             for r in reqs:
                 if r.op == "delete":
-                    fps, n, keyed = purge_records(conn, r.record_ids, r.request_id, now)
-                    purged += n
-                    sealed += keyed
-                    payload = {"purged_record_hashes": fps}
+                    payload = {"purged_record_hashes": fps[r.request_id]}
                 else:
-                    conn.execute(update(RECORDS).where(RECORDS.c.record_id.in_(r.record_ids))
+                    # (one the batch's deletions purged stays purged)
+                    conn.execute(update(RECORDS).where(RECORDS.c.record_id.in_(r.record_ids),
+                                                       RECORDS.c.state != "purged")
                                  .values(state="live", added_at=now))
                     payload = {"added": len(r.record_ids)}
                 payload.update(detail or {})

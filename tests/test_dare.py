@@ -700,6 +700,29 @@ def test_the_content_hash_is_remembered_until_the_forest_changes() -> None:
     assert f.content_hash() != added  # the parameters are part of the hash
 
 
+def test_the_value_index_is_the_sorted_distinct_values_and_their_ranks() -> None:
+    """values.rerank sorts each attribute once: its ranks, values, global order and runs
+    are np.unique's (ties, a constant column, -0.0 beside 0.0, a single record)."""
+    from jobs.learners.dare.state import RecordStore
+    from jobs.learners.dare.values import rerank
+
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 300):
+        X = np.stack([rng.normal(size=n), np.round(rng.random(n), 1), np.zeros(n),
+                      rng.choice([-0.0, 0.0, 1.0], size=n)])
+        rec = RecordStore(X=X, y=np.zeros(n, np.int64), alive=np.ones(n, bool),
+                          ids=np.arange(n).astype(str).astype(object), slot={}, n_slots=n,
+                          n_live=n, class_n=np.array([n]), classes=np.array([0]))
+        index, _ = rerank(rec, None)
+        for a in range(len(X)):
+            u, inv = np.unique(X[a], return_inverse=True)
+            assert np.array_equal(index.vals[index.voff[a]:index.voff[a + 1]], u)
+            assert np.array_equal(index.rank[a, :n], inv)
+            assert np.array_equal(index.gorder[a], np.argsort(inv, kind="stable"))
+            runs = index.rstart[index.roff[a]:index.roff[a + 1]]
+            assert np.array_equal(np.diff(runs), np.bincount(inv)) and runs[0] == 0
+
+
 def test_compaction_renumbers_the_value_index_as_a_fresh_ranking_would() -> None:
     """A save compacts the store and renumbers the value ranks in linear time
     (values.rerank_kept): the same index as ranking the kept records from scratch, on a

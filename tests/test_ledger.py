@@ -410,3 +410,20 @@ def test_a_subjects_page_reads_requests_by_index_only(tmp_path: Path) -> None:
     assert all(any(step.startswith(f"SEARCH {t} USING INDEX") for step in plan)
                for t in tables), plan
     assert not [step for step in plan if step.split()[:2] in (["SCAN", t] for t in tables)], plan
+
+
+def test_a_training_set_digest_matches_one_read_afresh(seeded: Ledger) -> None:
+    """A worker's digests read only the records it has not fingerprinted yet: the root
+    must be the one a process that read every fingerprint computes."""
+    ids = [f"r{i:03d}" for i in range(30)]
+    before = seeded.records.digest(ids)
+    assert seeded.records.digest(ids[3:]) != before
+    assert seeded.records.digest(list(reversed(ids))) == before
+    with pytest.raises(KeyError, match="1 record id"):
+        seeded.records.digest([*ids, "nobody"])
+    fresh = Ledger(seeded.url, HMAC_KEY)
+    try:
+        assert fresh.records.digest(ids[3:]) == seeded.records.digest(ids[3:])
+        assert fresh.records.digest(ids) == before == (30, before[1])
+    finally:
+        fresh.close()

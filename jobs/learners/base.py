@@ -91,6 +91,10 @@ class Learner(abc.ABC):
     @abc.abstractmethod
     def add(self, ids: np.ndarray, X: np.ndarray, y: np.ndarray) -> UpdateReport: ...
 
+    def prepare_updates(self) -> None:  # noqa: B027 - most learners keep nothing to rebuild
+        """Build now what the first update after a load would build (a worker calls it when
+        it starts, so that no request waits for it)."""
+
     @abc.abstractmethod
     def scores(self, X: np.ndarray) -> np.ndarray:
         """Per-class scores (probabilities or logits), shape (n, n_classes)."""

@@ -9,7 +9,6 @@ See docs/sidecar.md (Worker)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import signal
@@ -188,8 +187,9 @@ class Worker:
         log.info("worker %s stopped", self.config.name)
 
     def warm_up(self) -> None:
-        """Load the current version and run one throwaway deletion on a copy, so the
-        first real request does not pay for loading and compiling."""
+        """Load the current version and build what its learner's first update would, so
+        the first real request does not pay for it (the kernels are compiled at install:
+        jobs.orchestration.warm_kernels)."""
         for d in [*remove_orphaned_job_dirs(), *self.registry.store.remove_leftovers()]:
             log.info("removed %s, left by a process that is gone", d)
         if self.guard.process is not None:
@@ -201,10 +201,7 @@ class Worker:
         except VersionRefused as exc:  # the loop keeps refusing it, and says so
             self.trouble.refused(exc)
             return
-        spare = copy.deepcopy(model)
-        ids = spare.learner.record_ids_
-        if len(ids) > 1:
-            spare.learner.delete(ids[:1])
+        model.learner.prepare_updates()
 
     def step(self) -> bool:
         """One pass; False when there was nothing to do, or when it failed.

@@ -27,11 +27,17 @@ def rerank(rec: RecordStore, old: ValueIndex | None) -> tuple[ValueIndex, list[n
     vals, rstart = [], []
     gorder = np.empty((p, n), dtype=np.int32)
     for a in range(p):
-        u, inv = np.unique(rec.X[a, :n], return_inverse=True)
-        rank[a, :n] = inv
-        vals.append(u)
-        gorder[a] = np.argsort(inv, kind="stable")
-        rstart.append(_run_starts(np.bincount(inv, minlength=len(u))))
+        # one stable sort gives the order, the values and the ranks (np.unique and an
+        # argsort of its ranks sorted twice: a third of loading a forest at 10^5 rows)
+        x = rec.X[a, :n]
+        order = np.argsort(x, kind="stable")
+        xs = x[order]
+        first = np.ones(n, dtype=bool)
+        np.not_equal(xs[1:], xs[:-1], out=first[1:])
+        rank[a, order] = np.cumsum(first) - 1
+        vals.append(xs[first])
+        gorder[a] = order
+        rstart.append(np.append(np.flatnonzero(first), n).astype(np.int32))
     index = _value_index(rank, vals, gorder, rstart)
     if old_vals is None:
         return index, None
