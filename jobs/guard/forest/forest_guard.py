@@ -54,9 +54,11 @@ STATE_BUDGET = 1.5  # the default of ForestGuard(state_budget=)
 # Growing a pair's subtree costs about its node's records times the levels below it, and a
 # near-tie node high up a tree makes many of its records fragile: growing all of those
 # would cost (records at the node)^2. Pairs at nodes with more records than this are
-# worst-case pairs, which keeps fit and update near-linear (bench_guard_scale.py: at 16k
-# records, 1,024 halves the fit and costs 0.1 points of accuracy at epsilon 0).
-GROW_ROWS = 1024  # the default of ForestGuard(grow_rows=)
+# worst-case pairs, which keeps fit and update near-linear. Measured on the census-like
+# table (one process, CPU seconds of a fit / certified share of 2,000 held-out rows):
+# 1,024: 2.9 s / 0.914 at 2.6*10^4 rows, 4.6 s / 0.940 at 10^5, 58 s / 0.972 at 10^6;
+# 8,192: 15.2 s / 0.961, 24.8 s / 0.957, 70 s / 0.977 (docs/benchmarks.md, bench_scale).
+GROW_ROWS = 8192  # the default of ForestGuard(grow_rows=)
 # An update whose changed nodes hold more than this share of all (node, record) pairs
 # refits instead. Measured (one run each, 2 cores): at 16k records 10 deletions change 75%
 # of them and update in 3.4 s, 50 change 92% (6.8 s), 200 change 98% (8.8 s), where a
