@@ -13,6 +13,7 @@ from sqlalchemy import create_engine, select, text
 
 from ledger.local_broker import LocalBroker
 from ledger.store import Ledger
+from tests.pg_schemas import new_schema
 
 # BentoML reads its home once per process: give the test session its own model store.
 os.environ.setdefault("BENTOML_DO_NOT_TRACK", "true")
@@ -89,13 +90,7 @@ def own_db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'ledger.db'}"
         return
-    base = request.getfixturevalue("pg_database")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(base)
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    engine.dispose()
-    yield f"{base}?options=-csearch_path%3D{schema}"
+    yield new_schema(request.getfixturevalue("pg_database"))
 
 
 @pytest.fixture

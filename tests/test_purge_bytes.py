@@ -23,7 +23,6 @@ import sqlite3
 import stat
 import struct
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from ledger.db import sqlite_files, sqlite_path
 from ledger.store import Ledger
 from tests.conftest import HMAC_KEY
 from tests.db_files import db_files, is_superuser, pg_files, relation_paths
+from tests.pg_schemas import new_schema
 
 N, D = 30, 14  # records r000.., subjects s00.. of 3 records each, D features
 
@@ -55,12 +55,7 @@ def ledger(url: str) -> Iterator[Ledger]:
 
 @pytest.fixture
 def pg_ledger(pg_database: str) -> Iterator[Ledger]:
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(pg_database)
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    engine.dispose()
-    led = Ledger(f"{pg_database}?options=-csearch_path%3D{schema}", HMAC_KEY)
+    led = Ledger(new_schema(pg_database), HMAC_KEY)
     yield led
     led.close()
 

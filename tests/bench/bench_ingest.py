@@ -20,15 +20,18 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 from kafka import KafkaConsumer
-from sqlalchemy import create_engine, text
 
 from ledger.consumer import RequestConsumer, ensure_topics
 from ledger.local_broker import LocalBroker
 from ledger.producer import produce, request_stream
 from ledger.store import Ledger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
+from tests.pg_schemas import new_schema  # noqa: E402
 
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -80,12 +83,7 @@ def ledger_rate(ledger: Ledger, bootstrap: str, topic: str, n: int) -> float:
 
 def fresh_postgres_schema() -> str | None:
     try:
-        engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
-        schema = f"bench_{uuid.uuid4().hex[:10]}"
-        with engine.begin() as conn:
-            conn.execute(text(f"CREATE SCHEMA {schema}"))
-        engine.dispose()
-        return f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+        return new_schema(POSTGRES_URL, "bench_", connect_timeout=3)
     except Exception as exc:  # noqa: BLE001
         print(f"postgres: skipped, no server answers at {POSTGRES_URL} ({exc.__class__.__name__})")
         return None

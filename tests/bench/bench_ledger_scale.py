@@ -28,9 +28,10 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import select
 
 from ledger import merkle
 from ledger.appender import ChainAppender
@@ -38,6 +39,9 @@ from ledger.chain import event_leaf, iso, utc_now
 from ledger.db import writing
 from ledger.store import Ledger
 from ledger.tables import EVENTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
+from tests.pg_schemas import new_schema  # noqa: E402
 
 POSTGRES_URL = os.environ.get("OBLIVIATE_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -55,12 +59,7 @@ INCREMENTS = ((100, "verify_since_100_s"), (1000, "verify_incremental_s"),
 def database_url(backend: str, tmp: str) -> str:
     if backend == "sqlite":
         return f"sqlite:///{tmp}/ledger-{uuid.uuid4().hex[:8]}.db"
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    engine = create_engine(POSTGRES_URL)
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    engine.dispose()
-    return f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    return new_schema(POSTGRES_URL, "bench_")
 
 
 def append_notes(ledger: Ledger, n: int) -> None:
