@@ -48,11 +48,13 @@ def write_file(path: str | Path, data: bytes) -> None:
     """Write `data` to `path`, sealed when a key is in context."""
     p = Path(path)
     key = _KEY.get()
+    head = b""
+    if key is not None:  # written in parts: joined, a model of a GB was copied once more
+        nonce = os.urandom(_NONCE_BYTES)
+        head = MAGIC + nonce
+        data = AESGCM(key).encrypt(nonce, data, _aad(p))
     with p.open("wb") as f:
-        if key is not None:  # in parts: joined, a model of a GB was copied once more
-            nonce = os.urandom(_NONCE_BYTES)
-            f.write(MAGIC + nonce)
-            data = AESGCM(key).encrypt(nonce, data, _aad(p))
+        f.write(head)
         f.write(data)
 
 

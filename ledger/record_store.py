@@ -197,11 +197,12 @@ class RecordStore:
         ids = set(map(str, record_ids))
         known = self._fingerprints
         new = [r for r in ids if r not in known]
-        for i in range(0, len(new), LOOKUP_CHUNK):
+        if new:
             with self.engine.connect() as conn:
-                known.update((r, bytes.fromhex(h)) for r, h in conn.execute(
-                    select(RECORDS.c.record_id, RECORDS.c.record_hash)
-                    .where(RECORDS.c.record_id.in_(new[i:i + LOOKUP_CHUNK]))))
+                for i in range(0, len(new), LOOKUP_CHUNK):
+                    known.update((r, bytes.fromhex(h)) for r, h in conn.execute(
+                        select(RECORDS.c.record_id, RECORDS.c.record_hash)
+                        .where(RECORDS.c.record_id.in_(new[i:i + LOOKUP_CHUNK]))))
         missing = sum(r not in known for r in new)
         if missing:
             raise KeyError(f"{missing} record id(s) are not in the ledger")
@@ -229,7 +230,7 @@ def purge_records(conn: Connection, by_request: Sequence[tuple[str, Sequence[str
     once (a statement per request cost 2 ms each: 4 s a pass at 10^6 records); (each
     request's fingerprints, how many payload rows went, the records whose sealed payload
     went: their keys are to be destroyed). A record named twice is purged by the first."""
-    ids = sorted({str(i) for _, rids in by_request for i in rids})
+    ids = sorted({i for _, rids in by_request for i in rids})
     fps: dict[str, str] = {}
     n = 0
     sealed: list[str] = []
@@ -240,14 +241,14 @@ def purge_records(conn: Connection, by_request: Sequence[tuple[str, Sequence[str
         n += conn.execute(delete(PAYLOADS).where(PAYLOADS.c.record_id.in_(chunk))).rowcount
         sealed += conn.execute(delete(SEALED).where(SEALED.c.record_id.in_(chunk))
                                .returning(SEALED.c.record_id)).scalars()
-    rows = [{"b_id": str(i), "b_by": req} for req, rids in by_request for i in rids]
+    rows = [{"b_id": i, "b_by": req} for req, rids in by_request for i in rids]
     if rows:
         conn.execute(update(RECORDS)
                      .where(RECORDS.c.record_id == bindparam("b_id"),
                             RECORDS.c.state != "purged")
                      .values(state="purged", purged_at=now, purged_by=bindparam("b_by")),
                      rows)
-    return ({req: {str(i): fps[str(i)] for i in rids if str(i) in fps}
+    return ({req: {i: fps[i] for i in rids if i in fps}
              for req, rids in by_request}, n + len(sealed), sealed)
 
 

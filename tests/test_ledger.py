@@ -125,6 +125,26 @@ def test_lifecycle_purges_deleted_records_and_keeps_their_fingerprint(seeded: Le
     assert seeded.verify().ok
 
 
+def test_a_batch_purges_each_requests_records_under_its_own_name(seeded: Ledger) -> None:
+    """mark_applied purges a batch's deletions together: each request's event still lists
+    its own records' fingerprints and each record names the request that purged it, and a
+    record added and deleted in the same batch ends purged."""
+    for msg in (add("a", "new1"), delete("d1", "r001"), delete("d2", subject="s02"),
+                delete("d3", "new1")):
+        assert seeded.receive(msg).status == "accepted"
+    hashes = _hashes(seeded)
+    assert apply_all(seeded) == ["a", "d1", "d2", "d3"]
+    owned = {"d1": ["r001"], "d2": ["r006", "r007", "r008"], "d3": ["new1"]}
+    for rid, records in owned.items():
+        applied = seeded.history(rid)["events"][2]
+        assert applied["payload"]["purged_record_hashes"] == {r: hashes[r] for r in records}
+        for r in records:
+            rec = _record(seeded, r)
+            assert (rec.state, rec.purged_by) == ("purged", rid)
+            assert _payload(seeded, r) is None
+    assert seeded.verify().ok
+
+
 @pytest.mark.slow
 def test_subject_with_everything_deleted_says_so(seeded: Ledger) -> None:
     seeded.receive(delete("s", subject="s02"))
