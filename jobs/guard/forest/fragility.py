@@ -20,6 +20,7 @@ from jobs.learners.dare.forest import DaREForest
 from jobs.learners.dare.search_kernels import _TAG_THR, _sort_keys, h2, mix, score1
 
 _S32 = np.uint64(32)
+_ROW_VALUES = 16  # int32 values in a 64-byte cache line
 
 
 def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True,
@@ -47,7 +48,8 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     frag, cnt, runs = _fragile(
         nodes, rows, off, slot_of,
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
-        _Records(v.rank, v.X, v.y.astype(np.int64), v.vmix, v.voff), cand,
+        _Records(v.rank, _by_slot(v.rank, v.y), v.X, v.y.astype(np.int64), v.vmix, v.voff),
+        cand,
         _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
     if tally is not None:
         tally["visited"] = tally.get("visited", 0) + len(rows)
@@ -75,6 +77,21 @@ def domain_fragile(forest: DaREForest) -> list[tuple[int, int, float]]:
         top, second = float(two[1]), float(two[0])
         if top > second and _domain(top) != _domain(second):
             out.append((a, int(live[np.argmax(absx[a])]), _domain(second)))
+    return out
+
+
+def _by_slot(rank: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each record's value ranks and then its label in one row, where that row is one
+    cache line (16 int32): a node's records are read in layout order, scattered over the
+    slots, and the per-attribute arrays cost a miss per sampled attribute (at 10^6 rows
+    most of a visit). A wider table keeps its per-attribute arrays (a copy would be GBs
+    at 10^6 rows, and a record's sampled values would lie on several lines anyway): then
+    the labels alone, one column."""
+    if rank.shape[0] + 1 > _ROW_VALUES:
+        return np.ascontiguousarray(y.astype(rank.dtype).reshape(-1, 1))
+    out = np.empty((rank.shape[1], rank.shape[0] + 1), dtype=rank.dtype)
+    out[:, :-1] = rank.T
+    out[:, -1] = y
     return out
 
 
@@ -150,10 +167,12 @@ class _Nodes(NamedTuple):
 
 
 class _Records(NamedTuple):
-    """The records' values (by slot): value ranks, raw values, labels, the value mixes
+    """The records' values (by slot): value ranks (and, for a narrow table, a row per
+    record of its ranks and label: :func:`_by_slot`), raw values, labels, the value mixes
     that key pair priorities and each attribute's offset into them."""
 
     rank: np.ndarray  # (features, slots)
+    by_slot: np.ndarray  # (slots, features + 1): ranks, then the label; or (slots, 1)
     X: np.ndarray  # (features, slots)
     y: np.ndarray
     vmix: np.ndarray
@@ -182,6 +201,7 @@ class _Groups(NamedTuple):
     cnt: np.ndarray
     entry: np.ndarray
     prio: np.ndarray
+    lab: np.ndarray  # the label of each record
 
 
 class _Selection(NamedTuple):
@@ -311,17 +331,25 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
     entry = np.empty((P, k + 16), np.int64)
     prio = np.empty((P, k + 16), np.int64)
     lab = np.empty(nt, np.int64)
-    for j in range(nt):
-        lab[j] = rec.y[rows[j]]
-    vals = np.empty(nt, np.int64)
+    F = rec.by_slot.shape[1] - 1  # 0: a wide table, read by attribute (_by_slot)
+    every = np.empty((P if F > 0 else 1, nt), np.int64)
+    for j in range(nt):  # a narrow table: one pass over the records, one row each
+        row = rec.by_slot[rows[j]]
+        lab[j] = row[F]
+        if F > 0:
+            for s in range(P):
+                if cand.attr[ci, s] >= 0:
+                    every[s, j] = row[cand.attr[ci, s]]
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
             continue
         va = rec.voff[a]
         nv = rec.voff[a + 1] - va
-        for j in range(nt):
-            vals[j] = rec.rank[a, rows[j]]
+        if F == 0:
+            for j in range(nt):
+                every[0, j] = rec.rank[a, rows[j]]
+        vals = every[s if F > 0 else 0]
         g = -1
         if nv <= 8 * nt:
             table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group
@@ -352,7 +380,7 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
             E = cand.off[ci, s] + q
             entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
             prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
-    return _Groups(of, n, g_rank, g_cnt, entry, prio)
+    return _Groups(of, n, g_rank, g_cnt, entry, prio, lab)
 
 
 @njit(cache=True)
@@ -569,25 +597,36 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     pure = np.zeros(C, np.bool_)  # the node turns pure without a record of class c
     for c in range(C):
         pure[c], _lab = _pure_without(cnt, c)
+    # the slots whose codes can differ between records; where the margin holds, a slot
+    # of another attribute than the split's with no near group gives every record code 0
+    # (leaving it out of the mixed-radix key keeps the key one-to-one): on a one-hot
+    # table most slots of a large node
+    read = np.zeros(P, np.int64)
+    n_read = 0
+    for s in range(P):
+        if cand.attr[ci, s] >= 0 and (not fast or cand.attr[ci, s] == nd.attr[v]
+                                      or near[s, :grp.n[s]].any()):
+            read[n_read] = s
+            n_read += 1
     for j in range(nt):
         r = rows[j]
-        c = rec.y[r]
+        c = grp.lab[j]
         if pure[c]:
             out[j] = True
             continue
         key = c
         mult = C
         look = False
-        for s in range(P):
-            if cand.attr[ci, s] >= 0:
-                g = grp.of[s, j]
-                if near[s, g, c]:
-                    cd = near_code[s, g]
-                    look = True
-                else:
-                    cd = far_code[s, g]
-                key += cd * mult
-                mult *= radix[s]
+        for t in range(n_read):
+            s = read[t]
+            g = grp.of[s, j]
+            if near[s, g, c]:
+                cd = near_code[s, g]
+                look = True
+            else:
+                cd = far_code[s, g]
+            key += cd * mult
+            mult *= radix[s]
         look = look or not use_margin  # for tests: the full rule decides every record
         if not look and (fast or short):
             out[j] = short
