@@ -296,6 +296,7 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
                     ready=lambda: wait_for_line(work / "worker.log", "started", 900.0)
                     + wait_for_guard(registry, 900.0),
                     drain_s=max(300.0, args.duration))
+            died = sidecar.dead()  # a process killed (say by the kernel's OOM killer)
         finally:
             sidecar.stop()
         res = analyse(ledger.events.export(), stream, tag, work / "worker.log")
@@ -306,7 +307,10 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
         for line in sidecar.procs[name].log_tail(10**7).splitlines():
             if "refusing" in line:
                 log(f"{tag} {name}: {line[:300]}")
-    if res["lost"] or res["unsettled"] or not stream.answers.get("200"):
+    if died:
+        log(f"{tag} the {died} process stopped on its own during the run: the figures "
+            f"below are cut short (dmesg tells whether the OOM killer took it)")
+    if res["lost"] or res["unsettled"] or not stream.answers.get("200") or died:
         for name in ("worker", "consumer", "service"):
             log(f"{tag} {name}.log ends:\n{sidecar.procs[name].log_tail(1500)}")
     idle = stream.certified_idle  # none certain while idle: no ratio to speak of
@@ -320,7 +324,7 @@ def e2e_run(n: int, backend: str, learner: str, url: str, csv: Path,
             "rate": args.rate, "requests": len(messages), "init_s": init_s,
             "train_s": train_s, "p50_s": res["p50_s"], "p95_s": res["p95_s"],
             "lost": res["lost"], "unsettled": res["unsettled"],
-            "duplicated": res["duplicated"],
+            "duplicated": res["duplicated"], "died": died or "none",
             "certified_stream": stream.certified_stream,
             "certified_idle": stream.certified_idle, "certified_ratio": ratio,
             **{f"rss_{k}_mb": v for k, v in peak.peak_mb.items()},

@@ -665,3 +665,18 @@ def test_grown_subtrees_are_the_same_when_tasks_share_nodes():
         for name in ("left", "right"):
             t, s = getattr(together, name)[a], getattr(alone, name)[b]
             assert np.array_equal(np.where(t >= 0, t - base, -1), s), name
+
+
+def test_fragile_records_decided_in_chunks_are_those_decided_at_once(monkeypatch) -> None:
+    """The nodes are decided a chunk of (node, record) pairs at a time, to bound the
+    memory of the records' slots: any chunk size gives the same nodes, counts and slots."""
+    import jobs.guard.forest.fragility as fragility
+
+    X, y = load_breast_cancer(return_X_y=True)
+    forest = DaREForest(n_estimators=5, max_depth=8, k=5, d_rmax=1, random_state=0).fit(
+        X, y, record_ids=np.arange(len(y)))
+    whole = fragility.fragile_records(forest)
+    monkeypatch.setattr(fragility, "_CHUNK_PAIRS", 997)
+    chunked = fragility.fragile_records(forest)
+    assert len(whole[2]) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(whole, chunked, strict=True))

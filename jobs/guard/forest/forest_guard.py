@@ -156,7 +156,7 @@ class ForestGuard:
             touched = np.array(sorted({st.node_of[int(u)] for u in nodes.tolist()}),
                                dtype=np.int64)
             kept, dropped = self._kept(st, touched)
-        tally: dict[str, int] = {}
+        tally: dict[str, float] = {}
         node, prec, dom = fragile_pairs(self.forest, st, nodes if incremental else None, tally)
         if incremental:
             node, prec, dom = highest_pairs(st, *below_dropped(self.forest, st, touched, dropped,

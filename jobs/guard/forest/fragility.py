@@ -10,6 +10,7 @@ See docs/guard.md (DaRE forests)."""
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -21,10 +22,11 @@ from jobs.learners.dare.search_kernels import _TAG_THR, _sort_keys, h2, mix, sco
 
 _S32 = np.uint64(32)
 _ROW_VALUES = 16  # int32 values in a 64-byte cache line
+_CHUNK_PAIRS = 1 << 25  # (node, record) pairs decided at once (their slots: 256 MiB)
 
 
 def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin: bool = True,
-                    tally: dict[str, int] | None = None
+                    tally: dict[str, float] | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the internal `nodes` (default: all), the records fragile at each: (nodes,
     off, slots) with the slots of node i in ``slots[off[i]:off[i + 1]]``. `margin`: skip
@@ -32,7 +34,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     (the same answer; False decides every record by the full rule, which scores the
     first k pairs after its deletion: for tests). `tally` (if given) counts
     what it cost: ``visited`` (node, record) pairs, ``rule_runs`` of the greedy per-record
-    rule."""
+    rule, ``kernel_cpu_s`` in the compiled kernel."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -40,21 +42,43 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     # leaves stay leaves under a deletion, but for one whose candidates all left too few
     # records on a side: a pair from beyond the first k may then split it
     nodes = nodes[(v.kind[nodes] != dv.LEAF) | (v.why[nodes] == dv.W_MSL)]
+    kernel_args = (
+        _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
+        _Records(v.rank, _by_slot(v.rank, v.y), v.X, v.y.astype(np.int64), v.vmix, v.voff),
+        _Rule(v.msl, v.k, v.gini, v.xlogx))
+    # nodes a chunk at a time: their records' slots (a fit at 10^6 rows visits 4*10^8
+    # pairs: 3.2 GB at once) are the kernel's largest input
+    ends = np.cumsum(v.n[nodes].astype(np.int64))
+    cuts = np.unique(np.searchsorted(ends, np.arange(_CHUNK_PAIRS, ends[-1] if len(ends)
+                                                     else 0, _CHUNK_PAIRS), side="right"))
+    cuts = cuts[(cuts > 0) & (cuts < len(nodes))].tolist()
+    counts, slots = [], []
+    for lo, hi in zip([0, *cuts], [*cuts, len(nodes)], strict=True):
+        cnt, fragile = _decide(forest, v, nodes[lo:hi], kernel_args, margin, tally)
+        counts.append(cnt)
+        slots.append(fragile)
+    cnt = np.concatenate([np.zeros(0, np.int64), *counts])
+    return (nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64),
+            np.concatenate([np.zeros(0, np.int64), *slots]))
+
+
+def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, kernel_args: tuple,
+            margin: bool, tally: dict[str, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of :func:`fragile_records`: per node how many records are fragile, and
+    their slots."""
     rows, off = dv.node_records(forest, nodes)
     gi = np.flatnonzero(v.kind[nodes] == dv.GREEDY)
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
-    frag, cnt, runs = _fragile(
-        nodes, rows, off, slot_of,
-        _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
-        _Records(v.rank, _by_slot(v.rank, v.y), v.X, v.y.astype(np.int64), v.vmix, v.voff),
-        cand,
-        _Rule(v.msl, v.k, v.gini, v.xlogx), margin)
+    nd, rec, rule = kernel_args
+    c0 = time.process_time()
+    frag, cnt, runs = _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, margin)
     if tally is not None:
         tally["visited"] = tally.get("visited", 0) + len(rows)
         tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
-    return nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64), rows[frag]
+        tally["kernel_cpu_s"] = tally.get("kernel_cpu_s", 0.0) + time.process_time() - c0
+    return cnt, rows[frag]
 
 
 def domain_fragile(forest: DaREForest) -> list[tuple[int, int, float]]:

@@ -232,7 +232,7 @@ class FragilePairs:
 
 
 def fragile_pairs(forest: DaREForest, st: ForestStructure, nodes: np.ndarray | None,
-                  tally: dict[str, int] | None = None
+                  tally: dict[str, float] | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(compact node, record position, domain override or NaN) of every record's highest
     fragile node, among `nodes` (forest ids; None: all) and, for records whose deletion

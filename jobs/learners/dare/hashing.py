@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -74,14 +75,29 @@ def _structure(st: ForestState, nodes: np.ndarray, idx: np.ndarray) -> list[np.n
 
 
 def _leaf_members(st: ForestState, nodes: np.ndarray, idx: np.ndarray, lslots: np.ndarray
-                  ) -> np.ndarray:
-    """Each leaf's records, by id: the leaf index of every live record in every tree."""
+                  ) -> Iterator[np.ndarray]:
+    """Each leaf's records, by id: the leaf index of every live record in every tree, one
+    tree's row at a time (the rows of a (trees, records) array, without building it: at
+    10^6 records that array and its gathers were GBs)."""
     nd = st.nodes
     leaves = nodes[nd.kind[nodes] == LEAF]
-    rows, off = builder.node_rows(st, leaves)
-    owner = np.full((st.rule.n_trees, st.records.capacity), -1, dtype=np.int64)
-    owner[np.repeat(nd.tree[leaves], np.diff(off)), rows] = np.repeat(idx[leaves], np.diff(off))
-    return owner[:, lslots]
+    tree = nd.tree[leaves].astype(np.int64)
+    owner = np.empty(st.records.capacity, dtype=np.int64)
+    for t in range(st.rule.n_trees):
+        mine = leaves[tree == t]
+        rows, off = builder.node_rows(st, mine)
+        owner.fill(-1)
+        owner[rows] = np.repeat(idx[mine], np.diff(off))
+        yield owner[lslots]
+
+
+def _hash_array(h: Any, parts: Iterator[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]
+                ) -> None:
+    """Hash an array given as its rows in order: the same bytes as the whole array's."""
+    h.update(str(np.dtype(dtype)).encode())
+    h.update(repr(shape).encode())
+    for part in parts:
+        h.update(np.ascontiguousarray(part, dtype=dtype).tobytes())
 
 
 def content_hash(st: ForestState, header: dict[str, Any]) -> str:
@@ -97,12 +113,12 @@ def content_hash(st: ForestState, header: dict[str, Any]) -> str:
     sel = _selected_candidates(st, nodes)
     h = hashlib.sha256()
     h.update(json.dumps({**header, "ids": live_ids}, sort_keys=True).encode())
-    for arr in (
-        *_structure(st, nodes, idx), *sel, _leaf_members(st, nodes, idx, lslots),
-        rec.X[:, lslots], rec.y[lslots].astype(np.int64),
-    ):
-        arr = np.ascontiguousarray(arr)
-        h.update(str(arr.dtype).encode())
-        h.update(repr(arr.shape).encode())
-        h.update(arr.tobytes())
+    for arr in (*_structure(st, nodes, idx), *sel):
+        _hash_array(h, iter([arr]), arr.dtype, arr.shape)
+    n = len(lslots)
+    _hash_array(h, _leaf_members(st, nodes, idx, lslots), np.dtype(np.int64),
+                (st.rule.n_trees, n))
+    _hash_array(h, (rec.X[a, lslots] for a in range(rec.X.shape[0])), rec.X.dtype,
+                (rec.X.shape[0], n))
+    _hash_array(h, iter([rec.y[lslots]]), np.dtype(np.int64), (n,))
     return h.hexdigest()
