@@ -42,7 +42,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     # leaves stay leaves under a deletion, but for one whose candidates all left too few
     # records on a side: a pair from beyond the first k may then split it
     nodes = nodes[(v.kind[nodes] != dv.LEAF) | (v.why[nodes] == dv.W_MSL)]
-    kernel_args = (
+    forest_in = _Forest(
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
         _Records(v.rank, _by_slot(v.rank, v.y), v.X, v.y.astype(np.int64), v.vmix, v.voff),
         _Rule(v.msl, v.k, v.gini, v.xlogx))
@@ -54,7 +54,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     cuts = cuts[(cuts > 0) & (cuts < len(nodes))].tolist()
     counts, slots = [], []
     for lo, hi in zip([0, *cuts], [*cuts, len(nodes)], strict=True):
-        cnt, fragile = _decide(forest, v, nodes[lo:hi], kernel_args, margin, tally)
+        cnt, fragile = _decide(forest, v, nodes[lo:hi], forest_in, margin, tally)
         counts.append(cnt)
         slots.append(fragile)
     cnt = np.concatenate([np.zeros(0, np.int64), *counts])
@@ -62,7 +62,7 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
             np.concatenate([np.zeros(0, np.int64), *slots]))
 
 
-def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, kernel_args: tuple,
+def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, forest_in: _Forest,
             margin: bool, tally: dict[str, float] | None) -> tuple[np.ndarray, np.ndarray]:
     """One chunk of :func:`fragile_records`: per node how many records are fragile, and
     their slots."""
@@ -71,9 +71,9 @@ def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, kernel_args
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
-    nd, rec, rule = kernel_args
     c0 = time.process_time()
-    frag, cnt, runs = _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, margin)
+    frag, cnt, runs = _fragile(nodes, rows, off, slot_of, forest_in.nodes, forest_in.records,
+                               cand, forest_in.rule, margin)
     if tally is not None:
         tally["visited"] = tally.get("visited", 0) + len(rows)
         tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
@@ -211,6 +211,14 @@ class _Rule(NamedTuple):
     k: int
     gini: bool
     tab: np.ndarray
+
+
+class _Forest(NamedTuple):
+    """What the kernel reads of the forest, the same for every chunk of nodes."""
+
+    nodes: _Nodes
+    records: _Records
+    rule: _Rule
 
 
 class _Groups(NamedTuple):
