@@ -280,6 +280,22 @@ def _tied(rng, n=300, d=5, levels=4):
     return X, y
 
 
+def _one_hot(rng, n=300):
+    """A table as the sidecar encodes it: two tied numbers and four categories of 4 to 8
+    values as one 0/1 feature per category (26 features: wider than the kernel's
+    record-major rows, and most slots of a node are a category's flag)."""
+    nums = np.round(rng.random((n, 2)) * 5) / 5
+    cats = [rng.integers(0, k, n) for k in (4, 6, 8, 8)]
+    flags = [(c[:, None] == np.arange(k)).astype(float) for c, k in zip(cats, (4, 6, 8, 8),
+                                                                      strict=True)]
+    X = np.hstack([nums, *flags])
+    from jobs.guard.forest.fragility import _ROW_VALUES
+    assert X.shape[1] + 1 > _ROW_VALUES  # the wide path: ranks read by attribute
+    y = (nums[:, 0] + (cats[0] % 2) * 0.6 + (cats[2] > 4) * 0.4
+         + rng.normal(0, 0.3, n) > 1).astype(int)
+    return X, y
+
+
 def _tree_leaves(forest, t):
     L = forest.leaves()
     m = L["tree"] == t
@@ -292,6 +308,7 @@ def _tree_leaves(forest, t):
     ("tied", dict(n_estimators=5, max_depth=7, k=3, d_rmax=1, min_samples_leaf=2,
                   criterion="entropy", random_state=2)),
     ("continuous", dict(n_estimators=5, max_depth=6, k=10, d_rmax=0, random_state=3)),
+    ("onehot", dict(n_estimators=5, max_depth=7, k=5, d_rmax=1, random_state=4)),
 ])
 def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     """A record called stable at every node of its path in a tree must, when actually
@@ -303,6 +320,8 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     rng = np.random.default_rng(11)
     if data == "tied":
         X, y = _tied(rng)
+    elif data == "onehot":
+        X, y = _one_hot(rng)
     else:
         X = rng.random((300, 5))
         y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, 300) > 1).astype(int)
@@ -494,6 +513,7 @@ def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
                   random_state=5)),
     ("continuous", dict(n_estimators=4, max_depth=8, k=10, random_state=6)),
     ("three", dict(n_estimators=4, max_depth=7, k=5, criterion="entropy", random_state=7)),
+    ("onehot", dict(n_estimators=4, max_depth=8, k=10, d_rmax=1, random_state=8)),
 ])
 def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params):
     """Nodes far from a tie skip the per-record rule for records that cannot move their
@@ -504,6 +524,8 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
     n = 3000
     if data == "tied":
         X, y = _tied(rng, n=n, d=6, levels=6)
+    elif data == "onehot":
+        X, y = _one_hot(rng, n=n)
     else:
         X = rng.random((n, 6))
         y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, n) > 1).astype(int)

@@ -110,9 +110,9 @@ def _by_slot(rank: np.ndarray, y: np.ndarray) -> np.ndarray:
     slots, and the per-attribute arrays cost a miss per sampled attribute (at 10^6 rows
     most of a visit). A wider table keeps its per-attribute arrays (a copy would be GBs
     at 10^6 rows, and a record's sampled values would lie on several lines anyway): then
-    the labels alone, one column."""
+    no rows (the kernel reads `rank` and `y`)."""
     if rank.shape[0] + 1 > _ROW_VALUES:
-        return np.ascontiguousarray(y.astype(rank.dtype).reshape(-1, 1))
+        return np.empty((0, 0), dtype=rank.dtype)
     out = np.empty((rank.shape[1], rank.shape[0] + 1), dtype=rank.dtype)
     out[:, :-1] = rank.T
     out[:, -1] = y
@@ -196,7 +196,7 @@ class _Records(NamedTuple):
     that key pair priorities and each attribute's offset into them."""
 
     rank: np.ndarray  # (features, slots)
-    by_slot: np.ndarray  # (slots, features + 1): ranks, then the label; or (slots, 1)
+    by_slot: np.ndarray  # (slots, features + 1): ranks, then the label; or (0, 0)
     X: np.ndarray  # (features, slots)
     y: np.ndarray
     vmix: np.ndarray
@@ -363,25 +363,27 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
     entry = np.empty((P, k + 16), np.int64)
     prio = np.empty((P, k + 16), np.int64)
     lab = np.empty(nt, np.int64)
-    F = rec.by_slot.shape[1] - 1  # 0: a wide table, read by attribute (_by_slot)
-    every = np.empty((P if F > 0 else 1, nt), np.int64)
+    F = rec.by_slot.shape[1] - 1  # -1: a wide table, read by attribute (_by_slot)
+    every = np.empty((P if F >= 0 else 1, nt), np.int64)
     for j in range(nt):  # a narrow table: one pass over the records, one row each
+        if F < 0:
+            lab[j] = rec.y[rows[j]]
+            continue
         row = rec.by_slot[rows[j]]
         lab[j] = row[F]
-        if F > 0:
-            for s in range(P):
-                if cand.attr[ci, s] >= 0:
-                    every[s, j] = row[cand.attr[ci, s]]
+        for s in range(P):
+            if cand.attr[ci, s] >= 0:
+                every[s, j] = row[cand.attr[ci, s]]
     for s in range(P):
         a = cand.attr[ci, s]
         if a < 0:
             continue
         va = rec.voff[a]
         nv = rec.voff[a + 1] - va
-        if F == 0:
+        if F < 0:
             for j in range(nt):
                 every[0, j] = rec.rank[a, rows[j]]
-        vals = every[s if F > 0 else 0]
+        vals = every[s if F >= 0 else 0]
         g = -1
         if nv <= 8 * nt:
             table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group

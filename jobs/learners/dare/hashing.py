@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -91,7 +91,7 @@ def _leaf_members(st: ForestState, nodes: np.ndarray, idx: np.ndarray, lslots: n
         yield owner[lslots]
 
 
-def _hash_array(h: Any, parts: Iterator[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]
+def _hash_array(h: Any, parts: Iterable[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]
                 ) -> None:
     """Hash an array given as its rows in order: the same bytes as the whole array's."""
     h.update(str(np.dtype(dtype)).encode())
@@ -114,11 +114,11 @@ def content_hash(st: ForestState, header: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({**header, "ids": live_ids}, sort_keys=True).encode())
     for arr in (*_structure(st, nodes, idx), *sel):
-        _hash_array(h, iter([arr]), arr.dtype, arr.shape)
+        _hash_array(h, [arr], arr.dtype, arr.shape)
     n = len(lslots)
     _hash_array(h, _leaf_members(st, nodes, idx, lslots), np.dtype(np.int64),
                 (st.rule.n_trees, n))
     _hash_array(h, (rec.X[a, lslots] for a in range(rec.X.shape[0])), rec.X.dtype,
                 (rec.X.shape[0], n))
-    _hash_array(h, iter([rec.y[lslots]]), np.dtype(np.int64), (n,))
+    _hash_array(h, [rec.y[lslots]], np.dtype(np.int64), (n,))
     return h.hexdigest()
