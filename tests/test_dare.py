@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +16,11 @@ from sklearn.model_selection import cross_val_score
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from jobs.learners.base import DuplicateRecordError, UnknownRecordError
+from jobs.learners.dare import bundle as dare_bundle
 from jobs.learners.dare.costs import BatchPolicy
 from jobs.learners.dare.forest import DaREForest
 from jobs.learners.dare.state import Tuning
+from jobs.learners.dare.values import domains_of_index, new_domains
 from service.demo.residue import TraceScanner
 
 SMALL = dict(n_estimators=5, max_depth=4, k=3)
@@ -648,6 +652,20 @@ PINNED_PARAMS = {
 }
 
 
+def _as_format_1(path: Path) -> tuple[bytes, dict[str, np.ndarray]]:
+    """A format 2 bundle as format 1 wrote it: meta.json's bytes, and the arrays in their
+    order, the features as float64 where format 2 has its codes."""
+    meta = json.loads((path / "meta.json").read_text())
+    meta["format"] = dare_bundle.MODEL_FORMAT
+    with np.load(path / "arrays.npz") as z:
+        saved = {k: z[k] for k in z.files}
+    X = dare_bundle.coded_features(saved)
+    arrays = {k: a for k, a in saved.items() if not k.startswith("x_")}
+    order = [k for k in arrays if k not in ("ids", "classes")] + ["X", "ids", "classes"]
+    arrays["X"] = X
+    return json.dumps(meta, indent=1).encode(), {k: arrays[k] for k in order}
+
+
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_hashes_and_saved_bundles_are_the_bits_of_before(name, tmp_path):
     X, y = load_breast_cancer(return_X_y=True)
@@ -662,19 +680,87 @@ def test_hashes_and_saved_bundles_are_the_bits_of_before(name, tmp_path):
     m.add(ids[500:510], X[500:510], y[500:510])
     got.append(m.content_hash())
     m.save(tmp_path / "m")
-    got.append(hashlib.sha256((tmp_path / "m" / "meta.json").read_bytes()).hexdigest())
+    meta, arrays = _as_format_1(tmp_path / "m")  # format 2 holds the features as codes
+    got.append(hashlib.sha256(meta).hexdigest())
     h = hashlib.sha256()
-    with np.load(tmp_path / "m" / "arrays.npz") as z:
-        for key in z.files:
-            a = np.ascontiguousarray(z[key])
-            for part in (key.encode(), str(a.dtype).encode(), repr(a.shape).encode(),
-                         a.tobytes()):
-                h.update(part)
+    for key, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        for part in (key.encode(), str(a.dtype).encode(), repr(a.shape).encode(),
+                     a.tobytes()):
+            h.update(part)
     got.append(h.hexdigest())
     loaded = DaREForest.load(tmp_path / "m")
     loaded.delete(ids[[40]])
     got.append(loaded.content_hash())
     assert tuple(got) == PINNED[name]
+
+
+def test_a_format_1_bundle_loads_as_the_forest_it_saved(tmp_path) -> None:
+    """Versions saved before the features were coded (format 1, float64 features) load
+    as the same forest, which then updates as the one loaded from format 2."""
+    X, y = load_breast_cancer(return_X_y=True)
+    ids = np.array([f"bc-{i}" for i in range(len(X))], dtype=object)
+    m = DaREForest(**PINNED_PARAMS["sidecar"]).fit(X, y, record_ids=ids)
+    m.delete(ids[5:25])
+    m.save(tmp_path / "v2")
+    meta, arrays = _as_format_1(tmp_path / "v2")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "meta.json").write_bytes(meta)
+    np.savez(tmp_path / "v1" / "arrays.npz", **arrays)
+    old, new = DaREForest.load(tmp_path / "v1"), DaREForest.load(tmp_path / "v2")
+    assert old.content_hash() == new.content_hash() == m.content_hash()
+    for f in (old, new, m):
+        f.delete(ids[[40, 41]])
+    assert old.content_hash() == new.content_hash() == m.content_hash()
+
+
+def test_negative_values_and_zeros_load_bit_for_bit(tmp_path) -> None:
+    """A feature is saved as codes into its values, and loads with the bits it had (the
+    content hash covers them): negative values, and zeros given as -0.0 (the forest
+    holds them as 0.0, so one code is one value's bits). The random-node domains a load
+    derives from the value index are those of a pass over the records."""
+    rng = np.random.default_rng(4)
+    n = 300
+    X = rng.integers(-3, 4, size=(n, 5)).astype(np.float64)
+    X[::2][X[::2] == 0] = -0.0
+    X[:, 4] = np.abs(X[:, 4]) * 1e300  # a domain at the largest exponent
+    y = (X[:, 0] + rng.normal(0, 1, n) > 0).astype(int)
+    ids = np.array([f"z{i}" for i in range(n)], dtype=object)
+    m = DaREForest(n_estimators=4, max_depth=4, k=3, d_rmax=1, random_state=0).fit(
+        X, y, record_ids=ids)
+    m.delete(ids[:3])
+    m.save(tmp_path / "m")
+    loaded = DaREForest.load(tmp_path / "m")  # refuses a content hash that differs
+    rec = loaded.state_.records
+    assert rec.X[:, : rec.n_slots].tobytes() == (X[3:].T + 0.0).tobytes()
+    want, got = new_domains(rec, None), domains_of_index(loaded.state_.values, None)
+    for field in ("dom", "absmax", "absmax_n"):
+        assert np.array_equal(getattr(want, field), getattr(got, field)), field
+
+
+@pytest.mark.parametrize("tamper", ["code beyond the values", "values out of order",
+                                    "a value no record holds"])
+def test_a_bundle_whose_codes_are_not_the_ranks_of_its_values_is_refused(tmp_path,
+                                                                        tamper) -> None:
+    """The kernels trust the value index a load rebuilds from the codes: codes that are
+    not the dense ranks of strictly increasing values are refused before any is used."""
+    X, y = load_breast_cancer(return_X_y=True)
+    m = DaREForest(n_estimators=2, max_depth=3, k=3, random_state=0).fit(X[:200], y[:200])
+    m.save(tmp_path / "m")
+    with np.load(tmp_path / "m" / "arrays.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    first = int(arrays["x_attr8"][0]) if len(arrays["x_attr8"]) else None
+    key = "x_code8" if first is not None else "x_code16"
+    v0, v1 = arrays["x_voff"][:2] if first is None else arrays["x_voff"][first:first + 2]
+    if tamper == "code beyond the values":
+        arrays[key][0, 0] = v1 - v0
+    elif tamper == "values out of order":
+        arrays["x_vals"][[v0, v0 + 1]] = arrays["x_vals"][[v0 + 1, v0]]
+    else:
+        arrays[key][0][arrays[key][0] == 1] = 0
+    np.savez(tmp_path / "m" / "arrays.npz", **arrays)
+    with pytest.raises(ValueError, match="codes of feature"):
+        DaREForest.load(tmp_path / "m")
 
 
 def test_the_content_hash_is_remembered_until_the_forest_changes() -> None:

@@ -11,6 +11,7 @@ import torch
 from sklearn.datasets import load_breast_cancer
 
 from jobs import sealing
+from jobs.learners.dare import bundle as dare_bundle
 from jobs.learners.dare.forest import DaREForest
 from jobs.orchestration.served_model import ServedModel
 from service.demo.residue import TraceScanner
@@ -73,27 +74,32 @@ def _breast_cancer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _drop_ids(version: Path, dtype: type | None = None) -> None:
-    """Remove the ids array from a DaRE bundle (`dtype`: also store X so), leaving the
-    scan only the features to go by."""
+    """Remove the ids array from a DaRE bundle, leaving the scan only the features to go
+    by: as the bundle codes them, or (`dtype`) as a plain feature-major matrix of that
+    type in their place."""
     with np.load(version / "arrays.npz") as z:
         arrays = {k: z[k] for k in z.files if k != "ids"}
     if dtype is not None:
-        arrays["X"] = arrays["X"].astype(dtype)
+        X = dare_bundle.coded_features(arrays).astype(dtype)
+        arrays = {k: a for k, a in arrays.items() if not k.startswith("x_")} | {"X": X}
     np.savez(version / "arrays.npz", **arrays)
 
 
 @pytest.mark.parametrize("dtype", [None, np.float32])
 def test_finds_a_forests_feature_major_records_and_none_it_deleted(tmp_path, dtype) -> None:
-    """DaRE keeps X feature-major (one feature's values for all records together): with
-    its ids removed, the scan still finds every live record in the saved forest, as
-    float64 and as float32, and none of the 41 records deleted from it."""
+    """DaRE saves each feature's values for all records together, as codes into the
+    feature's values (or, `dtype`, a plain feature-major matrix): with its ids removed,
+    the scan still finds every live record in the saved forest, and none of the 41
+    records deleted from it."""
     ids, X, y = _breast_cancer()
     n = 400
     forest = DaREForest(n_estimators=10, max_depth=5, k=5, random_state=3)
     forest.fit(X[:n], y[:n], record_ids=ids[:n])
     forest.save(tmp_path / "before")
     _drop_ids(tmp_path / "before", dtype)
-    assert np.load(tmp_path / "before" / "arrays.npz")["X"].shape == (30, n)  # feature-major
+    with np.load(tmp_path / "before" / "arrays.npz") as z:  # feature-major
+        saved = z["X"] if dtype is not None else dare_bundle.coded_features(dict(z))
+    assert saved.shape == (30, n)
     everyone = TraceScanner(dict(zip(ids[:n], X[:n], strict=True)))
     found = everyone.scan([tmp_path / "before"])
     assert {f.record_id for f in found} == set(ids[:n])

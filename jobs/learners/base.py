@@ -261,10 +261,12 @@ def write_bundle(path: str | Path, meta: dict[str, Any], payload_name: str,
     tmp_meta.replace(p / META_FILE)
 
 
-def read_bundle_meta(path: str | Path, fmt: str, what: str) -> dict[str, Any]:
-    """`meta.json` of a model directory, refusing one written for another format."""
+def read_bundle_meta(path: str | Path, fmt: str | tuple[str, ...], what: str
+                     ) -> dict[str, Any]:
+    """`meta.json` of a model directory, refusing one written for another format (`fmt`:
+    the one it reads, or those)."""
     meta = json.loads(sealing.read_file(Path(path) / META_FILE))
-    if meta.get("format") != fmt:
+    if meta.get("format") not in ((fmt,) if isinstance(fmt, str) else fmt):
         raise ValueError(f"{path} is not a {what} bundle ({meta.get('format')!r})")
     return meta
 

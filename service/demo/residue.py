@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from jobs import sealing
+from jobs.learners.dare import bundle as dare_bundle
 from jobs.orchestration.registry import Registry, VersionUnavailable
 
 # a decimal number as Python, JSON and numpy print one
@@ -153,9 +154,23 @@ class TraceScanner:
     def scan_bytes(self, blob: bytes) -> set[tuple[str, str]]:
         """Traces in one file's contents. A sealed file is ciphertext: nothing to find in
         it (:meth:`scan_model_store` scans it unsealed while its key exists)."""
-        found: set[tuple[str, str]] = set()
         if blob.startswith(sealing.MAGIC):
-            return found
+            return set()
+        found = self._number_hits(blob)
+        if (coded := _coded_forest(blob)) is not None:  # a forest's features, as codes
+            found |= self._number_hits(coded)
+        if self._text:
+            found.update(self._text[t] for t in set(_NUMBER.findall(blob)) if t in self._text)
+        if self._words is not None:
+            found.update(self._word_hits[m.group(1)] for m in self._words.finditer(blob))
+        if self._id_set:
+            found.update((rid, f"id {how}") for rid, how in self._id_hits(blob))
+        return found
+
+    def _number_hits(self, blob: bytes) -> set[tuple[str, str]]:
+        """Traces in `blob` as float32/float64 bytes: rows, pairs, values alone, and
+        features at equal distances."""
+        found: set[tuple[str, str]] = set()
         buf = np.frombuffer(blob, dtype=np.uint8)
         for n, pats in self._binary.items():
             if not pats:
@@ -172,12 +187,6 @@ class TraceScanner:
                             found.add(hit)
         for search in self._strided:
             found |= search.scan(buf)
-        if self._text:
-            found.update(self._text[t] for t in set(_NUMBER.findall(blob)) if t in self._text)
-        if self._words is not None:
-            found.update(self._word_hits[m.group(1)] for m in self._words.finditer(blob))
-        if self._id_set:
-            found.update((rid, f"id {how}") for rid, how in self._id_hits(blob))
         return found
 
     def _id_hits(self, blob: bytes) -> set[tuple[str, str]]:
@@ -332,6 +341,22 @@ def _between_two(v: float, u: np.ndarray) -> bool:
 
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _coded_forest(blob: bytes) -> bytes | None:
+    """A DaRE bundle's features (feature-major float64 bytes), which its arrays hold as
+    codes into each feature's values (:func:`jobs.learners.dare.bundle.coded_features`);
+    None for any other file."""
+    if not blob.startswith(_ZIP_MAGIC):
+        return None
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            if "x_vals" not in z.files:
+                return None
+            X = dare_bundle.coded_features({k: z[k] for k in z.files})
+    except (zipfile.BadZipFile, ValueError, OSError, KeyError):
+        return None
+    return None if X is None else X.tobytes()
 
 
 def _npy_strings(blob: bytes) -> tuple[set[str], bytes]:

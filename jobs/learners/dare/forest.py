@@ -302,7 +302,7 @@ class DaREForest(ClassifierMixin, Learner, BaseEstimator):
         """SHA-256 over everything that determines predictions and future updates."""
         st = self._fitted()
         header = {
-            "format": bundle.FORMAT,
+            "format": bundle.MODEL_FORMAT,
             # a parameter at a default that changes nothing is left out, so that forests
             # hashed before it existed keep their hash
             "params": {key: (v if not isinstance(v, np.integer) else int(v))

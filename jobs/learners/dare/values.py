@@ -70,6 +70,23 @@ def rerank_kept(rec: RecordStore, old: ValueIndex, new_slot: np.ndarray
     return _value_index(rank, vals, gorder, rstart), remap
 
 
+def index_of_codes(codes: list[np.ndarray], vals: list[np.ndarray], capacity: int
+                   ) -> ValueIndex:
+    """What :func:`rerank` gives, from each attribute's sorted values and every slot's code
+    (rank) into them, in a small unsigned type (as a bundle stores the features): a
+    stable sort of small integers (a radix sort) instead of one of the floats, and the
+    run starts from counts."""
+    p, n = len(codes), len(codes[0]) if codes else 0
+    rank = np.zeros((p, capacity), dtype=np.int32)
+    gorder = np.empty((p, n), dtype=np.int32)
+    rstart = []
+    for a, c in enumerate(codes):
+        rank[a, :n] = c
+        gorder[a] = np.argsort(c, kind="stable")
+        rstart.append(_run_starts(np.bincount(c, minlength=len(vals[a]))))
+    return _value_index(rank, vals, gorder, rstart)
+
+
 def _run_starts(counts: np.ndarray) -> np.ndarray:
     """Where each value's run starts in the global order (and the end), from its count."""
     rs = np.zeros(len(counts) + 1, dtype=np.int32)
@@ -140,6 +157,31 @@ def new_domains(rec: RecordStore, fixed: float | None) -> Domains:
     return dom
 
 
+def domains_of_index(index: ValueIndex, fixed: float | None) -> Domains:
+    """:func:`new_domains` of a store whose every slot is live (a loaded forest), from
+    its value index: the largest |value| and how many hold it from the values and their
+    run lengths, not from a pass over every feature of every record."""
+    p = len(index.voff) - 1
+    absmax = np.zeros(p, dtype=np.float64)
+    absmax_n = np.zeros(p, dtype=np.int64)
+    for a in range(p):
+        v = np.abs(index.vals[index.voff[a] : index.voff[a + 1]])
+        if v.size:
+            runs = np.diff(index.rstart[index.roff[a] : index.roff[a + 1]])
+            absmax[a] = v.max()
+            absmax_n[a] = runs[v == absmax[a]].sum()
+    return Domains(dom=_stream_domains(absmax, fixed), absmax=absmax, absmax_n=absmax_n,
+                   fixed=fixed)
+
+
+def _stream_domains(absmax: np.ndarray, fixed: float | None) -> np.ndarray:
+    """D_a = 2**e with 2**(e-1) <= absmax_a < 2**e (e <= 1023; 1 for 0), or the fixed one."""
+    if fixed is not None:
+        return np.full(len(absmax), float(fixed))
+    return np.array([1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023))
+                     for v in absmax.tolist()])
+
+
 def update_domains(dom: Domains, rec: RecordStore, attrs: np.ndarray) -> np.ndarray:
     """Random-node stream domains D_a = 2**e with 2**(e-1) <= max|x_a| < 2**e over the live
     data (e <= 1023), or the fixed one. Returns the attributes whose D changed."""
@@ -151,11 +193,7 @@ def update_domains(dom: Domains, rec: RecordStore, attrs: np.ndarray) -> np.ndar
     m = ax.max(axis=1) if live.size else np.zeros(len(attrs))
     dom.absmax[attrs] = m
     dom.absmax_n[attrs] = (ax == m[:, None]).sum(axis=1) if live.size else 0
-    if dom.fixed is not None:
-        new = np.full(len(attrs), float(dom.fixed))
-    else:
-        new = np.array([1.0 if v == 0 else math.ldexp(1.0, min(math.frexp(v)[1], 1023))
-                        for v in m.tolist()])
+    new = _stream_domains(m, dom.fixed)
     changed = attrs[new != dom.dom[attrs]]
     dom.dom[attrs] = new
     return changed
