@@ -763,6 +763,38 @@ def test_a_bundle_whose_codes_are_not_the_ranks_of_its_values_is_refused(tmp_pat
         DaREForest.load(tmp_path / "m")
 
 
+@pytest.mark.parametrize("values", [3, 9, 400])
+def test_a_loaded_forests_value_group_tables_are_those_its_fit_built(values) -> None:
+    """A saved forest does not store its value group tables: the first update after a
+    load rebuilds them from the records (few values counted in one pass over a node's
+    records for all its slots, many by sorting). Slot by slot they are the tables the
+    fit built, on features of 3 to 400 values."""
+    from jobs.learners.dare.builder import rebuild_tables
+
+    rng = np.random.default_rng(values)
+    n = 3000
+    X = rng.integers(0, values, size=(n, 12)).astype(np.float64)
+    X[:, 11] = rng.normal(size=n)  # one feature of a value per record: sorted, no table
+    y = (X[:, 0] + rng.integers(0, values, n) > values).astype(int) + (X[:, 1] > values / 2)
+    m = DaREForest(n_estimators=4, max_depth=6, k=4, random_state=1).fit(X, y)
+    st = m.state_
+    cc, tb = st.caches, st.tables
+
+    def tables() -> dict[tuple[int, int], tuple[list, list]]:
+        out = {}
+        for cid, ss in zip(*np.nonzero(cc.table_len > 0), strict=True):
+            lo = int(cc.table_off[cid, ss])
+            hi = lo + int(cc.table_len[cid, ss])
+            out[int(cid), int(ss)] = (tb.rank[lo:hi].tolist(), tb.cnt[lo:hi].tolist())
+        return out
+
+    built = tables()
+    assert built  # the fit kept some
+    rebuild_tables(st)
+    cc, tb = st.caches, st.tables
+    assert tables() == built
+
+
 def test_the_content_hash_is_remembered_until_the_forest_changes() -> None:
     """A worker pass asks for the hash several times (the manifest, the bundle, the guard):
     computed once per state, and never stale after a deletion, an addition or set_params."""

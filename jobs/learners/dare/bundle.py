@@ -1,12 +1,9 @@
 """A DaRE forest on disk: ``meta.json`` (JSON) and ``arrays.npz`` (plain arrays, no
 pickle), the saved names of format ``obliviate.dare/2``. The value group tables, the
 score bounds and the cost model are derived state: a loaded forest rebuilds them.
-
-Format 2 stores the features as each attribute's sorted values and every record's code
-(its value's rank) in the smallest unsigned type that holds it, which is also the value
-index a loaded forest needs: at 10^6 rows of a one-hot table, 119 MB instead of 951 MB
-of float64 to seal, write, read and unseal, and no sort of the floats on loading.
-Format 1 (the features as float64) is still read. See docs/learners.md (DaRE)."""
+Format 2 stores the features as codes into each feature's sorted values, the value
+index a load needs anyway (a one-hot feature in one byte, not eight); format 1 (float64
+features) still loads. See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 

@@ -322,6 +322,24 @@ def _key_sort(heap, size, heaped):
 
 
 @njit(cache=True)
+def drain_groups(dense, dtot, base, nv, C, g_rank, g_cnt):
+    """The groups counted densely at values base..base+nv-1 (class counts of value q at
+    dense[(base + q) * C:], its total at dtot[base + q]) into g_rank[:ng] ascending and
+    g_cnt[:ng], zeroing the counts read; returns ng."""
+    ng = 0
+    for q in range(nv):
+        if dtot[base + q] > 0:
+            dtot[base + q] = 0
+            b = (base + q) * C
+            g_rank[ng] = q
+            for c in range(C):
+                g_cnt[ng, c] = dense[b + c]
+                dense[b + c] = 0
+            ng += 1
+    return ng
+
+
+@njit(cache=True)
 def value_groups(rows, lo, hi, a, rank, y, nv, C, keys, tmp, dense, dtot, g_rank, g_cnt):
     """The value groups of attribute a among rows[lo:hi]: g_rank[:ng] ascending with their
     class counts g_cnt[:ng]; returns ng. Counted in a dense table when the attribute has
@@ -334,16 +352,7 @@ def value_groups(rows, lo, hi, a, rank, y, nv, C, keys, tmp, dense, dtot, g_rank
             q = np.int64(rank[r, a])
             dense[q * C + y[r]] += 1
             dtot[q] += 1
-        for q in range(nv):
-            if dtot[q] > 0:
-                dtot[q] = 0
-                b = q * C
-                g_rank[ng] = q
-                for c in range(C):
-                    g_cnt[ng, c] = dense[b + c]
-                    dense[b + c] = 0
-                ng += 1
-        return ng
+        return drain_groups(dense, dtot, 0, nv, C, g_rank, g_cnt)
     lb = 0
     while (1 << lb) < C:
         lb += 1
