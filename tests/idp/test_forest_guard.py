@@ -702,3 +702,40 @@ def test_fragile_records_decided_in_chunks_are_those_decided_at_once(monkeypatch
     chunked = fragility.fragile_records(forest)
     assert len(whole[2]) > 0
     assert all(np.array_equal(a, b) for a, b in zip(whole, chunked, strict=True))
+
+
+def test_the_forests_value_group_tables_the_kernel_reads_are_its_nodes_records():
+    """On a wide table the kernel takes a slot's value groups from the forest's own table
+    rather than reading the node's records: after deletions and additions every table
+    it is handed holds exactly the node's live records, by value and label (and the
+    fragile sets with them are the full rule's: the test above)."""
+    from jobs.guard.forest.fragility import _tables
+    from jobs.learners.dare import view as dv
+
+    rng = np.random.default_rng(31)
+    X, y = _one_hot(rng, n=2400)
+    ids = np.array([f"r{i:05d}" for i in range(len(y))], dtype=object)
+    forest = DaREForest(n_estimators=4, max_depth=8, k=10, d_rmax=1, random_state=8).fit(
+        X[:2300], y[:2300], record_ids=ids[:2300])
+    forest.delete(ids[rng.permutation(2300)[:60]].tolist())
+    forest.add(ids[2300:], X[2300:], y[2300:])
+    v = dv.view(forest)
+    greedy = np.flatnonzero(v.used & (v.kind == dv.GREEDY))
+    rows, off = dv.node_records(forest, greedy)
+    cand = dv.candidates(forest, greedy, rows, off[:-1], off[1:])
+    tab = _tables(forest, greedy, cand, use=True)
+    checked = 0
+    for i, s in zip(*np.nonzero(tab.length > 0), strict=True):
+        mine = rows[off[i]:off[i + 1]]
+        a = cand.attr[i, s]
+        lo, hi = tab.off[i, s], tab.off[i, s] + tab.length[i, s]
+        held = {(int(q), c): int(m) for q, counts in zip(tab.rank[lo:hi], tab.cnt[lo:hi],
+                                                         strict=True)
+                for c, m in enumerate(counts.tolist()) if m}
+        counted: dict[tuple[int, int], int] = {}
+        for q, c in zip(v.rank[a, mine].tolist(), v.y[mine].tolist(), strict=True):
+            counted[q, c] = counted.get((q, c), 0) + 1
+        assert held == counted, (i, s)
+        checked += 1
+    assert checked > 20  # the kernel has tables to read
+    assert not _tables(forest, greedy, cand, use=False).length.any()

@@ -71,14 +71,34 @@ def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, forest_in: 
     cand = dv.candidates(forest, nodes[gi], rows, off[gi], off[gi + 1])
     slot_of = np.full(len(nodes), -1, dtype=np.int64)
     slot_of[gi] = np.arange(len(gi))
+    tab = _tables(forest, nodes[gi], cand, use=margin)
     c0 = time.process_time()
     frag, cnt, runs = _fragile(nodes, rows, off, slot_of, forest_in.nodes, forest_in.records,
-                               cand, forest_in.rule, margin)
+                               cand, forest_in.rule, margin, tab)
     if tally is not None:
         tally["visited"] = tally.get("visited", 0) + len(rows)
         tally["rule_runs"] = tally.get("rule_runs", 0) + int(runs.sum())
         tally["kernel_cpu_s"] = tally.get("kernel_cpu_s", 0.0) + time.process_time() - c0
     return cnt, rows[frag]
+
+
+def _tables(forest: DaREForest, greedy: np.ndarray, cand: dv.Candidates, use: bool
+            ) -> _Tables:
+    """Where each greedy node's candidate slots have the forest's value group table of
+    the same attribute (none when `use` is False: the full rule, for tests, counts every
+    slot from its records; none while a loaded forest's tables wait for its first
+    update)."""
+    st = forest.state_
+    off = np.zeros(cand.attr.shape, dtype=np.int64)
+    length = np.zeros(cand.attr.shape, dtype=np.int64)
+    cid = st.nodes.cid[greedy].astype(np.int64)
+    at = np.flatnonzero(cid >= 0) if use and not st.tables_stale else np.zeros(0, np.int64)
+    if at.size:
+        cc = st.caches
+        same = cc.attr[cid[at]] == cand.attr[at]
+        off[at] = np.where(same, cc.table_off[cid[at]], 0)
+        length[at] = np.where(same, cc.table_len[cid[at]], 0)
+    return _Tables(off, length, st.tables.rank, st.tables.cnt)
 
 
 def domain_fragile(forest: DaREForest) -> list[tuple[int, int, float]]:
@@ -221,13 +241,27 @@ class _Forest(NamedTuple):
     rule: _Rule
 
 
+class _Tables(NamedTuple):
+    """The forest's value group tables of the greedy nodes of a chunk (row ci of `off` and
+    `length`: node ci's slots; length 0: none to use), which the forest keeps current
+    through its deletions and additions: a node's group counts without reading its
+    records."""
+
+    off: np.ndarray  # (greedy nodes, slots)
+    length: np.ndarray
+    rank: np.ndarray  # the forest's table pool
+    cnt: np.ndarray
+
+
 class _Groups(NamedTuple):
     """A greedy node's value groups per sampled attribute slot s: group of each record
-    ``of[s, j]``, their number ``n[s]``, value rank ``rank[s, g]`` ascending and class
-    counts ``cnt[s, g]``; per listed entry q the group of its lower value ``entry[s, q]``
-    and its priority ``prio[s, q]``."""
+    ``of[s, j]`` (where ``known[s]``: else looked up by :func:`_group_of`), their number
+    ``n[s]``, value rank ``rank[s, g]`` ascending and class counts ``cnt[s, g]``; per
+    listed entry q the group of its lower value ``entry[s, q]`` and its priority
+    ``prio[s, q]``."""
 
     of: np.ndarray
+    known: np.ndarray
     n: np.ndarray
     rank: np.ndarray
     cnt: np.ndarray
@@ -293,7 +327,7 @@ def _margin_holds(ci, v, nd, cand, k, lscore):  # pragma: no cover - compiled
 
 
 @njit(cache=True, parallel=True)
-def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
+def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin, tab
              ):  # pragma: no cover - compiled
     """fragile[j] for every record rows[j] of every node (docs/guard.md, "DaRE forests"),
     and per node how many are fragile and how often the greedy per-record rule ran."""
@@ -321,7 +355,7 @@ def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin
             out[:] = True  # the lists do not explain the split: assume the worst
         else:
             runs[i] = _greedy_fragile(out, mine, v, ci, nd, rec, cand, rule, use_margin,
-                                      rbits)
+                                      rbits, tab)
         cnt[i] = out.sum()
     return frag, cnt, runs
 
@@ -344,10 +378,13 @@ def _random_fragile(out, rows, v, nd, rec):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - compiled
+def _value_groups(rows, ci, nk, rec, cand, C, k, rbits, tab):  # pragma: no cover - compiled
     """The node's value groups per sampled attribute slot (:class:`_Groups`): counted in a
     table over the attribute's value ranks where the node holds at least one record per
-    8 distinct values (no sort), else by sorting its values."""
+    8 distinct values (no sort), else by sorting its values. On a wide table a slot the
+    forest keeps a table for (`tab`, whose counts add up to the node's records) takes
+    its groups from it and reads no record (``known`` False): where the margin holds
+    most slots are never read (:func:`_greedy_fragile`)."""
     P = cand.attr.shape[1]
     nt = rows.shape[0]
     # a slot has at most as many groups as records or distinct values (few in a table)
@@ -357,6 +394,7 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
         if a >= 0:
             G = max(G, min(nt, rec.voff[a + 1] - rec.voff[a]))
     of = np.empty((P, nt), np.int64)
+    known = np.zeros(P, np.bool_)
     n = np.zeros(P, np.int64)
     g_rank = np.empty((P, G), np.int64)
     g_cnt = np.zeros((P, G, C), np.int64)
@@ -380,41 +418,108 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits):  # pragma: no cover - c
             continue
         va = rec.voff[a]
         nv = rec.voff[a + 1] - va
-        if F < 0:
+        if F < 0 and not _groups_of_table(s, tab.off[ci, s], tab.length[ci, s], tab, nt,
+                                          g_rank, g_cnt, n):
+            known[s] = True
             for j in range(nt):
                 every[0, j] = rec.rank[a, rows[j]]
-        vals = every[s if F >= 0 else 0]
-        g = -1
-        if nv <= 8 * nt:
-            table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group
-            for j in range(nt):
-                table[vals[j]] += 1
-            for q in range(nv):
-                if table[q] > 0:
-                    g += 1
-                    g_rank[s, g] = q
-                    table[q] = g
-            for j in range(nt):
-                gg = table[vals[j]]
-                of[s, j] = gg
-                g_cnt[s, gg, lab[j]] += 1
-        else:
-            order = _order(vals, rbits)
-            last = -1
-            for q in range(nt):
-                j = order[q]
-                if g < 0 or vals[j] != last:
-                    g += 1
-                    g_rank[s, g] = vals[j]
-                    last = vals[j]
-                of[s, j] = g
-                g_cnt[s, g, lab[j]] += 1
-        n[s] = g + 1
+        elif F >= 0:
+            known[s] = True
+        if known[s]:
+            _count_groups(s, every[s if F >= 0 else 0], nt, nv, lab, rbits, of, g_rank,
+                          g_cnt, n)
         for q in range(cand.length[ci, s]):
             E = cand.off[ci, s] + q
             entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
             prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
-    return _Groups(of, n, g_rank, g_cnt, entry, prio, lab)
+    return _Groups(of, known, n, g_rank, g_cnt, entry, prio, lab)
+
+
+@njit(cache=True)
+def _count_groups(s, vals, nt, nv, lab, rbits, of, g_rank, g_cnt, n
+                  ):  # pragma: no cover - compiled
+    """Slot s's groups from its records' value ranks `vals` (and each record's group)."""
+    g = -1
+    if nv <= 8 * nt:
+        table = np.zeros(nv, np.int64)  # rank -> records, then rank -> group
+        for j in range(nt):
+            table[vals[j]] += 1
+        for q in range(nv):
+            if table[q] > 0:
+                g += 1
+                g_rank[s, g] = q
+                table[q] = g
+        for j in range(nt):
+            gg = table[vals[j]]
+            of[s, j] = gg
+            g_cnt[s, gg, lab[j]] += 1
+    else:
+        order = _order(vals, rbits)
+        last = -1
+        for q in range(nt):
+            j = order[q]
+            if g < 0 or vals[j] != last:
+                g += 1
+                g_rank[s, g] = vals[j]
+                last = vals[j]
+            of[s, j] = g
+            g_cnt[s, g, lab[j]] += 1
+    n[s] = g + 1
+
+
+@njit(cache=True)
+def _groups_of_table(s, off, length, tab, nt, g_rank, g_cnt, n):  # pragma: no cover - compiled
+    """Slot s's groups from the forest's table (rows off..off+length-1), if it has one
+    that fits and whose counts add up to the node's nt records; False otherwise (the
+    slot is then counted from its records)."""
+    if length <= 0 or length > g_rank.shape[1]:
+        return False
+    C = g_cnt.shape[2]
+    tot = 0
+    g = 0
+    for h in range(off, off + length):
+        t = 0
+        for c in range(C):
+            t += tab.cnt[h, c]
+        if t == 0:
+            continue
+        g_rank[s, g] = tab.rank[h]
+        for c in range(C):
+            g_cnt[s, g, c] = tab.cnt[h, c]
+        tot += t
+        g += 1
+    if tot != nt:
+        g_cnt[s, :, :] = 0
+        return False
+    n[s] = g
+    return True
+
+
+@njit(cache=True)
+def _fill_groups(grp, s, rows, a, rec):  # pragma: no cover - compiled
+    """Each record's group in slot s (attribute a), whose groups came from the forest's
+    table: one pass over the records for the slot (one attribute's ranks at a time, as
+    counting reads them: a record's slots read together were a third slower at 10^6)."""
+    nt = rows.shape[0]
+    nv = rec.voff[a + 1] - rec.voff[a]
+    if nv <= 8 * nt:
+        table = np.zeros(nv, np.int64)  # rank -> group
+        for g in range(grp.n[s]):
+            table[grp.rank[s, g]] = g
+        for j in range(nt):
+            grp.of[s, j] = table[rec.rank[a, rows[j]]]
+    else:
+        for j in range(nt):
+            grp.of[s, j] = np.searchsorted(grp.rank[s, :grp.n[s]], rec.rank[a, rows[j]])
+    grp.known[s] = True
+
+
+@njit(cache=True)
+def _group_of(grp, s, j, r, a, rec):  # pragma: no cover - compiled
+    """The group of the node's j-th record (slot r) in slot s (attribute a)."""
+    if grp.known[s]:
+        return grp.of[s, j]
+    return np.searchsorted(grp.rank[s, :grp.n[s]], rec.rank[a, r])
 
 
 @njit(cache=True)
@@ -586,7 +691,7 @@ def _memo_grown(keys, vals):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
+def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits, tab
                     ):  # pragma: no cover - compiled
     """out[j] for each record rows[j] of greedy node v (candidate lists ci); returns how
     often the per-record rule ran."""
@@ -599,7 +704,7 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
                      np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_),
                      np.zeros(P * k, np.int64), np.zeros(P * k, np.int64))
-    grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits)
+    grp = _value_groups(rows, ci, nk, rec, cand, C, k, rbits, tab)
     # only records whose deletion changes the listed pairs (value groups at their ends; a
     # vanishing group whose new pair may rank among the first k) or makes the node pure
     # need the per-record rule: for the others the first k pairs stay as listed, with the
@@ -635,13 +740,20 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits
     # of another attribute than the split's with no near group gives every record code 0
     # (leaving it out of the mixed-radix key keeps the key one-to-one): on a one-hot
     # table most slots of a large node
+    # (the split's slot only keys the records that are looked at: none where no group is
+    # near, and then no record is read at all)
     read = np.zeros(P, np.int64)
     n_read = 0
+    anywhere = False
     for s in range(P):
-        if cand.attr[ci, s] >= 0 and (not fast or cand.attr[ci, s] == nd.attr[v]
-                                      or near[s, :grp.n[s]].any()):
+        anywhere = anywhere or (cand.attr[ci, s] >= 0 and near[s, :grp.n[s]].any())
+    for s in range(P):
+        if cand.attr[ci, s] >= 0 and (not fast or near[s, :grp.n[s]].any() or (
+                anywhere and cand.attr[ci, s] == nd.attr[v])):
             read[n_read] = s
             n_read += 1
+            if not grp.known[s]:
+                _fill_groups(grp, s, rows, cand.attr[ci, s], rec)
     for j in range(nt):
         r = rows[j]
         c = grp.lab[j]
@@ -734,7 +846,7 @@ def _select(j, r, c, ci, nk, grp, rec, cand, k, sel):  # pragma: no cover - comp
         if a < 0:
             continue
         ng = grp.n[s]
-        w = grp.of[s, j]
+        w = _group_of(grp, s, j, r, a, rec)
         alive = grp.cnt[s, w].sum() > 1  # w's group keeps records
         if not alive and ng == 2:
             return True, nsel  # the attribute turns constant: the slots shift
