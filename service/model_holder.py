@@ -170,10 +170,14 @@ class ModelHolder:
                                "answering with a version that may hold deleted records")
         return s
 
-    def predict(self, X: np.ndarray) -> tuple[np.ndarray, GuardedVersion, list[str]]:
+    def predict(self, X: np.ndarray, served: GuardedVersion | None = None
+                ) -> tuple[np.ndarray, GuardedVersion, list[str]]:
         """Published labels for validated queries, the version that answered, and what
-        each answer promises (certified, noised, exact or approximate)."""
-        served = self.serving
+        each answer promises (certified, noised, exact or approximate). `served`: the
+        version the request took from :attr:`serving` when it began (asking again could
+        raise NoModelError in between, once the watcher has spent the confirmation's
+        15 s loading a large version: a 500 at 10^6 rows)."""
+        served = self.serving if served is None else served
         labels, cost = self.answers.answer(served, X)
         metrics.count_answers(cost)
         if self.usage is not None and cost.answers:

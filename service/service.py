@@ -182,7 +182,7 @@ class Obliviate:
         X = parse_instances(instances, serving.model.n_features,
                             None if scaled else self._transform(), scaled=scaled)
         try:
-            labels, used, promises = self.holder.predict(X)
+            labels, used, promises = self.holder.predict(X, serving)
         except BudgetExhausted as exc:  # a quota on answers, spent until fresh seeds: 429
             return JSONResponse({"error": str(exc)}, status_code=HTTPStatus.TOO_MANY_REQUESTS)
         answer = {"labels": labels.tolist(), "model_version": used.version.version,

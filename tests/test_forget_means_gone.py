@@ -178,9 +178,12 @@ def test_nothing_serves_or_loads_a_version_that_held_deleted_records(seeded: Led
         conn.exec_driver_sql(f"UPDATE model_versions SET superseded_by_deletion = 'v999999' "
                              f"WHERE name = '{reg.name}' AND version = '{cur}'")
     assert not holder.refresh()
+    begun = holder.serving  # a request that began while it was confirmed ...
     time.sleep(0.6)
     with pytest.raises(NoModelError, match="could not be confirmed"):
         holder.predict(np.full((1, 4), 0.5))
+    # ... finishes on it (the service asked twice, and a 500 came of the second asking)
+    assert holder.predict(np.full((1, 4), 0.5), begun)[1] is begun
     # a restarted service never installs it either, and says why
     fresh = ModelHolder(reg)
     assert not fresh.refresh()

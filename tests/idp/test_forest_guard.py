@@ -704,11 +704,12 @@ def test_fragile_records_decided_in_chunks_are_those_decided_at_once(monkeypatch
     assert all(np.array_equal(a, b) for a, b in zip(whole, chunked, strict=True))
 
 
-def test_the_forests_value_group_tables_the_kernel_reads_are_its_nodes_records():
+def test_the_forests_value_group_tables_the_kernel_reads_are_its_nodes_records(tmp_path):
     """On a wide table the kernel takes a slot's value groups from the forest's own table
-    rather than reading the node's records: after deletions and additions every table
-    it is handed holds exactly the node's live records, by value and label (and the
-    fragile sets with them are the full rule's: the test above)."""
+    rather than reading the node's records: after deletions, additions and a save (which
+    drops deleted records' slots and renumbers the value ranks), every table it is
+    handed holds exactly the node's live records, by value and label (and the fragile
+    sets with them are the full rule's: the margin test above)."""
     from jobs.guard.forest.fragility import _tables
     from jobs.learners.dare import view as dv
 
@@ -719,6 +720,8 @@ def test_the_forests_value_group_tables_the_kernel_reads_are_its_nodes_records()
         X[:2300], y[:2300], record_ids=ids[:2300])
     forest.delete(ids[rng.permutation(2300)[:60]].tolist())
     forest.add(ids[2300:], X[2300:], y[2300:])
+    forest.save(tmp_path / "f")  # compacts the store: ranks renumbered in the tables too
+    forest.delete(rng.choice(forest.record_ids_, 5, replace=False).tolist())
     v = dv.view(forest)
     greedy = np.flatnonzero(v.used & (v.kind == dv.GREEDY))
     rows, off = dv.node_records(forest, greedy)
