@@ -123,6 +123,7 @@ def _value_lists(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
 def _codes(arrays: dict[str, np.ndarray], p: int) -> list[np.ndarray]:
     """Each attribute's codes of a format 2 bundle."""
     codes: list[np.ndarray | None] = [None] * p
+    named = 0
     for t in _CODE_TYPES:
         bits = 8 * np.dtype(t).itemsize
         block, attrs = arrays[f"x_code{bits}"], arrays[f"x_attr{bits}"]
@@ -131,7 +132,8 @@ def _codes(arrays: dict[str, np.ndarray], p: int) -> list[np.ndarray]:
             raise ValueError("the bundle's feature codes do not fit its features")
         for row, a in zip(block, attrs.tolist(), strict=True):
             codes[a] = row
-    if any(c is None for c in codes):
+        named += len(attrs)
+    if named != p or any(c is None for c in codes):
         raise ValueError("the bundle's feature codes do not name every feature once")
     return codes  # type: ignore[return-value]
 
