@@ -33,8 +33,10 @@ POISON = {"dare": [np.inf, 0.5, 0.5, 0.5], "sisa": [1e40, 0.5, 0.5, 0.5],
           "mlp": [1e40, 0.5, 0.5, 0.5], "game": [1e40, 0.5, 0.5, 0.5]}
 
 
-def _worker(ledger: Ledger, **config: float) -> Worker:
-    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}")
+def _worker(ledger: Ledger, store: str | None = None, **config: float) -> Worker:
+    """`store`: a model store of the test's own (default: the session's, which the other
+    pytest-xdist process writes to as well)."""
+    reg = Registry(ledger.engine, name=f"m{uuid.uuid4().hex[:8]}", store=store)
     return Worker(ledger, reg, WorkerConfig(name="w1", batch_window_s=0.0, guard_process=False,
                                             guard_after_idle_s=0.0, **config))
 
@@ -148,13 +150,15 @@ def test_the_good_requests_of_a_batch_are_applied_around_the_poison(seeded60: Le
 
 @pytest.mark.slow
 def test_a_disk_that_fails_fails_no_request_and_the_worker_retries(
-        seeded60: Ledger, caplog: pytest.LogCaptureFixture) -> None:
+        seeded60: Ledger, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """The model store cannot be written (its staging directory is a file): the pass fails
     through no request's fault, so nothing is marked failed, the error is counted and
     logged in one line, the worker backs off; once the disk is back the deletion goes
     through."""
     ledger = seeded60
-    w = _worker(ledger, backoff_s=0.05, max_backoff_s=0.2)
+    # its own store: the session's staging directory is the other test process's too,
+    # which recreated it between the rename below and the file written in its place
+    w = _worker(ledger, store=str(tmp_path / "models"), backoff_s=0.05, max_backoff_s=0.2)
     w.bootstrap("dare", PARAMS["dare"])
     staging = w.registry.store.home / "obliviate-staging"
     aside = staging.with_name(f"staging-aside-{uuid.uuid4().hex[:6]}")
