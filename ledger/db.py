@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -70,7 +71,7 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001 - DBAPI objects
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        _enable_wal(cur)
         cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=60000")
@@ -82,6 +83,25 @@ def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+_WAL_SWITCH_S = 60.0  # as long as a statement waits for a lock (busy_timeout)
+
+
+def _enable_wal(cur: Any) -> None:
+    """Put the database in WAL mode, waiting for the lock that takes. SQLite switches a
+    new database's journal under an exclusive lock it does not wait for (no busy
+    handler): processes opening a new database at once saw "database is locked"."""
+    deadline, pause = time.monotonic() + _WAL_SWITCH_S, 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def sqlite_path(url: str) -> Path | None:

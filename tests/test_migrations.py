@@ -272,3 +272,27 @@ def test_a_database_from_newer_code_is_refused_with_the_reason(tmp_path: Path) -
     with pytest.raises(RuntimeError, match="revision '9999_future', which this version of "
                                            "obliviate does not know"):
         Ledger(url, HMAC_KEY)
+
+
+def test_the_switch_to_wal_waits_for_the_lock_sqlite_does_not_wait_for() -> None:
+    """SQLite takes the exclusive lock of a new database's journal switch without its busy
+    handler: the connection retries while it reads "locked", and raises anything else."""
+    import sqlite3
+
+    from ledger.db import _enable_wal
+
+    class Cursor:
+        def __init__(self, errors: list[str]) -> None:
+            self.errors, self.calls = errors, 0
+
+        def execute(self, sql: str) -> None:
+            assert sql == "PRAGMA journal_mode=WAL"
+            self.calls += 1
+            if self.errors:
+                raise sqlite3.OperationalError(self.errors.pop(0))
+
+    cur = Cursor(["database is locked", "database is locked"])
+    _enable_wal(cur)
+    assert cur.calls == 3
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        _enable_wal(Cursor(["disk I/O error"]))
