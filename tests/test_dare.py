@@ -738,6 +738,46 @@ def test_negative_values_and_zeros_load_bit_for_bit(tmp_path) -> None:
         assert np.array_equal(getattr(want, field), getattr(got, field)), field
 
 
+def test_a_loaded_forest_derives_its_value_index_when_an_update_first_needs_it(tmp_path
+                                                                              ) -> None:
+    """Serving a loaded version, hashing it and loading its guard read its sorted values
+    only; the first update derives the index and domains a rerank of its records gives,
+    and then updates as the forest that was saved does."""
+    import dataclasses
+
+    from jobs.guard.forest.forest_guard import ForestGuard
+
+    rng = np.random.default_rng(5)
+    n = 400
+    X = rng.integers(0, 7, size=(n, 6)).astype(np.float64)
+    X[:, 5] = rng.normal(size=n)
+    y = (X[:, 0] + rng.normal(0, 1, n) > 3).astype(int)
+    ids = np.array([f"q{i}" for i in range(n)], dtype=object)
+    m = DaREForest(n_estimators=5, max_depth=5, k=3, d_rmax=1, random_state=2).fit(
+        X, y, record_ids=ids)
+    m.delete(ids[:7])
+    guard = ForestGuard.fit(m)
+    m.save(tmp_path / "m")
+    guard.save(tmp_path / "g")
+    loaded = DaREForest.load(tmp_path / "m")
+    loaded_guard = ForestGuard.load(tmp_path / "g", loaded)
+    assert np.array_equal(loaded.predict(X), m.predict(X))
+    assert np.array_equal(loaded_guard.certain(X)[1], guard.certain(X)[1])
+    st = loaded.state_
+    assert st.value_index is None and st.value_domains is None and st.pending is not None
+    assert loaded.content_hash() == m.content_hash()
+
+    loaded.delete(ids[7:9])  # the index is derived first, from the records as loaded
+    m.delete(ids[7:9])
+    assert st.pending is None and loaded.content_hash() == m.content_hash()
+    for field in dataclasses.fields(st.values):
+        got, want = getattr(st.values, field.name), getattr(m.state_.values, field.name)
+        k = st.records.n_slots if field.name == "rank" else None
+        assert np.array_equal(got[:, :k] if k else got, want[:, :k] if k else want), field.name
+    for field in ("dom", "absmax", "absmax_n"):
+        assert np.array_equal(getattr(st.domains, field), getattr(m.state_.domains, field))
+
+
 @pytest.mark.parametrize("tamper", ["code beyond the values", "values out of order",
                                     "a value no record holds"])
 def test_a_bundle_whose_codes_are_not_the_ranks_of_its_values_is_refused(tmp_path,

@@ -47,7 +47,7 @@ class ForestStructure:
 
     @classmethod
     def of(cls, forest: DaREForest) -> ForestStructure:
-        v = dv.view(forest)
+        v = dv.view(forest, with_index=False)
         order = _depth_first(v)
         compact = np.full(len(v.used), -1, dtype=np.int64)
         compact[order] = np.arange(len(order))
@@ -120,7 +120,7 @@ def _depth_first(v: dv.ForestView) -> np.ndarray:
 def _positions(forest: DaREForest) -> np.ndarray:
     """Slot -> position of the record in the forest's sorted record ids (-1: no record)."""
     ids = forest.record_ids_
-    pos = np.full(len(dv.view(forest).y), -1, dtype=np.int64)
+    pos = np.full(len(dv.view(forest, with_index=False).y), -1, dtype=np.int64)
     pos[dv.record_slots(forest, ids)] = np.arange(len(ids))
     return pos
 

@@ -7,6 +7,7 @@ features) still loads. See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,9 @@ def read(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _value_lists(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
-    voff = arrays["x_voff"]
-    return [arrays["x_vals"][voff[a] : voff[a + 1]] for a in range(len(voff) - 1)]
+def _value_lists(vals: np.ndarray, voff: np.ndarray) -> list[np.ndarray]:
+    """Each feature's sorted values, from all of them one after another."""
+    return [vals[voff[a] : voff[a + 1]] for a in range(len(voff) - 1)]
 
 
 def _codes(arrays: dict[str, np.ndarray], p: int) -> list[np.ndarray]:
@@ -142,7 +143,7 @@ def _decode(arrays: dict[str, np.ndarray], X: np.ndarray, n: int) -> None:
     """Fill the `n` slots of `X` (features, capacity) from a format 2 bundle's codes,
     refusing codes that are not the dense ranks of strictly increasing values (the
     kernels trust the index)."""
-    vals, codes = _value_lists(arrays), _codes(arrays, len(X))
+    vals, codes = _value_lists(arrays["x_vals"], arrays["x_voff"]), _codes(arrays, len(X))
     if len(vals) != len(X):
         raise ValueError("the bundle's feature values do not fit its features")
     for a, (v, c) in enumerate(zip(vals, codes, strict=True)):
@@ -183,6 +184,25 @@ def _store(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> fs.RecordStor
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CodedIndex:
+    """The value index and domains of a forest loaded from a format 2 bundle, built from
+    its codes when an update or the guard first needs them (:class:`fs.PendingIndex`)."""
+
+    vals: np.ndarray
+    voff: np.ndarray
+    codes: list[np.ndarray]
+    random_domain: float | None
+
+    def build(self, records: fs.RecordStore) -> tuple[fs.ValueIndex, fs.Domains]:
+        n = len(self.codes[0]) if self.codes else 0
+        if records.n_slots != n or not records.alive[:n].all():
+            raise RuntimeError("the records changed before the value index was built")
+        index = index_of_codes(self.codes, _value_lists(self.vals, self.voff),
+                               records.capacity)
+        return index, domains_of_index(index, self.random_domain)
+
+
 def _group(arrays: dict[str, np.ndarray], group: str) -> dict[str, np.ndarray]:
     return {field: arrays[name] for name, grp, field in _SAVED if grp == group}
 
@@ -193,10 +213,15 @@ def restore(meta: dict[str, Any], arrays: dict[str, np.ndarray], rule: fs.SplitR
     """The forest a bundle holds, its derived state rebuilt (the value group tables on
     its first update)."""
     rec = _store(meta, arrays)
-    values = (index_of_codes(_codes(arrays, len(rec.X)), _value_lists(arrays), rec.capacity)
-              if "x_vals" in arrays else rerank(rec, None)[0])
-    domains = (domains_of_index(values, random_domain) if rec.alive[: rec.n_slots].all()
-               else new_domains(rec, random_domain))
+    pending = None
+    if "x_vals" in arrays:  # derived on first use (serving reads the sorted values only)
+        values, domains = None, None
+        pending = CodedIndex(vals=arrays["x_vals"], voff=arrays["x_voff"],
+                             codes=_codes(arrays, len(rec.X)), random_domain=random_domain)
+    else:
+        values = rerank(rec, None)[0]
+        domains = (domains_of_index(values, random_domain) if rec.alive[: rec.n_slots].all()
+                   else new_domains(rec, random_domain))
     s = meta["scalars"]
     node_fields = _group(arrays, "nodes")
     bound, sampled = pools.fresh_bounds(len(node_fields["tree"]), rule.n_sampled)
@@ -206,7 +231,7 @@ def restore(meta: dict[str, Any], arrays: dict[str, np.ndarray], rule: fs.SplitR
     caches = fs.CachePool(**cache_fields, table_off=np.zeros(shape, dtype=np.int64),
                           table_len=np.zeros(shape, dtype=np.int32))
     return fs.ForestState(
-        rule=rule, records=rec, values=values, domains=domains,
+        rule=rule, records=rec, value_index=values, value_domains=domains, pending=pending,
         tree_keys=tree_keys(random_state, rule.n_trees),
         nodes=nodes, caches=caches, entries=fs.EntryPool(**_group(arrays, "entries")),
         tables=pools.new_table_pool(0, len(rec.classes)),

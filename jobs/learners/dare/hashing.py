@@ -30,7 +30,8 @@ def canonical_nodes(st: ForestState) -> np.ndarray:
 def _selected_candidates(st: ForestState, nodes: np.ndarray) -> list[np.ndarray]:
     """The k selected pairs of every cache slot of `nodes` (canonically ordered): per pair
     its slot's (node index, slot, attribute), the pair's slot index, v1, v2, left counts."""
-    cc, e, val = st.caches, st.entries, st.values
+    cc, e = st.caches, st.entries
+    vals, voff = st.sorted_values()
     k = st.rule.k
     cached = np.flatnonzero(st.nodes.cid[nodes] >= 0)
     cid = st.nodes.cid[nodes[cached]].astype(np.int64)
@@ -46,8 +47,8 @@ def _selected_candidates(st: ForestState, nodes: np.ndarray) -> list[np.ndarray]
     sel = alive & (ca - alive - np.repeat(before, ln) < k)
     E, seg = E[sel], seg[sel]
     ea = a[seg]
-    v1 = val.vals[val.voff[ea] + e.r1[E]]
-    v2 = val.vals[val.voff[ea] + e.r2[E]]
+    v1 = vals[voff[ea] + e.r1[E]]
+    v2 = vals[voff[ea] + e.r2[E]]
     return [cached[sn].astype(np.int64), ss.astype(np.int64), a, seg.astype(np.int64), v1, v2,
             e.left[:, E].T.astype(np.int64)]
 
@@ -55,14 +56,15 @@ def _selected_candidates(st: ForestState, nodes: np.ndarray) -> list[np.ndarray]
 def _structure(st: ForestState, nodes: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
     """Per node in canonical order: its place and kind, split, counts, children (as
     indices into the order); thresholds and the greedy splits' values."""
-    nd, val = st.nodes, st.values
+    nd = st.nodes
+    vals, voff = st.sorted_values()
     kind = nd.kind[nodes]
     g = kind == GREEDY
     a = nd.attr[nodes].astype(np.int64)
     v1 = np.zeros(len(nodes))
     v2 = np.zeros(len(nodes))
-    v1[g] = val.vals[val.voff[a[g]] + nd.r1[nodes[g]]]
-    v2[g] = val.vals[val.voff[a[g]] + nd.r2[nodes[g]]]
+    v1[g] = vals[voff[a[g]] + nd.r1[nodes[g]]]
+    v2[g] = vals[voff[a[g]] + nd.r2[nodes[g]]]
     thr = np.where(kind != LEAF, nd.thr[nodes], 0.0)
     draw = np.where(kind == RANDOM, nd.draw[nodes], -1).astype(np.int64)
     struct = np.stack([

@@ -2,13 +2,14 @@
 
 :class:`ForestState` holds the record store, the value index, the random-node domains, the
 pools (named tuples of arrays the compiled kernels read by field name), the per-tree layout
-of records and the batch cost model. Nothing here computes.
+of records and the batch cost model. Nothing here computes (a pending index is built by
+what the loader hands it).
 See docs/learners.md (DaRE)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -193,14 +194,27 @@ class PoolCounts:
     tables_garbage: int
 
 
+class PendingIndex(Protocol):
+    """What derives a loaded forest's value index and domains on first use."""
+
+    vals: np.ndarray  # each feature's sorted distinct values, one after another
+    voff: np.ndarray  # where each feature's values start in `vals` (and the end)
+
+    def build(self, records: RecordStore) -> tuple[ValueIndex, Domains]: ...
+
+
 @dataclass
 class ForestState:
-    """Everything a fitted forest is. Components read and replace its fields."""
+    """Everything a fitted forest is. Components read and replace its fields.
+
+    A loaded forest derives its value index and domains on first use (`pending`):
+    serving, guarding and hashing a version read the sorted values only, and at 10^6
+    records the index is a third of a load."""
 
     rule: SplitRule
     records: RecordStore
-    values: ValueIndex
-    domains: Domains
+    value_index: ValueIndex | None
+    value_domains: Domains | None
     tree_keys: np.ndarray
     nodes: NodePool
     caches: CachePool
@@ -214,6 +228,35 @@ class ForestState:
     tables_stale: bool = False
     #: scratch buffers of the compiled split search (kept between calls; not the model)
     scratch: Any = None
+    #: what derives `value_index` and `value_domains` while they are None
+    pending: PendingIndex | None = None
+
+    @property
+    def values(self) -> ValueIndex:
+        if self.value_index is None:
+            self._derive()
+        return self.value_index  # type: ignore[return-value]
+
+    @values.setter
+    def values(self, index: ValueIndex) -> None:
+        self.value_index = index
+
+    @property
+    def domains(self) -> Domains:
+        if self.value_domains is None:
+            self._derive()
+        return self.value_domains  # type: ignore[return-value]
+
+    def sorted_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """(vals, voff) of the value index, without deriving it."""
+        src = self.pending if self.value_index is None else self.value_index
+        return src.vals, src.voff  # type: ignore[union-attr]
+
+    def _derive(self) -> None:
+        if self.pending is None:
+            raise RuntimeError("the forest's value index is neither built nor pending")
+        self.value_index, self.value_domains = self.pending.build(self.records)
+        self.pending = None
 
     @property
     def n_features(self) -> int:

@@ -36,7 +36,8 @@ def train(rule: SplitRule, ids: np.ndarray, X: np.ndarray, labels: np.ndarray,
     nodes = pools.new_node_pool(max(64, est_nodes // 2), C, P)
     caches = pools.new_cache_pool(max(16, T * 16), P)
     st = ForestState(
-        rule=rule, records=rec, values=values, domains=new_domains(rec, random_domain),
+        rule=rule, records=rec, value_index=values,
+        value_domains=new_domains(rec, random_domain),
         tree_keys=tree_keys(random_state, T), nodes=nodes, caches=caches,
         entries=pools.new_entry_pool(ecap, C, rec.n_live),
         tables=pools.new_table_pool(max(1024, ecap // 4), C),
