@@ -24,10 +24,12 @@ from ledger.log_check import schema_sha256
 from ledger.models import DatasetSchema
 from ledger.sealed_payloads import PayloadKeyMissing, PayloadSealer, live_sealed, sealed_rows
 from ledger.tables import LOOKUP_CHUNK, PAYLOADS, RECORDS, SEALED
+from ledger.training_digest import TrainingSetDigest
 from ledger.transform import InputTransform
 from ledger.tree_heads import TreeHeads
 
 _INSERT_CHUNK = 50_000  # rows per INSERT of a load
+_SCAN_OVER = 100_000  # fingerprints to look up past which the whole table is read
 _RECORD_COLUMNS = ("record_id", "subject_id", "state", "added_at", "record_hash")
 
 
@@ -51,9 +53,8 @@ class RecordStore:
         self._key = hmac_key
         self._heads = heads
         self._schema: DatasetSchema | None = None
-        # record id -> fingerprint: fixed once the record is received (its row is never
-        # rewritten), so a worker's digests read only the records new since the last one
-        self._fingerprints: dict[str, bytes] = {}
+        # a worker's digests read only the records new since the last one
+        self._digest = TrainingSetDigest(self._fingerprints_of)
 
     def schema(self) -> DatasetSchema | None:
         """The feature schema; fixed once set, so it is read once per process."""
@@ -192,25 +193,28 @@ class RecordStore:
 
         A model manifest names its training set by this root; an auditor holding the
         fingerprints (the ledger keeps them after a purge) can recompute it without
-        seeing any record.
+        seeing any record. KeyError for an id the ledger does not hold.
         """
-        ids = set(map(str, record_ids))
-        known = self._fingerprints
-        new = [r for r in ids if r not in known]
-        if new:
-            with self.engine.connect() as conn:
-                for i in range(0, len(new), LOOKUP_CHUNK):
-                    known.update((r, bytes.fromhex(h)) for r, h in conn.execute(
+        return self._digest(record_ids)
+
+    def _fingerprints_of(self, ids: list[str]) -> dict[str, bytes]:
+        """Record id -> fingerprint (fixed once the record is received: its row is never
+        rewritten); a large set reads the whole table rather than a query per chunk."""
+        out: dict[str, bytes] = {}
+        want = set(ids)
+        with self.engine.connect() as conn:
+            if len(ids) > _SCAN_OVER:
+                rows = conn.execute(select(RECORDS.c.record_id, RECORDS.c.record_hash))
+                out.update((r, bytes.fromhex(h)) for r, h in rows if r in want)
+            else:
+                for i in range(0, len(ids), LOOKUP_CHUNK):
+                    out.update((r, bytes.fromhex(h)) for r, h in conn.execute(
                         select(RECORDS.c.record_id, RECORDS.c.record_hash)
-                        .where(RECORDS.c.record_id.in_(new[i:i + LOOKUP_CHUNK]))))
-        missing = sum(r not in known for r in new)
+                        .where(RECORDS.c.record_id.in_(ids[i:i + LOOKUP_CHUNK]))))
+        missing = len(want) - len(out)
         if missing:
             raise KeyError(f"{missing} record id(s) are not in the ledger")
-        if len(known) > 2 * len(ids):  # keep about one training set's worth
-            self._fingerprints = {r: known[r] for r in ids}
-        fps = [known[r] for r in ids]
-        fps.sort()
-        return len(fps), merkle.root([merkle.leaf_hash(f) for f in fps]).hex()
+        return out
 
     def _open_sealed(self, record_id: str, sealed: dict[str, bytes]
                      ) -> tuple[list[float], int] | None:

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from sqlalchemy import event, text
 
@@ -447,3 +448,51 @@ def test_a_training_set_digest_matches_one_read_afresh(seeded: Ledger) -> None:
         assert fresh.records.digest(ids) == before == (30, before[1])
     finally:
         fresh.close()
+
+
+def test_a_large_set_reads_its_fingerprints_in_one_scan(seeded: Ledger,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ledger import record_store
+
+    ids = [f"r{i:03d}" for i in range(30)]
+    want = seeded.records.digest(ids)
+    monkeypatch.setattr(record_store, "_SCAN_OVER", 5)
+    fresh = Ledger(seeded.url, HMAC_KEY)
+    try:
+        assert fresh.records.digest(ids) == want
+        with pytest.raises(KeyError, match="2 record id"):
+            fresh.records.digest([*ids, "nobody", "nobody either"])
+    finally:
+        fresh.close()
+
+
+def test_the_kept_digest_is_the_digest_of_the_set_through_deletions_and_additions() -> None:
+    """The worker's digest keeps the last set's sorted leaves and masks the records that
+    left: after every step the root is the one sorting the set's fingerprints afresh
+    gives, and a fingerprint is fetched once while it stays in the set."""
+    from ledger import merkle
+    from ledger.training_digest import TrainingSetDigest
+
+    rng = np.random.default_rng(0)
+    fingerprint = {f"r{i}": rng.bytes(32) for i in range(400)}
+    fetched: list[str] = []
+
+    def fetch(ids: list[str]) -> dict[str, bytes]:
+        fetched.extend(ids)
+        return {r: fingerprint[r] for r in ids}
+
+    def afresh(ids: list[str]) -> tuple[int, str]:
+        fps = sorted(fingerprint[r] for r in set(ids))
+        return len(fps), merkle.root([merkle.leaf_hash(f) for f in fps]).hex()
+
+    digest = TrainingSetDigest(fetch)
+    live = [f"r{i}" for i in range(300)]
+    for step in range(40):
+        if step % 7 == 3:  # additions, one named twice
+            new = [f"r{i}" for i in range(300 + step, 305 + step)]
+            live = [*live, *new, new[0]]
+        else:  # deletions, some steps below half of the sorted records
+            live = [r for r in live if rng.random() > (0.4 if step % 9 == 8 else 0.05)]
+        rng.shuffle(live)
+        assert digest(live) == afresh(live), step
+    assert len(fetched) == len(set(fetched))
