@@ -899,6 +899,11 @@ def test_compaction_renumbers_the_value_index_as_a_fresh_ranking_would() -> None
     for batch in (ids[:30], ids[30:31], ids[100:220]):
         f.delete(batch)
         compact_store(f.state_)
+        # compacted in place: the slots past the live ones hold nothing of anyone
+        rec, n = f.state_.records, f.state_.records.n_slots
+        assert not rec.X[:, n:].any() and not rec.y[n:].any() and not rec.alive[n:].any()
+        assert not f.state_.layout.pos[:, n:].any() and not f.state_.values.rank[:, n:].any()
+        assert all(i is None for i in rec.ids[n:]) and rec.alive[:n].all()
         fresh, _ = rerank(f.state_.records, None)
         for field in dataclasses.fields(fresh):
             got, want = getattr(f.state_.values, field.name), getattr(fresh, field.name)

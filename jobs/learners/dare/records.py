@@ -67,19 +67,17 @@ def compact_store(st: ForestState) -> None:
     m = len(live)
     new = np.full(rec.capacity, -1, dtype=np.int32)
     new[live] = np.arange(m, dtype=np.int32)
-    # np.compress: a fifth of the time of X[:, live] on a (features, 10^6) table
-    kept = rec.alive[:n]
-    rec.X = np.compress(kept, rec.X[:, :n], axis=1)
-    rec.y = rec.y[live].copy()
-    rec.alive = np.ones(m, dtype=bool)
-    rec.ids = rec.ids[live].copy()
-    st.layout = st.layout._replace(pos=np.compress(kept, st.layout.pos[:, :n], axis=1))
-    st.values.rank = np.compress(kept, st.values.rank[:, :n], axis=1)
+    kept = rec.alive[:n].copy()
+    for table in (rec.X, st.layout.pos, st.values.rank):
+        _keep_columns(table, kept, m)
+    for column, gone in ((rec.y, 0), (rec.ids, None), (rec.alive, False)):
+        column[:m] = column[live]
+        column[m:n] = gone
     slot_at = st.layout.slot_at
     held = slot_at >= 0
     slot_at[held] = new[slot_at[held]]
     rec.n_slots = m
-    rec.slot = {rid: k for k, rid in enumerate(rec.ids.tolist())}
+    rec.slot = {rid: k for k, rid in enumerate(rec.ids[:m].tolist())}
     reindex(st, new)
     _forget_cutoffs(st)
     # what freed nodes and cache slots last held is no longer anyone's state
@@ -87,6 +85,16 @@ def compact_store(st: ForestState) -> None:
     unused = (st.caches.attr < 0).all(axis=1)
     st.caches.cut_prio[unused] = 0
     st.caches.cut_value[unused] = 0.0
+
+
+def _keep_columns(table: np.ndarray, kept: np.ndarray, m: int) -> None:
+    """Move the `m` kept columns among the first len(kept) of a (rows, slots) table to
+    its front and zero the rest of those: in place, row by row (a compacted copy of a
+    (features, 10^6) table was a GB of fresh pages every save)."""
+    n = len(kept)
+    for row in table:
+        row[:m] = row[:n][kept]
+    table[:, m:n] = 0
 
 
 def _stale_cutoffs(st: ForestState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
