@@ -337,7 +337,7 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     before = [_tree_leaves(forest, t) for t in range(forest.n_estimators)]
     stable = 0
     for rid in ids[rng.permutation(len(ids))[:120]].tolist():
-        slot = dv.record_slots(forest, [rid])[0]
+        slot = forest.state_.records.slot[rid]
         after = copy.deepcopy(forest)
         after.delete([rid])
         for t in range(forest.n_estimators):
@@ -742,3 +742,30 @@ def test_the_forests_value_group_tables_the_kernel_reads_are_its_nodes_records(t
         checked += 1
     assert checked > 20  # the kernel has tables to read
     assert not _tables(forest, greedy, cand, use=False).length.any()
+
+
+def test_the_live_slots_a_guard_reads_follow_the_forest_through_updates_and_saves(
+        tmp_path) -> None:
+    """`live_slots` is kept between calls: after a deletion, an addition and the
+    compaction of a save (which renumbers slots without a new generation) it is the
+    slot of every live record in id order, as computed afresh."""
+    from jobs.learners.dare import view as dv
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(300, 4))
+    y = (X[:, 0] > 0).astype(int)
+    ids = np.array([f"s{i:03d}" for i in range(300)], dtype=object)
+    forest = DaREForest(n_estimators=3, max_depth=4, k=3, random_state=0).fit(
+        X[:250], y[:250], record_ids=ids[:250])
+
+    def afresh() -> np.ndarray:
+        slot = forest.state_.records.slot
+        return np.array([slot[i] for i in forest.record_ids_.tolist()])
+
+    for step in (lambda: None, lambda: forest.delete(ids[:20]),
+                 lambda: forest.add(ids[250:260], X[250:260], y[250:260]),
+                 lambda: forest.save(tmp_path / "m"), lambda: forest.delete(ids[20:25])):
+        step()
+        got = dv.live_slots(forest)
+        assert np.array_equal(got, afresh()) and not got.flags.writeable
+        assert dv.live_slots(forest) is got  # kept while nothing changed

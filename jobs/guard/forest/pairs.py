@@ -119,9 +119,9 @@ def _depth_first(v: dv.ForestView) -> np.ndarray:
 
 def _positions(forest: DaREForest) -> np.ndarray:
     """Slot -> position of the record in the forest's sorted record ids (-1: no record)."""
-    ids = forest.record_ids_
+    slots = dv.live_slots(forest)
     pos = np.full(len(dv.view(forest, with_index=False).y), -1, dtype=np.int64)
-    pos[dv.record_slots(forest, ids)] = np.arange(len(ids))
+    pos[slots] = np.arange(len(slots))
     return pos
 
 
@@ -290,7 +290,7 @@ def below_dropped(forest: DaREForest, st: ForestStructure, touched: np.ndarray,
     changed = np.zeros(len(st.kind), dtype=bool)
     changed[touched] = True
     X = dv.view(forest).X  # (attribute, slot)
-    slot = dv.record_slots(forest, forest.record_ids_)
+    slot = dv.live_slots(forest)
     want: dict[int, set[int]] = {}  # compact node -> record positions to compute there
     for u, r in zip(d_node[~covered].tolist(), d_prec[~covered].tolist(), strict=True):
         k = u
@@ -348,7 +348,7 @@ def grow_pairs(forest: DaREForest, st: ForestStructure, node: np.ndarray, prec: 
         chunk_rows = _CHUNK_ROWS // 8  # finer steps between looks at the clock
     order = order[exact[order]]
     node_x, prec_x, dom_x = node[order], prec[order], dom[order]
-    slot = dv.record_slots(forest, forest.record_ids_)
+    slot = dv.live_slots(forest)
     n_rows = st.n[node_x]
     parts = []
     start = 0
