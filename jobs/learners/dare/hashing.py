@@ -76,8 +76,8 @@ def _structure(st: ForestState, nodes: np.ndarray, idx: np.ndarray) -> list[np.n
     return [struct, thr, v1, v2, nd.cnt[nodes].astype(np.int64)]
 
 
-def _leaf_members(st: ForestState, nodes: np.ndarray, idx: np.ndarray, lslots: np.ndarray
-                  ) -> Iterator[np.ndarray]:
+def _leaf_members(st: ForestState, nodes: np.ndarray, idx: np.ndarray,
+                  lslots: np.ndarray | slice) -> Iterator[np.ndarray]:
     """Each leaf's records, by id: the leaf index of every live record in every tree, one
     tree's row at a time (the rows of a (trees, records) array, without building it: at
     10^6 records that array and its gathers were GBs)."""
@@ -99,7 +99,7 @@ def _hash_array(h: Any, parts: Iterable[np.ndarray], dtype: np.dtype, shape: tup
     h.update(str(np.dtype(dtype)).encode())
     h.update(repr(shape).encode())
     for part in parts:
-        h.update(np.ascontiguousarray(part, dtype=dtype).tobytes())
+        h.update(np.ascontiguousarray(part, dtype=dtype))  # its buffer: no copy of GBs
 
 
 def content_hash(st: ForestState, header: dict[str, Any]) -> str:
@@ -111,13 +111,15 @@ def content_hash(st: ForestState, header: dict[str, Any]) -> str:
     idx[nodes] = np.arange(len(nodes))
     rec = st.records
     live_ids = sorted(rec.slot)
-    lslots = np.array([rec.slot[i] for i in live_ids], dtype=np.int64)
+    lslots: np.ndarray | slice = np.array([rec.slot[i] for i in live_ids], dtype=np.int64)
+    if np.array_equal(lslots, np.arange(len(live_ids))):  # slots in id order (a fit's,
+        lslots = slice(0, len(live_ids))  # kept by compaction): views, not gathers
     sel = _selected_candidates(st, nodes)
     h = hashlib.sha256()
     h.update(json.dumps({**header, "ids": live_ids}, sort_keys=True).encode())
     for arr in (*_structure(st, nodes, idx), *sel):
         _hash_array(h, [arr], arr.dtype, arr.shape)
-    n = len(lslots)
+    n = len(live_ids)
     _hash_array(h, _leaf_members(st, nodes, idx, lslots), np.dtype(np.int64),
                 (st.rule.n_trees, n))
     _hash_array(h, (rec.X[a, lslots] for a in range(rec.X.shape[0])), rec.X.dtype,
