@@ -881,6 +881,23 @@ def test_the_value_index_is_the_sorted_distinct_values_and_their_ranks() -> None
             assert np.array_equal(np.diff(runs), np.bincount(inv)) and runs[0] == 0
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 16])
+def test_compaction_in_place_keeps_the_rows_and_columns_np_compress_keeps(chunk) -> None:
+    from jobs.learners.dare.records import _keep_columns, _keep_rows
+
+    rng = np.random.default_rng(chunk)
+    table = rng.integers(1, 9, size=(40, 5)).astype(np.int32)  # 40 slots of capacity
+    kept = rng.random(31) < 0.6  # 31 in use
+    m = int(kept.sum())
+    want = np.compress(kept, table[:31], axis=0)
+    rows, columns = table.copy(), table.T.copy()
+    _keep_rows(rows, kept, m, chunk)
+    _keep_columns(columns, kept, m)
+    for got in (rows, columns.T):
+        assert np.array_equal(got[:m], want) and not got[m:31].any()
+        assert np.array_equal(got[31:], table[31:])  # room for additions, untouched
+
+
 def test_compaction_renumbers_the_value_index_as_a_fresh_ranking_would() -> None:
     """A save compacts the store and renumbers the value ranks in linear time
     (values.rerank_kept): the same index as ranking the kept records from scratch, on a
@@ -903,6 +920,7 @@ def test_compaction_renumbers_the_value_index_as_a_fresh_ranking_would() -> None
         rec, n = f.state_.records, f.state_.records.n_slots
         assert not rec.X[:, n:].any() and not rec.y[n:].any() and not rec.alive[n:].any()
         assert not f.state_.layout.pos[:, n:].any() and not f.state_.values.rank[:, n:].any()
+        assert not f.state_.values.rank_rm[n:].any()
         assert all(i is None for i in rec.ids[n:]) and rec.alive[:n].all()
         fresh, _ = rerank(f.state_.records, None)
         for field in dataclasses.fields(fresh):

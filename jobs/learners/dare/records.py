@@ -70,6 +70,7 @@ def compact_store(st: ForestState) -> None:
     kept = rec.alive[:n].copy()
     for table in (rec.X, st.layout.pos, st.values.rank):
         _keep_columns(table, kept, m)
+    _keep_rows(st.values.rank_rm, kept, m)
     for column, gone in ((rec.y, 0), (rec.ids, None), (rec.alive, False)):
         column[:m] = column[live]
         column[m:n] = gone
@@ -95,6 +96,18 @@ def _keep_columns(table: np.ndarray, kept: np.ndarray, m: int) -> None:
     for row in table:
         row[:m] = row[:n][kept]
     table[:, m:n] = 0
+
+
+def _keep_rows(table: np.ndarray, kept: np.ndarray, m: int, chunk: int = 1 << 16) -> None:
+    """:func:`_keep_columns` of a (slots, columns) table (the record-major ranks): a
+    chunk of rows at a time, front to back, so a kept row never lands on one not read."""
+    n, out = len(kept), 0
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        part = table[lo:hi][kept[lo:hi]]
+        table[out : out + len(part)] = part
+        out += len(part)
+    table[m:n] = 0
 
 
 def _stale_cutoffs(st: ForestState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -47,7 +47,8 @@ def rerank(rec: RecordStore, old: ValueIndex | None) -> tuple[ValueIndex, list[n
 def rerank_kept(rec: RecordStore, old: ValueIndex, new_slot: np.ndarray
                 ) -> tuple[ValueIndex, list[np.ndarray]]:
     """What :func:`rerank` gives after slots were only dropped (`new_slot`: old slot ->
-    new, -1 where dropped; `old.rank` already holds the kept slots' columns), in linear
+    new, -1 where dropped; `old.rank` and `old.rank_rm` already hold the kept slots'
+    columns and rows, :func:`records.compact_store`), in linear
     time: the kept values keep their order, so ranks are renumbered, not sorted again,
     and the old global order, filtered, is the new one (a save compacts the store each
     time: sorting every attribute again took 1.5 s at 10^5 rows)."""
@@ -61,13 +62,15 @@ def rerank_kept(rec: RecordStore, old: ValueIndex, new_slot: np.ndarray
         # np.searchsorted(new values, old values), as rerank gives it: a vanished value
         # maps to where it would be inserted
         to_new = (np.cumsum(present) - present).astype(np.int32)
-        rank[a, :n] = to_new[rank[a, :n]]
+        if not present.all():  # else every rank stays (most attributes, most saves)
+            rank[a, :n] = to_new[rank[a, :n]]
+            old.rank_rm[:n, a] = rank[a, :n]
         vals.append(old.vals[old.voff[a] : old.voff[a + 1]][present])
         slots = new_slot[old.gorder[a]]
         gorder[a] = slots[slots >= 0]
         rstart.append(_run_starts(cnt[present]))
         remap.append(to_new)
-    return _value_index(rank, vals, gorder, rstart), remap
+    return _value_index(rank, vals, gorder, rstart, old.rank_rm), remap
 
 
 def index_of_codes(codes: list[np.ndarray], vals: list[np.ndarray], capacity: int
@@ -95,14 +98,18 @@ def _run_starts(counts: np.ndarray) -> np.ndarray:
 
 
 def _value_index(rank: np.ndarray, vals: list[np.ndarray], gorder: np.ndarray,
-                 rstart: list[np.ndarray]) -> ValueIndex:
+                 rstart: list[np.ndarray], rank_rm: np.ndarray | None = None) -> ValueIndex:
+    """The index of these ranks; `rank_rm`: their record-major copy, where the caller
+    kept it up to date (a compaction), if of the type this index takes."""
     all_vals = np.concatenate(vals) if vals else np.zeros(0)
     nvals_max = max((len(v) for v in vals), default=1)
     # the compiled kernels read a record's ranks together: record-major, 16 bits where
     # they fit (one cache line per record on tables of up to 32 features)
     dt = np.uint16 if nvals_max <= 65_535 else np.int32
+    if rank_rm is None or rank_rm.dtype != dt or rank_rm.shape != rank.shape[::-1]:
+        rank_rm = np.ascontiguousarray(rank.T, dtype=dt)
     return ValueIndex(
-        rank=rank, rank_rm=np.ascontiguousarray(rank.T, dtype=dt), vals=all_vals,
+        rank=rank, rank_rm=rank_rm, vals=all_vals,
         vmix=_mix(all_vals.view(_U64) + _GOLD),  # value half of the pair priority
         voff=np.concatenate([[0], np.cumsum([len(v) for v in vals])]).astype(np.int64),
         gorder=gorder, rstart=np.concatenate(rstart),
