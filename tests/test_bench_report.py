@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,15 @@ def test_every_benchmark_has_a_table_the_script_can_rewrite() -> None:
         widths = {ln.count("|") for ln in lines}
         assert widths == {len(header) + 1}, f"{bench}: rows of another width than the header"
         assert all(r["date"] and r["machine"] and r["command"] for r in rows), bench
+
+
+def test_every_table_of_every_stage_can_be_rewritten() -> None:
+    """A stage's table (``bench_x.stage``) too: one row of another width and the script
+    refuses to write any row of that benchmark."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    names = re.findall(r"<!-- (bench_[\w.]+):begin -->", text)
+    assert any("." in name for name in names)
+    for name in names:
+        region = text[text.index(f"<!-- {name}:begin -->"):text.index(f"<!-- {name}:end -->")]
+        header, rows = read_table(region.split("\n", 1)[1])  # raises on a row too wide
+        assert not header or (header[-1] == "note" and all(r["date"] for r in rows)), name
