@@ -7,6 +7,7 @@ See docs/DESIGN.md (Architecture)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,38 +17,47 @@ from ledger import merkle
 Fetch = Callable[[list[str]], dict[str, bytes]]
 
 
+class _Sorted(NamedTuple):
+    """A set of records in fingerprint order: ids, fingerprints, leaf hashes, and each
+    id's place (one value, replaced whole: a digest never mixes two sorts)."""
+
+    ids: list[str]
+    fps: list[bytes]
+    leaves: list[bytes]
+    at: dict[str, int]
+
+
 class TrainingSetDigest:
     """(count, root) of a set of records. The sorted leaves of every record seen since
     the last sort are kept; a set that only lost records from them is a mask over them."""
 
     def __init__(self, fetch: Fetch) -> None:
         self._fetch = fetch
-        # the records sorted last, in fingerprint order: ids, fingerprints, leaf hashes
-        self._ids: list[str] = []
-        self._fps: list[bytes] = []
-        self._leaves: list[bytes] = []
-        self._at: dict[str, int] = {}  # record id -> its place in that order
+        self._sorted = _Sorted([], [], [], {})
 
     def __call__(self, record_ids: Sequence[str]) -> tuple[int, str]:
-        at = self._at
-        place = np.fromiter((at.get(str(r), -1) for r in record_ids), dtype=np.int64)
+        last = self._sorted
+        place = np.fromiter((last.at.get(str(r), -1) for r in record_ids), dtype=np.int64)
         if (place < 0).any():  # a record not sorted yet: sort the set again
-            self._sort(list(map(str, record_ids)))
-            return self(record_ids)
-        held = np.zeros(len(self._ids), dtype=bool)
-        held[place] = True
-        kept = np.flatnonzero(held).tolist()
-        if 2 * len(kept) < len(self._ids):  # keep about one training set's worth
-            self._sort([self._ids[i] for i in kept])
-            kept = list(range(len(kept)))
-        return len(kept), merkle.root([self._leaves[i] for i in kept]).hex()
+            last = self._sorted = self._sort(list(map(str, record_ids)), last)
+            leaves = last.leaves
+        else:
+            held = np.zeros(len(last.ids), dtype=bool)
+            held[place] = True
+            kept = np.flatnonzero(held).tolist()
+            if 2 * len(kept) < len(last.ids):  # keep about one training set's worth
+                last = self._sorted = self._sort([last.ids[i] for i in kept], last)
+                leaves = last.leaves
+            else:
+                leaves = [last.leaves[i] for i in kept]
+        return len(leaves), merkle.root(leaves).hex()
 
-    def _sort(self, ids: list[str]) -> None:
-        """Sort the set afresh (the first digest, one after additions, or one that kept
+    def _sort(self, ids: list[str], last: _Sorted) -> _Sorted:
+        """The set sorted afresh (the first digest, one after additions, or one that kept
         less than half of the records), fetching only the fingerprints not known yet."""
-        known = dict(zip(self._ids, self._fps, strict=True))
+        known = dict(zip(last.ids, last.fps, strict=True))
         known.update(self._fetch(list({r for r in ids if r not in known})))
-        self._ids = sorted(set(ids), key=known.__getitem__)
-        self._fps = [known[r] for r in self._ids]
-        self._leaves = [merkle.leaf_hash(f) for f in self._fps]
-        self._at = {r: i for i, r in enumerate(self._ids)}
+        order = sorted(set(ids), key=known.__getitem__)
+        fps = [known[r] for r in order]
+        return _Sorted(order, fps, [merkle.leaf_hash(f) for f in fps],
+                       {r: i for i, r in enumerate(order)})

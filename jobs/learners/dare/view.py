@@ -92,16 +92,16 @@ def view(forest: DaREForest, *, with_index: bool = True) -> ForestView:
     check_is_fitted(forest)
     st = forest.state_
     nd, rec = st.nodes, st.records
-    val = st.values if with_index else None
+    rank, vmix, voff = ((st.values.rank, st.values.vmix, st.values.voff) if with_index
+                        else (_NO_INDEX,) * 3)
     keys = _h2(st.tree_keys[np.maximum(nd.tree, 0)], nd.path.astype(np.uint64))
     return ForestView(
         n_trees=st.rule.n_trees, n_classes=st.n_classes, msl=st.rule.min_samples_leaf,
         k=st.rule.k, gini=st.rule.gini, root=st.layout.root[: st.rule.n_trees].astype(np.int64),
         used=nd.used, kind=nd.kind, why=nd.why, depth=nd.depth, left=nd.left, right=nd.right,
         attr=nd.attr, r1=nd.r1, r2=nd.r2, thr=nd.thr, draw=nd.draw, n=nd.n, cnt=nd.cnt,
-        tree=nd.tree, path=nd.path, rank=_NO_INDEX if val is None else val.rank, X=rec.X,
-        y=rec.y, live=rec.alive[: rec.n_slots], vmix=_NO_INDEX if val is None else val.vmix,
-        voff=_NO_INDEX if val is None else val.voff,
+        tree=nd.tree, path=nd.path, rank=rank, X=rec.X, y=rec.y,
+        live=rec.alive[: rec.n_slots], vmix=vmix, voff=voff,
         node_keys=keys, xlogx=score_table(st.rule.gini, int(nd.n.max(initial=0)) + 2),
     )  # fmt: skip
 
