@@ -280,6 +280,14 @@ def _tied(rng, n=300, d=5, levels=4):
     return X, y
 
 
+def _skewed(rng, n=300, d=5):
+    """Counts and amounts: a few common values and a long tail of rare ones, so that a big
+    node holds value groups of one record (near its listed pairs) beside large ones."""
+    X = np.minimum(rng.geometric(0.25, size=(n, d)), 25) / 25.0
+    y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.15, n) > 0.3).astype(int)
+    return X, y
+
+
 def _one_hot(rng, n=300):
     """A table as the sidecar encodes it: two tied numbers and four categories of 4 to 8
     values as one 0/1 feature per category (26 features: wider than the kernel's
@@ -309,6 +317,7 @@ def _tree_leaves(forest, t):
                   criterion="entropy", random_state=2)),
     ("continuous", dict(n_estimators=5, max_depth=6, k=10, d_rmax=0, random_state=3)),
     ("onehot", dict(n_estimators=5, max_depth=7, k=5, d_rmax=1, random_state=4)),
+    ("skewed", dict(n_estimators=5, max_depth=6, k=5, d_rmax=1, random_state=5)),
 ])
 def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     """A record called stable at every node of its path in a tree must, when actually
@@ -320,6 +329,8 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
     rng = np.random.default_rng(11)
     if data == "tied":
         X, y = _tied(rng)
+    elif data == "skewed":
+        X, y = _skewed(rng)
     elif data == "onehot":
         X, y = _one_hot(rng)
     else:
@@ -327,7 +338,10 @@ def test_every_stable_claim_holds_against_the_actual_deletion(data, params):
         y = (X[:, 0] + X[:, 1] + rng.normal(0, 0.3, 300) > 1).astype(int)
     ids = np.array([f"r{i:04d}" for i in range(len(y))], dtype=object)
     forest = DaREForest(**params).fit(X, y, record_ids=ids)
-    nodes, off, slots = fragile_records(forest)
+    tally: dict[str, float] = {}
+    nodes, off, slots = fragile_records(forest, tally=tally)
+    # rare values: some nodes are decided by the records of their near groups alone
+    assert data != "skewed" or tally["looked_up_nodes"] > 0
     v = dv.view(forest)
     fragile = np.zeros((forest.n_estimators, len(v.y)), bool)
     for i, nd in enumerate(nodes.tolist()):
@@ -434,8 +448,10 @@ def test_an_update_decides_each_signature_once_and_equals_a_fit():
     deleted = ids[rng.permutation(len(ids))[:10]].tolist()
     forest.delete(deleted)
     rep = guard.update(deleted)
-    assert rep.detail["incremental"] and rep.detail["visited"] > 2 * len(ids)
-    assert rep.detail["rule_runs"] < 0.1 * rep.detail["visited"]  # 8% here, 3% at 10^5
+    # the pairs it looked at: read (visited) or told from counts (settled)
+    looked = rep.detail["visited"] + rep.detail["settled_pairs"]
+    assert rep.detail["incremental"] and looked > 2 * len(ids)
+    assert rep.detail["rule_runs"] < 0.1 * looked  # 8% here, 3% at 10^5
     full = ForestGuard.fit(forest, epsilon=0.0, random_state=0, state_budget=np.inf)
     assert _pair_keys(guard) == _pair_keys(full) and rep.fragile_pairs > 0
     Q = rng.random((1000, X.shape[1]))
@@ -514,6 +530,7 @@ def test_an_update_that_removes_or_brings_a_class_equals_a_full_refit():
     ("continuous", dict(n_estimators=4, max_depth=8, k=10, random_state=6)),
     ("three", dict(n_estimators=4, max_depth=7, k=5, criterion="entropy", random_state=7)),
     ("onehot", dict(n_estimators=4, max_depth=8, k=10, d_rmax=1, random_state=8)),
+    ("skewed", dict(n_estimators=4, max_depth=8, k=10, d_rmax=1, random_state=9)),
 ])
 def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params):
     """Nodes far from a tie skip the per-record rule for records that cannot move their
@@ -524,6 +541,8 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
     n = 3000
     if data == "tied":
         X, y = _tied(rng, n=n, d=6, levels=6)
+    elif data == "skewed":
+        X, y = _skewed(rng, n=n)
     elif data == "onehot":
         X, y = _one_hot(rng, n=n)
     else:
@@ -535,10 +554,14 @@ def test_the_margin_shortcut_decides_every_record_as_the_full_rule(data, params)
     forest = DaREForest(**params).fit(X, y, record_ids=ids)
     forest.delete(ids[rng.permutation(n)[:40]].tolist())  # counts moved, some splits too
     full = fragile_records(forest, margin=False)
-    short = fragile_records(forest)
+    tally: dict[str, float] = {}
+    short = fragile_records(forest, tally=tally)
     for a, b in zip(full, short, strict=True):
         assert np.array_equal(a, b)
     assert len(full[2]) > 0
+    if data in ("tied", "onehot", "skewed"):  # few values: tables, and nodes told from
+        assert tally["settled_pairs"] > 0  # counts (and the records of near groups) alone
+    assert data != "skewed" or tally["looked_up_nodes"] > 0
 
 
 @pytest.mark.slow

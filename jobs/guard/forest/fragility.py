@@ -33,8 +33,10 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     the per-record rule where a node is far from a tie and decide each signature once
     (the same answer; False decides every record by the full rule, which scores the
     first k pairs after its deletion: for tests). `tally` (if given) counts
-    what it cost: ``visited`` (node, record) pairs, ``rule_runs`` of the greedy per-record
-    rule, ``kernel_cpu_s`` in the compiled kernel."""
+    what it cost: ``visited`` (node, record) pairs read, ``settled_pairs`` told without
+    reading every record (:func:`_settled`; ``looked_up_nodes`` of them by the records of
+    their near value groups), ``rule_runs`` of the greedy per-record rule on the records
+    read, ``kernel_cpu_s`` in the compiled kernel."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -46,20 +48,77 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
         _Nodes(v.kind, v.attr, v.r1, v.thr, v.draw, v.cnt.astype(np.int64), v.node_keys),
         _Records(v.rank, _by_slot(v.rank, v.y), v.X, v.y.astype(np.int64), v.vmix, v.voff),
         _Rule(v.msl, v.k, v.gini, v.xlogx))
+    settled, s_cnt, s_slots = (_settled(forest, v, nodes, forest_in, tally) if margin else
+                               (np.zeros(len(nodes), bool), np.zeros(len(nodes), np.int64),
+                                np.zeros(0, np.int64)))
+    if tally is not None:
+        tally["settled_pairs"] = tally.get("settled_pairs", 0) + int(v.n[nodes[settled]].sum())
+    todo = nodes[~settled]
     # nodes a chunk at a time: their records' slots (a fit at 10^6 rows visits 4*10^8
     # pairs: 3.2 GB at once) are the kernel's largest input
-    ends = np.cumsum(v.n[nodes].astype(np.int64))
+    ends = np.cumsum(v.n[todo].astype(np.int64))
     cuts = np.unique(np.searchsorted(ends, np.arange(_CHUNK_PAIRS, ends[-1] if len(ends)
                                                      else 0, _CHUNK_PAIRS), side="right"))
-    cuts = cuts[(cuts > 0) & (cuts < len(nodes))].tolist()
+    cuts = cuts[(cuts > 0) & (cuts < len(todo))].tolist()
     counts, slots = [], []
-    for lo, hi in zip([0, *cuts], [*cuts, len(nodes)], strict=True):
-        cnt, fragile = _decide(forest, v, nodes[lo:hi], forest_in, margin, tally)
+    for lo, hi in zip([0, *cuts], [*cuts, len(todo)], strict=True):
+        cnt, fragile = _decide(forest, v, todo[lo:hi], forest_in, margin, tally)
         counts.append(cnt)
         slots.append(fragile)
-    cnt = np.concatenate([np.zeros(0, np.int64), *counts])
-    return (nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64),
-            np.concatenate([np.zeros(0, np.int64), *slots]))
+    cnt = s_cnt.copy()
+    cnt[~settled] = np.concatenate([np.zeros(0, np.int64), *counts])
+    out = np.empty(int(cnt.sum()), np.int64)
+    mine = np.repeat(settled, cnt)  # node by node, each node's slots from one source
+    out[mine] = s_slots
+    out[~mine] = np.concatenate([np.zeros(0, np.int64), *slots])
+    return nodes, np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64), out
+
+
+def _settled(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, forest_in: _Forest,
+             tally: dict[str, float] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The nodes whose fragile records can be told without reading all of their records,
+    as the kernel would tell them after reading every one: (decided, count, slots), per
+    node whether it was decided here and how many of its records are fragile, and their
+    slots, node by node in layout order.
+
+    A random node from its children's counts (it keeps its draw unless a side empties or
+    the node turns pure). A greedy node far from a tie from its class counts, candidate
+    lists and value group tables: where no value group is near a listed pair and no
+    class's loss leaves it pure, none; where a few groups are near, only their records
+    can be, found through the forest's global value order and decided by the rule. Most
+    of a large forest's big nodes (at 10^6 rows a record read is a cache miss)."""
+    nt = v.n[nodes].astype(np.int64)
+    cnt = v.cnt[nodes].astype(np.int64)
+    count = np.zeros(len(nodes), np.int64)
+    present = (cnt > 0).sum(axis=1)
+    pure = ((cnt > 0) & (present[:, None] - (cnt == 1) <= 1)).any(axis=1)
+    out = ((v.kind[nodes] == dv.RANDOM) & (nt - 1 >= 2 * v.msl) & (v.draw[nodes] >= 0)
+           & (v.n[v.left[nodes]] > 1) & (v.n[v.right[nodes]] > 1) & ~pure)
+    st = forest.state_
+    g = np.flatnonzero((v.kind[nodes] == dv.GREEDY) & (nt - 1 >= 2 * v.msl) & ~pure
+                       & (st.nodes.cid[nodes] >= 0))
+    if st.tables_stale or not g.size:
+        return out, count, np.zeros(0, np.int64)
+    g = g[dv.keeps_lists(forest, nodes[g])]
+    none = np.zeros(len(g), dtype=np.int64)
+    cand = dv.candidates(forest, nodes[g], np.zeros(0, np.int64), none, none)
+    tab = _tables(forest, nodes[g], cand, use=True)
+    far = _far_from_ties(nodes[g], nt[g], forest_in.nodes, forest_in.records, cand,
+                         forest_in.rule, tab)
+    out[g] = far == _NONE_NEAR
+    near = np.flatnonzero(far == _SOME_NEAR)
+    slots = np.zeros(0, np.int64)
+    if near.size:
+        ix, nd = st.values, st.nodes
+        where = _Where(ix.roff, ix.rstart, ix.gorder, v.live, st.layout.pos, nd.tree, nd.start,
+                       nd.end)
+        found, count[g], slots = _near_records(nodes[g], nt[g], near, forest_in.nodes,
+                                               forest_in.records, cand, forest_in.rule, tab,
+                                               where)
+        out[g] |= found
+        if tally is not None:
+            tally["looked_up_nodes"] = tally.get("looked_up_nodes", 0) + int(found.sum())
+    return out, count, slots
 
 
 def _decide(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, forest_in: _Forest,
@@ -358,6 +417,151 @@ def _fragile(nodes, rows, off, slot_of, nd, rec, cand, rule, use_margin, tab
                                       rbits, tab)
         cnt[i] = out.sum()
     return frag, cnt, runs
+
+
+_NOT_FAR, _NONE_NEAR, _SOME_NEAR = 0, 1, 2
+
+
+class _Where(NamedTuple):
+    """Where the records are: attribute a's records with value rank q are
+    ``gorder[a, rstart[roff[a] + q]:rstart[roff[a] + q + 1]]`` (live ones among them), and
+    record r sits at ``pos[tree, r]`` of its tree's layout, where node v holds
+    ``[start[v], end[v])``."""
+
+    roff: np.ndarray
+    rstart: np.ndarray
+    gorder: np.ndarray
+    live: np.ndarray
+    pos: np.ndarray
+    tree: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+@njit(cache=True)
+def _table_groups(ci, v, nt, nd, rec, cand, k, tab):  # pragma: no cover - compiled
+    """Greedy node v's value groups (candidate lists ci, nt records) from the forest's
+    tables alone (no record's group known): (whether every slot has its table, groups)."""
+    C = nd.cnt.shape[1]
+    P = cand.attr.shape[1]
+    G = 1
+    for s in range(P):
+        G = max(G, tab.length[ci, s])
+    g_rank = np.empty((P, G), np.int64)
+    g_cnt = np.zeros((P, G, C), np.int64)
+    n = np.zeros(P, np.int64)
+    entry = np.empty((P, k + 16), np.int64)
+    prio = np.empty((P, k + 16), np.int64)
+    whole = True
+    for s in range(P):
+        a = cand.attr[ci, s]
+        if a < 0:
+            continue
+        if not _groups_of_table(s, tab.off[ci, s], tab.length[ci, s], tab, nt, g_rank, g_cnt,
+                                n):
+            whole = False
+            break
+        for q in range(cand.length[ci, s]):
+            E = cand.off[ci, s] + q
+            entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
+            prio[s, q] = _prio(nd.key[v], a, rec.vmix, rec.voff[a], cand.e_r1[E])
+    return whole, _Groups(np.empty((P, 0), np.int64), np.zeros(P, np.bool_), n, g_rank,
+                          g_cnt, entry, prio, np.empty(0, np.int64))
+
+
+@njit(cache=True, parallel=True)
+def _far_from_ties(nodes, nts, nd, rec, cand, rule, tab):  # pragma: no cover - compiled
+    """Per greedy node nodes[i] (candidate lists i, nts[i] records, no class whose loss
+    leaves it pure): _NONE_NEAR where it is far from a tie (the margin) and no value group
+    is near a listed pair, so that no record is fragile (what :func:`_greedy_fragile`
+    decides); _SOME_NEAR where some groups are; _NOT_FAR where it is not far from a tie
+    or a slot has no table."""
+    out = np.zeros(nodes.shape[0], np.int64)
+    for ci in prange(nodes.shape[0]):
+        v = nodes[ci]
+        whole, grp = _table_groups(ci, v, nts[ci], nd, rec, cand, rule.k, tab)
+        if not whole:
+            continue
+        lscore = _listed_scores(ci, nd.cnt[v], nts[ci], cand, rule)
+        if _margin_holds(ci, v, nd, cand, rule.k, lscore):
+            out[ci] = (_SOME_NEAR if _near(ci, nd.key[v], grp, rec, cand, rule.k).any()
+                       else _NONE_NEAR)
+    return out
+
+
+@njit(cache=True)
+def _near_records(nodes, nts, todo, nd, rec, cand, rule, tab, where
+                  ):  # pragma: no cover - compiled
+    """For the greedy nodes nodes[todo] (far from a tie, some value groups near a listed
+    pair): the records of the near groups, found through the global value order rather
+    than by reading the node's records, each decided by the per-record rule (the others
+    are stable: :func:`_greedy_fragile`). (found, count, slots): a node is not found
+    when its groups' runs are long (a value common elsewhere) or do not add up."""
+    P = cand.attr.shape[1]
+    C = nd.cnt.shape[1]
+    k = rule.k
+    found = np.zeros(nodes.shape[0], np.bool_)
+    count = np.zeros(nodes.shape[0], np.int64)
+    out = np.empty(1024, np.int64)
+    used = 0
+    sel = _Selection(np.zeros((P * k, C), np.int64), np.zeros(P * k, np.int64),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.bool_),
+                     np.zeros(P * k, np.int64), np.zeros(P * k, np.int64))
+    for ci in todo:
+        v = nodes[ci]
+        nt = nts[ci]
+        t = where.tree[v]
+        _whole, grp = _table_groups(ci, v, nt, nd, rec, cand, k, tab)
+        near = _near(ci, nd.key[v], grp, rec, cand, k)
+        reads = 0
+        for s in range(P):
+            a = cand.attr[ci, s]
+            for g in range(grp.n[s] if a >= 0 else 0):
+                if near[s, g].any():
+                    ro = where.roff[a] + grp.rank[s, g]
+                    reads += where.rstart[ro + 1] - where.rstart[ro]
+        if 4 * reads > nt:
+            continue  # reading the node's records is cheaper
+        look = np.empty(reads, np.int64)
+        n_look = 0
+        whole = True
+        for s in range(P):
+            a = cand.attr[ci, s]
+            for g in range(grp.n[s] if a >= 0 else 0):
+                if not near[s, g].any():
+                    continue
+                ro = where.roff[a] + grp.rank[s, g]
+                held = 0
+                for i in range(where.rstart[ro], where.rstart[ro + 1]):
+                    r = where.gorder[a, i]
+                    ps = where.pos[t, r]
+                    if where.live[r] and where.start[v] <= ps < where.end[v]:
+                        held += 1
+                        if near[s, g, rec.y[r]]:
+                            look[n_look] = r
+                            n_look += 1
+                whole = whole and held == grp.cnt[s, g].sum()
+        if not whole:
+            continue
+        lscore = _listed_scores(ci, nd.cnt[v], nt, cand, rule)
+        look = np.unique(look[:n_look])
+        fragile = np.zeros(look.shape[0], np.bool_)
+        for q in range(look.shape[0]):
+            r = look[q]
+            fragile[q] = _look_moves(-1, r, rec.y[r], v, ci, nd.key[v], grp, nd, rec, cand,
+                                     rule, lscore, sel, nt)
+        mine = look[fragile]
+        at = np.empty(mine.shape[0], np.int64)
+        for q in range(mine.shape[0]):
+            at[q] = where.pos[t, mine[q]]
+        mine = mine[np.argsort(at)]  # layout order, as the kernel's
+        while used + mine.shape[0] > out.shape[0]:
+            out = np.concatenate((out, np.empty(out.shape[0], np.int64)))
+        out[used:used + mine.shape[0]] = mine
+        used += mine.shape[0]
+        found[ci] = True
+        count[ci] = mine.shape[0]
+    return found, count, out[:used]
 
 
 @njit(cache=True)
@@ -785,7 +989,8 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits, ta
                 continue
         runs += 1
         if look:
-            out[j] = _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel)
+            out[j] = _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel,
+                                 nt)
         else:
             out[j] = _listed_moves(r, c, v, ci, nd, rec, cand, k, lscore)
         if memo:
@@ -798,13 +1003,12 @@ def _greedy_fragile(out, rows, v, ci, nd, rec, cand, rule, use_margin, rbits, ta
 
 
 @njit(cache=True)
-def _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel
+def _look_moves(j, r, c, v, ci, nk, grp, nd, rec, cand, rule, lscore, sel, nt
                 ):  # pragma: no cover - compiled
     """Whether deleting record r (the node's j-th, label c), which changes the listed
     pairs, moves greedy node v's split: the first k pairs of every slot after the deletion,
     scored (the earliest on equal scores wins, as the split search)."""
     C = nd.cnt.shape[1]
-    nt = grp.of.shape[1]
     bad, nsel = _select(j, r, c, ci, nk, grp, rec, cand, rule.k, sel)
     if bad:
         return True

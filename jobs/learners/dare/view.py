@@ -152,8 +152,7 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
     m = len(nodes)
     P = rule.n_sampled
     cid = nd.cid[nodes].astype(np.int64)
-    kept = _kept_lists(cid, cc.attr, cc.off, cc.length, cc.all_pairs, e.r1,
-                       rule.k + min(2, rule.buffer))
+    kept = keeps_lists(forest, nodes)
     search = np.flatnonzero(~kept)
     slot_attr = np.full((m, P), -1, dtype=np.int64)
     allp = np.zeros((m, P), dtype=bool)
@@ -192,6 +191,16 @@ def candidates(forest: DaREForest, nodes: np.ndarray, rows: np.ndarray,
         e_left = np.concatenate([e_left, c_left])
     return Candidates(ok=ok, split_attr=attr, split_r1=r1, attr=slot_attr, all_pairs=allp,
                       off=eoff, length=ln, e_r1=e_r1, e_r2=e_r2, e_left=e_left)
+
+
+def keeps_lists(forest: DaREForest, nodes: np.ndarray) -> np.ndarray:
+    """Per greedy node: whether :func:`candidates` hands out its cached lists as they are
+    (no split search, so no record read)."""
+    st = forest.state_
+    cc, rule = st.caches, st.rule
+    return _kept_lists(st.nodes.cid[np.asarray(nodes, dtype=np.int64)].astype(np.int64),
+                       cc.attr, cc.off, cc.length, cc.all_pairs, st.entries.r1,
+                       rule.k + min(2, rule.buffer))
 
 
 @njit(cache=True)
