@@ -421,8 +421,8 @@ def path_keys(st: ForestStructure, positions: np.ndarray) -> np.ndarray:
     """(tree, heap path) rows of every node on the paths of the records at `positions`."""
     want = np.zeros(len(st.y), dtype=bool)
     want[positions[(positions >= 0) & (positions < len(st.y))]] = True
-    owner = np.repeat(np.arange(len(st.kind)), np.diff(st.rec_off))  # the leaf of each
-    hit = np.unique(owner[want[st.rec]])
+    # their leaves: the node whose range of leaf records holds each of their entries
+    hit = np.unique(np.searchsorted(st.rec_off, np.flatnonzero(want[st.rec]), side="right") - 1)
     tree, path = st.tree[hit], st.path[hit]
     rows = []
     while len(path):
