@@ -479,11 +479,15 @@ def _far_from_ties(nodes, nts, nd, rec, cand, rule, tab):  # pragma: no cover - 
     out = np.zeros(nodes.shape[0], np.int64)
     for ci in prange(nodes.shape[0]):
         v = nodes[ci]
-        whole, grp = _table_groups(ci, v, nts[ci], nd, rec, cand, rule.k, tab)
-        if not whole:
+        tables = True
+        for s in range(cand.attr.shape[1]):
+            tables = tables and (cand.attr[ci, s] < 0 or tab.length[ci, s] > 0)
+        # the groups (a table of a big node's values: tens of MB) only where needed
+        if not tables or not _margin_holds(ci, v, nd, cand, rule.k, _listed_scores(
+                ci, nd.cnt[v], nts[ci], cand, rule)):
             continue
-        lscore = _listed_scores(ci, nd.cnt[v], nts[ci], cand, rule)
-        if _margin_holds(ci, v, nd, cand, rule.k, lscore):
+        whole, grp = _table_groups(ci, v, nts[ci], nd, rec, cand, rule.k, tab)
+        if whole:
             out[ci] = (_SOME_NEAR if _near(ci, nd.key[v], grp, rec, cand, rule.k).any()
                        else _NONE_NEAR)
     return out
