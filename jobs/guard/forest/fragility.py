@@ -35,8 +35,9 @@ def fragile_records(forest: DaREForest, nodes: np.ndarray | None = None, margin:
     first k pairs after its deletion: for tests). `tally` (if given) counts
     what it cost: ``visited`` (node, record) pairs read, ``settled_pairs`` told without
     reading every record (:func:`_settled`; ``looked_up_nodes`` of them by the records of
-    their near value groups), ``rule_runs`` of the greedy per-record rule on the records
-    read, ``kernel_cpu_s`` in the compiled kernel."""
+    their near value groups, with ``looked_up_fragile`` records fragile), ``rule_runs``
+    of the greedy per-record rule on the records read, ``kernel_cpu_s`` in the compiled
+    kernel."""
     v = dv.view(forest)
     if nodes is None:
         nodes = np.flatnonzero(v.used)
@@ -118,6 +119,7 @@ def _settled(forest: DaREForest, v: dv.ForestView, nodes: np.ndarray, forest_in:
         out[g] |= found
         if tally is not None:
             tally["looked_up_nodes"] = tally.get("looked_up_nodes", 0) + int(found.sum())
+            tally["looked_up_fragile"] = tally.get("looked_up_fragile", 0) + len(slots)
     return out, count, slots
 
 
@@ -461,10 +463,7 @@ def _table_groups(ci, v, nt, nd, rec, cand, k, tab):  # pragma: no cover - compi
                                 n):
             whole = False
             break
-        for q in range(cand.length[ci, s]):
-            E = cand.off[ci, s] + q
-            entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
-            prio[s, q] = _prio(nd.key[v], a, rec.vmix, rec.voff[a], cand.e_r1[E])
+        _list_entries(s, ci, nd.key[v], a, rec, cand, g_rank, n, entry, prio)
     return whole, _Groups(np.empty((P, 0), np.int64), np.zeros(P, np.bool_), n, g_rank,
                           g_cnt, entry, prio, np.empty(0, np.int64))
 
@@ -624,8 +623,7 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits, tab):  # pragma: no cove
         a = cand.attr[ci, s]
         if a < 0:
             continue
-        va = rec.voff[a]
-        nv = rec.voff[a + 1] - va
+        nv = rec.voff[a + 1] - rec.voff[a]
         if F < 0 and not _groups_of_table(s, tab.off[ci, s], tab.length[ci, s], tab, nt,
                                           g_rank, g_cnt, n):
             known[s] = True
@@ -636,11 +634,19 @@ def _value_groups(rows, ci, nk, rec, cand, C, k, rbits, tab):  # pragma: no cove
         if known[s]:
             _count_groups(s, every[s if F >= 0 else 0], nt, nv, lab, rbits, of, g_rank,
                           g_cnt, n)
-        for q in range(cand.length[ci, s]):
-            E = cand.off[ci, s] + q
-            entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
-            prio[s, q] = _prio(nk, a, rec.vmix, va, cand.e_r1[E])
+        _list_entries(s, ci, nk, a, rec, cand, g_rank, n, entry, prio)
     return _Groups(of, known, n, g_rank, g_cnt, entry, prio, lab)
+
+
+@njit(cache=True)
+def _list_entries(s, ci, nk, a, rec, cand, g_rank, n, entry, prio
+                  ):  # pragma: no cover - compiled
+    """Per listed entry q of slot s (attribute a): the group of its lower value
+    ``entry[s, q]`` and its priority ``prio[s, q]`` (:class:`_Groups`)."""
+    for q in range(cand.length[ci, s]):
+        E = cand.off[ci, s] + q
+        entry[s, q] = np.searchsorted(g_rank[s, :n[s]], cand.e_r1[E])
+        prio[s, q] = _prio(nk, a, rec.vmix, rec.voff[a], cand.e_r1[E])
 
 
 @njit(cache=True)
